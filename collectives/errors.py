@@ -1,0 +1,43 @@
+"""The exceptions of the communication layer.
+
+Every failure a user can meet has its own class and a message that says what to do. All derive from
+`CollectivesError`, so `except CollectivesError` catches everything this layer raises on purpose.
+"""
+
+from __future__ import annotations
+
+
+class CollectivesError(RuntimeError):
+    """Base class of every error raised on purpose by `collectives`."""
+
+
+class WireError(CollectivesError, ValueError):
+    """A message on the wire is malformed: bad header, unknown dtype, frame length mismatch, over a limit ...
+
+    The receiver drops the message (or answers with an error reply) and keeps working.
+    """
+
+
+class PeerTimeoutError(CollectivesError, TimeoutError):
+    """A peer did not answer within the timeout: names the op, its sequence number and the silent peer."""
+
+    def __init__(self, op: str, seq: int, peer: int, timeout: float, detail: str = "") -> None:
+        self.op, self.seq, self.peer, self.timeout = op, seq, peer, timeout
+        msg = (f"{op} #{seq}: rank {peer} did not answer within {timeout:g}s"
+               f"{' (' + detail + ')' if detail else ''}; is that process alive and in the same collective?")
+        super().__init__(msg)
+
+    def __reduce__(self):  # keep picklable across multiprocessing (launcher only; never on the wire)
+        return (PeerTimeoutError, (self.op, self.seq, self.peer, self.timeout))
+
+
+class CollectiveMismatchError(CollectivesError):
+    """Ranks called different collectives (or different shapes) at the same sequence number."""
+
+
+class RendezvousError(CollectivesError):
+    """The group could not be formed: missing environment variables, port in use, store unreachable."""
+
+
+class LaunchError(CollectivesError):
+    """A rank started by `collectives.launch` failed or the launch timed out; carries the rank's traceback."""

@@ -1,0 +1,59 @@
+"""Traffic accounting: bytes of tensor payload sent and received, per peer and per op.
+
+This is what lets a student check the textbook figure: ring all-reduce moves 2(N-1)/N x tensor bytes through each
+rank, independent of N, while gather-to-root + broadcast moves (N-1) x tensor bytes through the root.
+Only tensor payload is counted (headers are a few dozen bytes and are counted apart as `header_bytes`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+
+class TrafficCounter:
+    """Thread-safe counters: sent[peer][op], recv[peer][op] in bytes, and message counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with getattr(self, "_lock", threading.Lock()):
+            self._sent: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+            self._recv: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+            self._messages = 0
+            self._header_bytes = 0
+
+    def add_sent(self, peer: int, op: str, nbytes: int, header_bytes: int = 0) -> None:
+        with self._lock:
+            self._sent[peer][op] += nbytes
+            self._messages += 1
+            self._header_bytes += header_bytes
+
+    def add_recv(self, peer: int, op: str, nbytes: int) -> None:
+        with self._lock:
+            self._recv[peer][op] += nbytes
+
+    def snapshot(self) -> dict[str, Any]:
+        """{'sent': {peer: {op: bytes}}, 'recv': ..., 'sent_total', 'recv_total', 'by_op': {op: {'sent','recv'}}}."""
+        with self._lock:
+            sent = {p: dict(d) for p, d in self._sent.items()}
+            recv = {p: dict(d) for p, d in self._recv.items()}
+            by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "recv": 0})
+            for p, d in sent.items():
+                for op, b in d.items():
+                    by_op[op]["sent"] += b
+            for p, d in recv.items():
+                for op, b in d.items():
+                    by_op[op]["recv"] += b
+            return {
+                "sent": sent,
+                "recv": recv,
+                "sent_total": sum(sum(d.values()) for d in sent.values()),
+                "recv_total": sum(sum(d.values()) for d in recv.values()),
+                "by_op": dict(by_op),
+                "messages": self._messages,
+                "header_bytes": self._header_bytes,
+            }

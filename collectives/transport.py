@@ -1,0 +1,195 @@
+"""Peer-to-peer ZeroMQ transport: every rank binds one PULL socket and keeps one PUSH socket per peer.
+
+Rendezvous goes through a `torch.distributed` store (TCPStore): rank r publishes `addr/r` (its ipc and tcp
+endpoints and its host name); a sender connects over ipc:// when both ranks share a host, else over tcp://.
+
+Messages are `collectives.wire` messages. Each carries a routing key in its header meta `k` (a short list, e.g.
+[group, seq, step, segment]); the receiver files messages that arrive early under (sender, key) and hands them out
+when asked. Sends are zero-copy (`copy=False`): `send` returns a zmq MessageTracker that says when ZeroMQ is done
+with the buffer, and `flush()` waits for all of them, so a caller may reuse its buffers afterwards.
+
+Malformed messages (anything `wire.decode_header` rejects, or a sender outside the world) are dropped and counted
+in `dropped`; the rank keeps working. Every wait has a timeout that raises `PeerTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from . import wire
+from .errors import PeerTimeoutError, RendezvousError, WireError
+
+Key = tuple
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE encryption + authentication: `keys_dir` holds `pslab.key_secret` (this cluster's key pair, made by
+    `collectives.curve.generate_keys`) and the public `*.key` files of every client allowed to connect."""
+
+    keys_dir: str
+
+
+class Transport:
+    """Tagged point-to-point messaging between the `world_size` ranks of one job."""
+
+    def __init__(self, rank: int, world_size: int, store: Any, *, timeout: float = 60.0,
+                 bind_host: str = "127.0.0.1", use_ipc: bool = True, curve: CurveKeys | None = None,
+                 limits: wire.WireLimits = wire.DEFAULT_LIMITS) -> None:
+        self.rank, self.world_size, self.timeout, self.limits = rank, world_size, timeout, limits
+        self.store = store
+        self.ctx = zmq.Context(io_threads=1)
+        self.dropped = 0
+        self.last_drop_reason = ""
+        self._pending: dict[tuple[int, Key], tuple[dict, list]] = {}
+        self._push: dict[int, zmq.Socket] = {}
+        self._trackers: list[zmq.MessageTracker] = []
+        self._auth = None
+        self._curve = _load_curve(curve) if curve else None
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        if self._curve:
+            from zmq.auth.thread import ThreadAuthenticator
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.keys_dir)
+            pub, sec = self._curve
+            self.pull.curve_secretkey, self.pull.curve_publickey, self.pull.curve_server = sec, pub, True
+        self.ipc_dir = None
+        endpoints = []
+        if use_ipc and hasattr(zmq, "IPC_PATH_MAX_LEN"):
+            self.ipc_dir = tempfile.mkdtemp(prefix="pslab-")
+            ep = f"ipc://{self.ipc_dir}/r{rank}"
+            self.pull.bind(ep)
+            endpoints.append(ep)
+        try:
+            port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError as e:
+            raise RendezvousError(f"rank {rank}: cannot bind tcp://{bind_host}: {e}") from None
+        endpoints.append(f"tcp://{bind_host}:{port}")
+        self.endpoints = endpoints
+        self.host = socket.gethostname()
+        store.set(f"addr/{rank}", "|".join([self.host, *endpoints]))
+
+    # ---- sending ------------------------------------------------------------------------------------------------
+    def _peer_socket(self, dst: int) -> zmq.Socket:
+        sock = self._push.get(dst)
+        if sock is None:
+            if not 0 <= dst < self.world_size:
+                raise ValueError(f"peer rank {dst} is outside the world of {self.world_size} ranks")
+            try:
+                self.store.wait([f"addr/{dst}"])
+                host, *eps = self.store.get(f"addr/{dst}").decode().split("|")
+            except Exception as e:
+                raise RendezvousError(f"rank {self.rank}: no address published by rank {dst} ({e})") from None
+            ipc = [e for e in eps if e.startswith("ipc://")]
+            tcp = [e for e in eps if e.startswith("tcp://")]
+            ep = ipc[0] if ipc and host == self.host else tcp[0]
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if self._curve:
+                pub, sec = self._curve
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, pub
+            sock.connect(ep)
+            self._push[dst] = sock
+        return sock
+
+    def send(self, dst: int, op: str, key: Sequence[Any], tensors: Sequence[wire.Tensor] = (), seq: int = 0,
+             meta: dict | None = None) -> None:
+        """Queue a message for `dst`; returns at once. Buffers must stay untouched until `flush()`."""
+        m = {"k": list(key)}
+        if meta:
+            m.update(meta)
+        frames = wire.encode(op, tensors, seq=seq, src=self.rank, meta=m)
+        tracker = self._peer_socket(dst).send_multipart(frames, copy=False, track=True)
+        if tracker is not None and not tracker.done:
+            self._trackers.append(tracker)
+
+    def flush(self, op: str = "send", seq: int = 0, peer: int = -1) -> None:
+        """Wait until ZeroMQ no longer needs any buffer passed to `send`."""
+        deadline = time.monotonic() + self.timeout
+        for t in self._trackers:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone:
+                raise PeerTimeoutError(op, seq, peer, self.timeout, "send buffer still held by ZeroMQ") from None
+        self._trackers.clear()
+
+    # ---- receiving ----------------------------------------------------------------------------------------------
+    def recv(self, src: int, key: Sequence[Any], op: str, seq: int = 0, *,
+             check: Callable[[int, dict], None] | None = None) -> wire.Message:
+        """Block until the message from `src` with routing key `key` arrives; other arrivals are filed for later.
+
+        `check(sender, header)` is called on every arrival (to spot ranks that run a different collective)."""
+        want = (src, tuple(key))
+        hit = self._pending.pop(want, None)
+        if hit is not None:
+            return self._decode(*hit)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(op, seq, src, self.timeout)
+                continue
+            frames = self.pull.recv_multipart(copy=False)
+            try:
+                h = wire.decode_header(frames[0], self.limits)
+                k = h["meta"].get("k")
+                if not isinstance(k, list) or not 0 <= h["src"] < self.world_size:
+                    raise WireError(f"message without a routing key or from unknown rank {h['src']}")
+            except WireError as e:
+                self.dropped += 1
+                self.last_drop_reason = str(e)
+                continue
+            if check is not None:
+                check(h["src"], h)
+            got = (h["src"], tuple(k))
+            if got == want:
+                return self._decode(h, frames)
+            self._pending[got] = (h, frames)
+
+    def _decode(self, h: dict, frames: list) -> wire.Message:
+        return wire.decode(frames, self.limits, as_torch=True, header=h)
+
+    def close(self) -> None:
+        for s in self._push.values():
+            s.close(0)
+        self.pull.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+        if self.ipc_dir:
+            try:
+                for f in os.listdir(self.ipc_dir):
+                    os.unlink(os.path.join(self.ipc_dir, f))
+                os.rmdir(self.ipc_dir)
+            except OSError:
+                pass
+
+
+def _load_curve(curve: CurveKeys) -> tuple[bytes, bytes]:
+    import zmq.auth
+    path = os.path.join(curve.keys_dir, "pslab.key_secret")
+    if not os.path.exists(path):
+        raise RendezvousError(f"CURVE key file {path} not found; create one with "
+                              f"collectives.curve.generate_keys({curve.keys_dir!r})")
+    pub, sec = zmq.auth.load_certificate(path)
+    if sec is None:
+        raise RendezvousError(f"{path} holds no secret key")
+    return pub, sec
+
+
+def unique_prefix() -> str:
+    return uuid.uuid4().hex[:12]

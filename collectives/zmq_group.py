@@ -1,0 +1,283 @@
+"""`ZmqGroup`: the `zmq` backend — our collectives over `Transport`.
+
+Algorithms (see ring.py for the ring and its byte count):
+  all_reduce      ring reduce-scatter + all-gather, streamed in segments; tensors of at most `small_bytes` take a
+                  one-step direct exchange instead (each rank sends its whole tensor to every peer and sums the N
+                  contributions in rank order 0..N-1: 1 latency instead of 2(N-1), (N-1) x bytes instead of 2(N-1)/N)
+  reduce_scatter  ring reduce-scatter;  all_gather  ring all-gather
+  broadcast       streamed chain src -> src+1 -> ... for large tensors, direct sends for small ones
+  all_to_all      direct sends;  barrier  direct exchange of one byte
+Every message is keyed by (group id, sequence number, step, segment), so early arrivals wait in a mailbox and a rank
+that runs another collective at the same sequence number is reported by name (`CollectiveMismatchError`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import ring
+from .errors import CollectiveMismatchError
+from .group import ProcessGroup, check_op, chunk_bounds
+from .traffic import TrafficCounter
+from .transport import Transport
+from .wire import Tensor
+
+
+def as_flat(t: Tensor) -> tuple[torch.Tensor, Tensor | None]:
+    """A flat torch view of `t` sharing its memory, plus the original when a contiguous copy had to be made."""
+    if isinstance(t, np.ndarray):
+        if t.flags.c_contiguous and t.flags.writeable:
+            return torch.from_numpy(t).view(-1), None
+        return torch.from_numpy(np.ascontiguousarray(t)).view(-1).clone(), t
+    if t.device.type != "cpu":
+        raise ValueError(f"the zmq backend works on CPU tensors; got one on {t.device} (use backend='torch')")
+    if t.is_contiguous():
+        return t.detach().view(-1), None
+    return t.detach().contiguous().view(-1), t
+
+
+def write_back(flat: torch.Tensor, orig: Tensor | None) -> None:
+    if orig is None:
+        return
+    if isinstance(orig, np.ndarray):
+        orig[...] = flat.numpy().reshape(orig.shape)
+    else:
+        orig.detach().copy_(flat.view(orig.shape))
+
+
+class _Work:
+    def __init__(self, fn: Any) -> None:
+        self._fn, self._done, self._result = fn, False, None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._result, self._done = self._fn(), True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class ZmqGroup(ProcessGroup):
+    backend = "zmq"
+
+    def __init__(self, transport: Transport, ranks: Sequence[int], gid: str = "w", *,
+                 small_bytes: int = 32 << 10, segment_bytes: int = 256 << 10,
+                 traffic: TrafficCounter | None = None, owns_transport: bool = True) -> None:
+        self.tr = transport
+        self.ranks = tuple(ranks)
+        self.world_size = len(self.ranks)
+        self.rank = self.ranks.index(transport.rank)
+        self.gid = gid
+        self.timeout = transport.timeout
+        self.small_bytes, self.segment_bytes = small_bytes, segment_bytes
+        self.traffic_counter = traffic or TrafficCounter()
+        self._seq = 0
+        self._children = 0
+        self._p2p_sent: dict[tuple[int, int], int] = defaultdict(int)
+        self._p2p_recv: dict[tuple[int, int], int] = defaultdict(int)
+        self._owns = owns_transport
+        self._cur: tuple[str, int, int] = ("", -1, -1)  # (op, seq, numel) of the collective in progress
+
+    # ---- messaging with accounting -----------------------------------------------------------------------------
+    def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor) -> None:
+        g = self.ranks[dst]
+        self.tr.send(g, op, (self.gid, *key), [t], seq=self._cur[1], meta={"n": self._cur[2]})
+        self.traffic_counter.add_sent(g, op, t.numel() * t.element_size())
+
+    def _recv(self, src: int, op: str, key: tuple) -> torch.Tensor:
+        g = self.ranks[src]
+        msg = self.tr.recv(g, (self.gid, *key), op, self._cur[1], check=self._check)
+        t = next(iter(msg.tensors.values()))
+        self.traffic_counter.add_recv(g, op, t.numel() * t.element_size())
+        return t
+
+    def _check(self, sender: int, h: dict) -> None:
+        k = h["meta"]["k"]
+        op, seq, n = self._cur
+        if len(k) >= 2 and k[0] == self.gid and k[1] == seq and k[0] != "p2p":
+            if h["op"] != op or h["meta"].get("n", n) != n:
+                raise CollectiveMismatchError(
+                    f"collective #{seq} of group {self.gid}: rank {sender} called {h['op']}(numel="
+                    f"{h['meta'].get('n')}) while rank {self.tr.rank} called {op}(numel={n}); rank {sender} "
+                    f"diverged from this rank's program order")
+
+    def _begin(self, op: str, numel: int) -> int:
+        seq = self._seq
+        self._seq += 1
+        self._cur = (op, seq, numel)
+        return seq
+
+    def _ring(self, op: str, seq: int, buf: torch.Tensor, c0: int, combines: list[str]) -> None:
+        seg = max(1, self.segment_bytes // max(1, buf.element_size()))
+        ring.ring_pass(buf, self.rank, self.world_size, c0, combines, seg,
+                       lambda d, k, t: self._send(d, op, (seq, *k), t),
+                       lambda s, k: self._recv(s, op, (seq, *k)))
+        self.tr.flush(op, seq)
+
+    # ---- collectives -------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        check_op(op)
+        buf, orig = as_flat(tensor)
+        if op == "avg" and not buf.is_floating_point():
+            raise ValueError(f"op='avg' needs a floating-point tensor, got {buf.dtype}")
+        seq = self._begin("all_reduce", buf.numel())
+        n = self.world_size
+        if n > 1 and buf.numel() * buf.element_size() <= self.small_bytes:
+            self._direct_all_reduce("all_reduce", seq, buf, op)
+        else:
+            self._ring("all_reduce", seq, buf, self.rank, ring.all_reduce_steps(n, op))
+        if op == "avg" and n > 1:
+            buf.div_(n)
+        write_back(buf, orig)
+        return tensor
+
+    def _direct_all_reduce(self, name: str, seq: int, buf: torch.Tensor, op: str) -> None:
+        for d in range(self.world_size):
+            if d != self.rank:
+                self._send(d, name, (seq, "d"), buf)
+        parts = {s: self._recv(s, name, (seq, "d")) for s in range(self.world_size) if s != self.rank}
+        self.tr.flush(name, seq)
+        parts[self.rank] = buf.clone()
+        buf.copy_(parts[0])
+        for s in range(1, self.world_size):
+            ring.combine(buf, parts[s], op)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum") -> Tensor:
+        check_op(op)
+        src, _ = as_flat(input)
+        out, orig = as_flat(output)
+        a, b = chunk_bounds(src.numel(), self.world_size)[self.rank]
+        if out.numel() != b - a:
+            raise ValueError(f"reduce_scatter: output has {out.numel()} elements but rank {self.rank}'s chunk of "
+                             f"{src.numel()} is {b - a} (chunk_bounds rule)")
+        seq = self._begin("reduce_scatter", src.numel())
+        buf = src.clone()
+        self._ring("reduce_scatter", seq, buf, (self.rank - 1) % self.world_size, [op] * (self.world_size - 1))
+        out.copy_(buf[a:b])
+        if op == "avg":
+            out.div_(self.world_size)
+        write_back(out, orig)
+        return output
+
+    def all_gather(self, output: Tensor, input: Tensor) -> Tensor:
+        src, _ = as_flat(input)
+        out, orig = as_flat(output)
+        a, b = chunk_bounds(out.numel(), self.world_size)[self.rank]
+        if src.numel() != b - a:
+            raise ValueError(f"all_gather: input has {src.numel()} elements but rank {self.rank}'s chunk of the "
+                             f"{out.numel()}-element output is {b - a} (chunk_bounds rule)")
+        seq = self._begin("all_gather", out.numel())
+        out[a:b].copy_(src)
+        self._ring("all_gather", seq, out, self.rank, ["copy"] * (self.world_size - 1))
+        write_back(out, orig)
+        return output
+
+    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+        buf, orig = as_flat(tensor)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src {src} is not a rank of this {self.world_size}-rank group")
+        seq = self._begin("broadcast", buf.numel())
+        n, r = self.world_size, self.rank
+        if n == 1:
+            return tensor
+        if buf.numel() * buf.element_size() <= self.small_bytes:
+            if r == src:
+                for d in range(n):
+                    if d != r:
+                        self._send(d, "broadcast", (seq, "d"), buf)
+                self.tr.flush("broadcast", seq)
+            else:
+                buf.copy_(self._recv(src, "broadcast", (seq, "d")))
+        else:  # chain: position p = (r - src) mod n receives from p-1 and forwards to p+1
+            pos = (r - src) % n
+            seg = max(1, self.segment_bytes // buf.element_size())
+            nxt, prv = (r + 1) % n, (r - 1) % n
+            for j, (a, b) in enumerate(ring.segments(0, buf.numel(), seg)):
+                if pos > 0:
+                    buf[a:b].copy_(self._recv(prv, "broadcast", (seq, j)))
+                if pos < n - 1:
+                    self._send(nxt, "broadcast", (seq, j), buf[a:b])
+            self.tr.flush("broadcast", seq)
+        write_back(buf, orig)
+        return tensor
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> Tensor:
+        src, _ = as_flat(input)
+        out, orig = as_flat(output)
+        n = self.world_size
+        if src.numel() % n or out.numel() != src.numel():
+            raise ValueError(f"all_to_all needs input and output of equal size divisible by the group size {n}; "
+                             f"got {src.numel()} and {out.numel()}")
+        seq = self._begin("all_to_all", src.numel())
+        c = src.numel() // n
+        for d in range(n):
+            if d != self.rank:
+                self._send(d, "all_to_all", (seq, "d"), src[d * c:(d + 1) * c])
+        out[self.rank * c:(self.rank + 1) * c].copy_(src[self.rank * c:(self.rank + 1) * c])
+        for s in range(n):
+            if s != self.rank:
+                out[s * c:(s + 1) * c].copy_(self._recv(s, "all_to_all", (seq, "d")))
+        self.tr.flush("all_to_all", seq)
+        write_back(out, orig)
+        return output
+
+    def barrier(self) -> None:
+        seq = self._begin("barrier", 1)
+        if self.world_size > 1:
+            self._direct_all_reduce("barrier", seq, torch.zeros(1, dtype=torch.uint8), "max")
+
+    # ---- point to point ----------------------------------------------------------------------------------------
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Tensor:
+        return self.irecv(tensor, src, tag).wait()
+
+    def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> _Work:
+        buf, _ = as_flat(tensor)
+        count = self._p2p_sent[(dst, tag)]
+        self._p2p_sent[(dst, tag)] += 1
+        g = self.ranks[dst]
+        self.tr.send(g, "p2p", ("p2p", self.gid, tag, count), [buf])
+        self.traffic_counter.add_sent(g, "p2p", buf.numel() * buf.element_size())
+        return _Work(lambda: self.tr.flush("p2p", count, g))
+
+    def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> _Work:
+        buf, orig = as_flat(tensor)
+        count = self._p2p_recv[(src, tag)]
+        self._p2p_recv[(src, tag)] += 1
+        g = self.ranks[src]
+
+        def finish() -> Tensor:
+            t = next(iter(self.tr.recv(g, ("p2p", self.gid, tag, count), "recv", count).tensors.values()))
+            if t.numel() != buf.numel():
+                raise CollectiveMismatchError(f"recv from rank {g} (tag {tag}): expected {buf.numel()} elements, "
+                                              f"got {t.numel()}")
+            buf.copy_(t.view(-1).to(buf.dtype))
+            self.traffic_counter.add_recv(g, "p2p", t.numel() * t.element_size())
+            write_back(buf, orig)
+            return tensor
+        return _Work(finish)
+
+    # ---- groups ------------------------------------------------------------------------------------------------
+    def new_group(self, ranks: list[int] | tuple[int, ...]) -> ZmqGroup | None:
+        ranks = tuple(int(r) for r in ranks)
+        if len(set(ranks)) != len(ranks) or not set(ranks) <= set(self.ranks):
+            raise ValueError(f"new_group ranks {ranks} must be distinct members of this group {self.ranks}")
+        self._children += 1
+        gid = f"{self.gid}.{self._children}"
+        if self.tr.rank not in ranks:
+            return None
+        return ZmqGroup(self.tr, ranks, gid, small_bytes=self.small_bytes, segment_bytes=self.segment_bytes,
+                        traffic=TrafficCounter(), owns_transport=False)
+
+    def destroy(self) -> None:
+        if self._owns and self.tr is not None:
+            self.tr.close()
+            self.tr = None  # type: ignore[assignment]

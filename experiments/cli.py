@@ -1,0 +1,54 @@
+"""The `pslab` command. Each sub-command lives in `experiments/commands/<name>.py` and exposes
+`register(subparsers) -> None`, which adds its parser and sets `func=run(args) -> int` as the default.
+
+Errors that derive from a pslab error class become one clear line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command modules, in the order `pslab --help` lists them; a missing module is skipped (work in progress)
+COMMANDS = ("compare", "run", "sweep", "report", "server", "schedule", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pslab",
+        description="pslab: see the difference between synchronous and asynchronous distributed training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"experiments.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"experiments.commands.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("pslab: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line for errors we raise on purpose; tracebacks for bugs
+        from experiments.errors import is_user_error
+        if is_user_error(e):
+            print(f"pslab: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

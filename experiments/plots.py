@@ -1,0 +1,169 @@
+"""PNG plots of one or more runs (matplotlib, Agg backend: no display needed).
+
+Each run is the dict `RunDir.load()` returns. Colour = strategy, line style = condition (solid: no straggler,
+dashed: with straggler), so one figure can overlay both conditions. Training loss per update is noisy (each update
+is one worker's mini-batch), so curves show its running mean over a window of ~5 updates per worker. Runs made by the
+simulator are labelled "(simulated)" and their time axis is virtual seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+STRATEGY_ORDER = ["local", "allreduce", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp"]
+
+
+def run_label(run: dict[str, Any]) -> str:
+    s = run.get("summary") or {}
+    return s.get("label") or Path(run["path"]).name
+
+
+def _color(run: dict[str, Any], runs: list[dict[str, Any]]) -> Any:
+    strat = [r["config"]["train"]["strategy"] for r in runs]
+    uniq = list(dict.fromkeys(strat))
+    return plt.get_cmap("tab10")(uniq.index(run["config"]["train"]["strategy"]) % 10)
+
+
+def _style(run: dict[str, Any]) -> str:
+    return "--" if (run.get("summary") or {}).get("straggler") else "-"
+
+
+def _time_label(runs: list[dict[str, Any]]) -> str:
+    sim = [bool((r.get("summary") or {}).get("simulated")) for r in runs]
+    if all(sim):
+        return "virtual time (s, simulated)"
+    if any(sim):
+        return "time (s; wall-clock, or virtual for simulated runs)"
+    return "wall-clock time (s)"
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    if len(y) == 0 or window <= 1:
+        return y
+    window = min(window, len(y))
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    out = np.empty_like(y)
+    out[window - 1:] = (c[window:] - c[:-window]) / window
+    out[: window - 1] = c[1:window] / np.arange(1, window)
+    return out
+
+
+def _applied(run: dict[str, Any]) -> list[dict[str, Any]]:
+    ups = [u for u in run["updates"] if not u.get("dropped")]
+    return sorted(ups, key=lambda u: (u["time_s"], u["worker"], u["step"]))
+
+
+def _finish(fig: Any, ax: Any, path: Path, title: str, legend: bool = True) -> Path:
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_loss(runs: list[dict[str, Any]], out: Path, x: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        ups = _applied(r)
+        if not ups:
+            continue
+        workers = max(1, (r.get("summary") or {}).get("workers") or 1)
+        y = _smooth(np.array([u["loss"] for u in ups], float), 5 * workers)
+        xs = np.array([u["time_s"] for u in ups]) if x == "time" else np.arange(1, len(ups) + 1)
+        ax.plot(xs, y, _style(r), color=_color(r, runs), label=run_label(r), lw=1.4)
+    ax.set_xlabel(_time_label(runs) if x == "time" else "gradients applied (updates)")
+    ax.set_ylabel("training loss (cross-entropy, running mean)")
+    name = "loss_vs_time.png" if x == "time" else "loss_vs_updates.png"
+    return _finish(fig, ax, out / name, "Training loss vs " + ("time" if x == "time" else "updates"))
+
+
+def plot_accuracy(runs: list[dict[str, Any]], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        ev = r["evals"]
+        if ev:
+            ax.plot([e["time_s"] for e in ev], [100 * e["test_acc"] for e in ev], _style(r), marker=".",
+                    color=_color(r, runs), label=run_label(r), lw=1.4)
+    ax.set_xlabel(_time_label(runs))
+    ax.set_ylabel("test accuracy (%)")
+    return _finish(fig, ax, out / "test_accuracy.png", "Test accuracy vs time")
+
+
+def _bars(runs: list[dict[str, Any]], values: list[float], ylabel: str, title: str, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(runs) + 2), 4.5))
+    xs = np.arange(len(runs))
+    bars = ax.bar(xs, values, color=[_color(r, runs) for r in runs],
+                  hatch=None, edgecolor="black", linewidth=0.5)
+    for b, r in zip(bars, runs):
+        if _style(r) == "--":
+            b.set_hatch("//")
+    for x, v in zip(xs, values):
+        ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(xs, [run_label(r) for r in runs], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    return _finish(fig, ax, path, title + "  (hatched: with straggler)", legend=False)
+
+
+def plot_throughput(runs: list[dict[str, Any]], out: Path) -> Path:
+    v = [float((r.get("summary") or {}).get("updates_per_s") or 0.0) for r in runs]
+    unit = "virtual s" if all((r.get("summary") or {}).get("simulated") for r in runs) else "s"
+    return _bars(runs, v, f"throughput (gradients applied per {unit})", "Throughput", out / "throughput.png")
+
+
+def plot_wait(runs: list[dict[str, Any]], out: Path) -> Path:
+    v = []
+    for r in runs:
+        s = r.get("summary") or {}
+        v.append(float(s.get("wait_s_total") or 0.0) / max(1, s.get("workers") or 1))
+    return _bars(runs, v, "time waiting at the consistency gate per worker (s)", "Time waiting at the gate",
+                 out / "wait_time.png")
+
+
+def plot_bytes(runs: list[dict[str, Any]], out: Path) -> Path:
+    v = [float((r.get("summary") or {}).get("bytes_per_worker") or 0.0) / 1e6 for r in runs]
+    return _bars(runs, v, "bytes sent + received per worker (MB)", "Traffic per worker", out / "bytes_per_worker.png")
+
+
+def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
+    n = len(runs)
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, runs):
+        taus = np.array([u["staleness"] for u in r["updates"] if u.get("staleness") is not None], int)
+        if len(taus):
+            ax.hist(taus, bins=np.arange(taus.max() + 2) - 0.5, color=_color(r, runs), edgecolor="black", lw=0.4)
+            ax.axvline(taus.mean(), color="black", ls=":", lw=1, label=f"mean {taus.mean():.2f}")
+            ax.legend(fontsize=7)
+        ax.set_title(run_label(r), fontsize=9)
+        ax.set_xlabel("staleness τ (versions)", fontsize=8)
+        ax.set_ylabel("updates", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle("Staleness per update (τ = shard version when applied − version read)")
+    fig.tight_layout()
+    path = out / "staleness_hist.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    """Write every comparison plot into `out`; returns {plot name: path}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return {"loss_vs_time": plot_loss(runs, out, "time"), "loss_vs_updates": plot_loss(runs, out, "updates"),
+            "test_accuracy": plot_accuracy(runs, out), "throughput": plot_throughput(runs, out),
+            "staleness_hist": plot_staleness(runs, out), "wait_time": plot_wait(runs, out),
+            "bytes_per_worker": plot_bytes(runs, out)}

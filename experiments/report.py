@@ -1,0 +1,73 @@
+"""report.md: a summary table a teacher can put on a slide, the plots, and one line on what each plot shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from experiments.plots import plot_all, run_label
+
+EXPLAIN = {
+    "loss_vs_time": "Training loss against time. Asynchronous strategies do not wait for the slowest worker, so "
+                    "with a straggler their curve falls faster in time; synchronous ones (allreduce, ps-bsp) move "
+                    "at the pace of the slowest worker.",
+    "loss_vs_updates": "Training loss against the number of gradients applied. Here synchronous training is at "
+                       "its best: every update uses fresh parameters. Stale gradients (ASP, SSP) make each update "
+                       "count for a little less.",
+    "test_accuracy": "Test accuracy on held-out data, evaluated periodically during training.",
+    "throughput": "Gradients applied per second over the whole run. BSP's throughput is capped by the slowest "
+                  "worker; ASP's is not.",
+    "staleness_hist": "For each update, how many versions the shard had advanced between the worker's read and the "
+                      "update being applied. BSP: always 0. ASP with K equal workers: about K − 1. SSP(s): bounded.",
+    "wait_time": "Time each worker spent blocked at the consistency gate (BSP/SSP barrier or all-reduce wait) — the "
+                 "price of synchrony, paid mostly for the straggler.",
+    "bytes_per_worker": "Bytes each worker sent plus received. Ring all-reduce moves 2(N−1)/N × model size per step "
+                        "each way; a PS worker pushes one gradient and pulls one model per step.",
+}
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def summary_table(runs: list[dict[str, Any]]) -> str:
+    head = ("| run | workers | updates | time (s) | updates/s | final train loss | test acc (%) | "
+            "staleness mean / max | wait per worker (s) | MB per worker |")
+    rows = [head, "|" + "---|" * 10]
+    for r in runs:
+        s = r.get("summary") or {}
+        acc = s.get("final_test_acc")
+        w = max(1, s.get("workers") or 1)
+        time_s = _fmt(s.get("time_s")) + (" (virtual)" if s.get("simulated") else "")
+        rows.append(
+            f"| {run_label(r)} | {_fmt(s.get('workers'))} | {_fmt(s.get('updates'))} | {time_s} | "
+            f"{_fmt(s.get('updates_per_s'))} | {_fmt(s.get('final_train_loss'))} | "
+            f"{_fmt(100 * acc if acc is not None else None)} | "
+            f"{_fmt(s.get('staleness_mean'), 2)} / {_fmt(s.get('staleness_max'))} | "
+            f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} |")
+    return "\n".join(rows)
+
+
+def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comparison",
+                 intro: str = "") -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_all(runs, out)
+    lines = [f"# {title}", ""]
+    if intro:
+        lines += [intro, ""]
+    lines += ["## Summary", "", summary_table(runs), ""]
+    if any((r.get("summary") or {}).get("simulated") for r in runs):
+        lines += ["Runs marked *(virtual)* were simulated: time is virtual seconds from the compute and network "
+                  "model, gradients and PS logic are real.", ""]
+    lines += ["Runs:", ""] + [f"- `{run_label(r)}`: `{r['path']}`" for r in runs] + [""]
+    lines += ["## Plots", ""]
+    for name, path in plots.items():
+        lines += [f"### {name.replace('_', ' ')}", "", EXPLAIN.get(name, ""), "", f"![{name}]({path.name})", ""]
+    p = out / "report.md"
+    p.write_text("\n".join(lines))
+    return p

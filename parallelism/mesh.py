@@ -1,0 +1,107 @@
+"""A device mesh with named axes (dp, pp, tp) carved out of one world group.
+
+Global rank r has coordinates (dp, pp, tp) in row-major order with tp innermost:
+
+    r = (dp · P + pp) · T + tp        (D × P × T = world size)
+
+so the T ranks of a tensor-parallel group are adjacent (r, r+1, …) — the "TP inside a node" rule: TP talks every
+layer and needs the fastest link; PP only at stage boundaries; DP once per step, so it spans the outer axis.
+`MeshLayout` is the pure arithmetic; `DeviceMesh` adds the sub-groups (one `new_group` call per group, every rank
+calls all of them in the same order, as torch.distributed requires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collectives import ProcessGroup
+
+AXES = ("dp", "pp", "tp")
+
+
+class MeshError(ValueError):
+    """The mesh shape does not fit the world, or an unknown axis was asked for."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for ax in AXES:
+            if getattr(self, ax) < 1:
+                raise MeshError(f"mesh axis {ax} must be >= 1, got {getattr(self, ax)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return getattr(self, axis)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} outside a mesh of {self.world_size} ranks")
+        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """All groups along `axis`: ranks that differ only in that coordinate, in coordinate order."""
+        _check_axis(axis)
+        others = [ax for ax in AXES if ax != axis]
+        out = []
+        for fixed in product(*(range(self.size(ax)) for ax in others)):
+            c = dict(zip(others, fixed))
+            out.append(tuple(self.rank_of(**{**c, axis: i}) for i in range(self.size(axis))))
+        return out
+
+    def group_of(self, axis: str, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.groups(axis) if rank in g)
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise MeshError(f"unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
+
+
+class DeviceMesh:
+    """The layout plus this rank's sub-group on each axis. Build it on every rank of `world`."""
+
+    def __init__(self, world: ProcessGroup, dp: int = 1, pp: int = 1, tp: int = 1) -> None:
+        self.layout = MeshLayout(dp, pp, tp)
+        if self.layout.world_size != world.world_size:
+            raise MeshError(f"mesh dp={dp} x pp={pp} x tp={tp} = {self.layout.world_size} ranks, but the world group "
+                            f"has {world.world_size}; choose sizes whose product is the world size")
+        self.world = world
+        self.rank = world.rank
+        self.coords = self.layout.coords(world.rank)
+        self._groups: dict[str, ProcessGroup] = {}
+        for axis in AXES:
+            for ranks in self.layout.groups(axis):
+                members = tuple(world.ranks[r] for r in ranks)  # group ranks -> global ranks of the world
+                g = world if len(ranks) == world.world_size else world.new_group(list(members))
+                if world.rank in ranks:
+                    self._groups[axis] = g
+
+    def group(self, axis: str) -> ProcessGroup:
+        _check_axis(axis)
+        return self._groups[axis]
+
+    def size(self, axis: str) -> int:
+        return self.layout.size(axis)
+
+    def coord(self, axis: str) -> int:
+        _check_axis(axis)
+        return self.coords[axis]
+
+    def __repr__(self) -> str:
+        l = self.layout
+        return f"DeviceMesh(dp={l.dp}, pp={l.pp}, tp={l.tp}, rank={self.rank}, coords={self.coords})"

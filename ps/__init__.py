@@ -1,0 +1,83 @@
+"""pslab's sharded parameter server: ASP, BSP, SSP(s) and BSP with backup workers, with exact staleness tracking.
+
+Layers: `ShardState` is the sans-IO core (no sockets, no clock: callers pass `now`); `ps.server` wraps it in a
+ZeroMQ ROUTER loop, one process per shard; `ps.client` is the worker side (DEALER per shard, futures). The
+experiments' simulator wraps the very same `ShardState` in virtual time.
+
+Public API
+----------
+Core (sans-IO)::
+
+    st = ShardState(params, optimizer="sgd:lr=0.1", policy="ssp:3", num_workers=4)
+        # params: {name: np.ndarray | torch.Tensor}; a shard stores flat float tensors (copies)
+    st.may_read(worker, clock, now=None) -> bool        # consistency gate; remembers when a read first blocked
+    st.blocking_workers(clock) -> list[int]              # who a read at `clock` is waiting for
+    st.read(worker, clock, now=None) -> ReadResult       # .version, .clock, .params {name: torch.Tensor (copy)}
+    st.push(worker, clock, read_version, grads, now=None) -> PushResult
+        # .status "applied" | "buffered" (waits for the rest of its clock) | "dropped" (late backup gradient)
+        # .version (after), .staleness [(worker, tau), ...] for every update applied by this push
+    st.version, st.clocks, st.committed_clock, st.stats (StalenessStats: .summary(), .histogram(), .percentile(q),
+    .series, .waits), st.state_dict() / ShardState.from_state_dict(d)
+
+    Workers are 0..num_workers-1. A worker's clock c = number of pushes it has made; a push is stamped with the
+    worker's current clock, and a pull "at clock c" is the read before computing the clock-c gradient.
+
+Consistency policies (ps.consistency)::
+
+    policy_from_string("asp" | "bsp" | "ssp:3" | "ssp-eager:3" | "bsp-backup:1") -> Policy
+    ASP(), BSP(), SSP(s, eager=False), BackupBSP(backups=b)
+
+Optimizers (ps.optim), state lives on the shard::
+
+    OptimizerSpec(name="sgd"|"momentum"|"adam", lr=0.01, momentum=0.9, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.0, nesterov=False, staleness_lr=False, dc_lambda=0.0, dc_adaptive=False,
+                  dc_decay=0.95)
+    optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec
+
+Partitioning (ps.partition), a pure function of (names, shapes, num_shards)::
+
+    make_partition({name: shape_or_tensor}, num_shards, max_piece_bytes=None) -> Partition
+    Partition.slices (list[Slice(name, key, shard, start, stop, shape)]), .keys_of(shard), .bytes_per_shard()
+
+Server and client::
+
+    servers = start_servers(num_shards=2, num_workers=4, policy="asp", optimizer="sgd:lr=0.1",
+                            checkpoint_dir=None, checkpoint_every=0)       # spawned processes; .addresses, .stop()
+    serve(ServerConfig(...))                                              # blocking loop (`pslab server ...`)
+    client = connect(servers.addresses, worker=0, params=model_state)     # params: {name: tensor or shape}
+    client.init(model_state).result()       # exactly one owner initialises; the others' pulls wait for it
+    fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clock)]
+    fut = client.push(grads)                # Future[list[PushAck]]; stamps the current clock and advances it
+    client.stats() / client.checkpoint() / client.shutdown_servers() / client.close()
+
+Errors: every error raised on purpose derives from `ps.errors.PSError`.
+"""
+
+from __future__ import annotations
+
+from .errors import PSError
+
+__all__ = [
+    "PSError", "ShardState", "ReadResult", "PushResult", "Policy", "ASP", "BSP", "SSP", "BackupBSP",
+    "policy_from_string", "OptimizerSpec", "optimizer_from_string", "Partition", "Slice", "make_partition",
+    "StalenessStats", "ServerConfig", "serve", "start_servers", "PSClient", "connect",
+]
+
+_LAZY = {
+    "ShardState": "shard", "ReadResult": "shard", "PushResult": "shard",
+    "Policy": "consistency", "ASP": "consistency", "BSP": "consistency", "SSP": "consistency",
+    "BackupBSP": "consistency", "policy_from_string": "consistency",
+    "OptimizerSpec": "optim", "optimizer_from_string": "optim",
+    "Partition": "partition", "Slice": "partition", "make_partition": "partition",
+    "StalenessStats": "staleness",
+    "ServerConfig": "server", "serve": "server", "start_servers": "server",
+    "PSClient": "client", "connect": "client",
+}
+
+
+def __getattr__(name: str):  # lazy: `import ps` stays light and the server/client pull in zmq only when used
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ps' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f".{mod}", __name__), name)

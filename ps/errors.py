@@ -1,0 +1,71 @@
+"""The exceptions of the parameter server.
+
+Every failure a user can meet has its own class and a message that says what to do. All derive from `PSError`, so
+`except PSError` catches everything this package raises on purpose (the `pslab` CLI prints them as one line).
+On the wire, an error reply carries the class name (`kind`) and the message; the client re-raises the same class.
+"""
+
+from __future__ import annotations
+
+
+class PSError(RuntimeError):
+    """Base class of every error raised on purpose by `ps`."""
+
+
+class ConfigError(PSError, ValueError):
+    """A policy string, optimizer option, partition or server setting is invalid; the message lists valid values."""
+
+
+class ProtocolError(PSError, ValueError):
+    """A request is malformed or not allowed now: unknown op, missing field, unregistered worker ..."""
+
+
+class UnknownKeyError(ProtocolError, KeyError):
+    """A push or init names a parameter this shard does not own."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeError(ProtocolError):
+    """A pushed tensor has the wrong shape or dtype for its parameter."""
+
+
+class DuplicateRequestError(ProtocolError):
+    """A request id (seq) was not larger than the previous accepted one from the same connection."""
+
+
+class ClockError(ProtocolError):
+    """A push or pull carries a clock that does not match the worker's clock on the shard."""
+
+
+class NotInitializedError(ProtocolError):
+    """A push arrived before the parameters were initialised (the owner must call `init` first)."""
+
+
+class GateTimeoutError(PSError, TimeoutError):
+    """A pull waited on the consistency gate longer than the server's request timeout (a worker is stuck or dead)."""
+
+
+class RequestTimeoutError(PSError, TimeoutError):
+    """A shard did not answer a client request in time: is the server process alive and reachable?"""
+
+
+class CheckpointError(PSError):
+    """A checkpoint is missing, corrupt (bad magic, truncated, checksum mismatch) or does not match this shard."""
+
+
+class RemoteError(PSError):
+    """A server answered with an error class the client does not know; carries the remote kind and message."""
+
+
+ERROR_CLASSES: dict[str, type[PSError]] = {c.__name__: c for c in (
+    PSError, ConfigError, ProtocolError, UnknownKeyError, ShapeError, DuplicateRequestError, ClockError,
+    NotInitializedError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
+
+
+def error_from_reply(kind: str, message: str, shard: int | None = None) -> PSError:
+    """Rebuild the exception a server reported (unknown kinds become `RemoteError`)."""
+    cls = ERROR_CLASSES.get(kind, RemoteError)
+    where = f"shard {shard}: " if shard is not None else ""
+    return cls(f"{where}{message}")

@@ -1,0 +1,230 @@
+"""Server-side optimizers: SGD, momentum, Adam (torch.optim's own update rules), staleness-aware learning rate and
+delay-compensated ASGD. The optimizer state lives on the shard that owns the parameters.
+
+One optimizer step consumes a list of contributions (gradient g_k computed on version v_k, staleness tau_k, and the
+weights w_bak,k the worker read). Under ASP / eager SSP a step has one contribution; under BSP / SSP it has the K of
+one clock, averaged: g = (1/K) sum_k g~_k, so BSP equals local training on the concatenated K*b batch.
+
+Staleness-aware learning rate (Zhang et al., IJCAI 2016): alpha = alpha0 / <tau> if <tau> > 0 else alpha0, with <tau>
+the mean staleness of the step's contributions (one contribution: its own tau).
+
+Delay compensation (DC-ASGD, Zheng et al., ICML 2017), applied to each gradient before the base optimizer:
+
+    g~ = g + lambda * g (.) g (.) (w_now - w_bak)                      constant lambda
+    lambda_t = lambda0 / sqrt(MS_t + eps),  MS_t = m MS_{t-1} + (1-m) g (.) g     adaptive, elementwise
+
+With tau = 0 the staleness-aware rate is alpha0, and with lambda = 0 the compensated gradient is g, so both reduce
+exactly to the plain update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What optimizer the shards run. `dc_lambda=None` disables DC-ASGD (0.0 runs its code path with lambda = 0)."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    staleness_lr: bool = False
+    dc_lambda: float | None = None
+    dc_adaptive: bool = False
+    dc_decay: float = 0.95
+    dc_eps: float = 1e-7
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.name!r}; expected one of {', '.join(OPTIMIZERS)}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ConfigError(f"learning rate must be > 0, got {self.lr!r}")
+        if self.dc_lambda is not None and self.dc_lambda < 0:
+            raise ConfigError(f"DC-ASGD lambda must be >= 0, got {self.dc_lambda!r}")
+        if not 0 <= self.dc_decay < 1:
+            raise ConfigError(f"DC-ASGD mean-square decay must be in [0, 1), got {self.dc_decay!r}")
+
+    @property
+    def delay_compensated(self) -> bool:
+        return self.dc_lambda is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OptimizerSpec":
+        known = {f.name for f in fields(cls)}
+        bad = set(d) - known
+        if bad:
+            raise ConfigError(f"unknown optimizer option(s) {sorted(bad)}; known: {sorted(known)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(float(b) for b in d["betas"])
+        return cls(**d)
+
+
+def optimizer_from_string(text: str | OptimizerSpec) -> OptimizerSpec:
+    """Parse "sgd:lr=0.1", "momentum:lr=0.1,momentum=0.9", "adam:lr=1e-3,betas=0.9/0.999,dc_lambda=0.04"."""
+    if isinstance(text, OptimizerSpec):
+        return text
+    name, _, rest = str(text).strip().partition(":")
+    kw: dict[str, Any] = {"name": name.lower()}
+    types = {f.name: f.type for f in fields(OptimizerSpec)}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or key not in types or key == "name":
+            raise ConfigError(f"bad optimizer option {item!r} in {text!r}; write key=value with key one of "
+                              f"{sorted(k for k in types if k != 'name')}")
+        try:
+            if key == "betas":
+                kw[key] = tuple(float(x) for x in val.split("/"))
+            elif key in ("nesterov", "staleness_lr", "dc_adaptive"):
+                kw[key] = val.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                kw[key] = float(val)
+        except ValueError:
+            raise ConfigError(f"optimizer option {key!r} needs a number, got {val!r}") from None
+    return OptimizerSpec(**kw)
+
+
+@dataclass
+class Contribution:
+    """One worker's gradient for one step: grads {key: array}, its staleness, and (DC only) the weights it read."""
+
+    grads: Mapping[str, Any]
+    tau: int = 0
+    backup: Mapping[str, torch.Tensor] | None = None
+
+
+def _np(t: Any) -> np.ndarray:
+    return t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+class ServerOptimizer:
+    """Runs `spec` over a shard's flat parameter tensors (updated in place)."""
+
+    def __init__(self, spec: OptimizerSpec, params: Mapping[str, torch.Tensor]) -> None:
+        self.spec = spec
+        self.keys = list(params)
+        self.params = dict(params)
+        plist = [self.params[k] for k in self.keys]
+        if spec.name == "adam":
+            self.torch_opt: torch.optim.Optimizer = torch.optim.Adam(
+                plist, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False)
+        else:
+            momentum = spec.momentum if spec.name == "momentum" else 0.0
+            self.torch_opt = torch.optim.SGD(plist, lr=spec.lr, momentum=momentum, weight_decay=spec.weight_decay,
+                                             nesterov=spec.nesterov and momentum > 0, foreach=False)
+        self._gbuf = {k: torch.empty_like(p) for k, p in self.params.items()}
+        self._tmp = {k: torch.empty_like(p) for k, p in self.params.items()} if spec.delay_compensated else {}
+        self.mean_square = ({k: torch.zeros_like(p) for k, p in self.params.items()}
+                            if spec.delay_compensated and spec.dc_adaptive else {})
+        self.steps = 0
+
+    def learning_rate(self, taus: Sequence[int]) -> float:
+        """alpha0, or alpha0 / mean(tau) under the staleness-aware rule when the mean staleness is > 0."""
+        if self.spec.staleness_lr and taus:
+            mean_tau = sum(taus) / len(taus)
+            if mean_tau > 0:
+                return self.spec.lr / mean_tau
+        return self.spec.lr
+
+    def step(self, contributions: Sequence[Contribution]) -> float:
+        """Average the (compensated) gradients and apply one step; returns the learning rate used."""
+        if not contributions:
+            raise ValueError("an optimizer step needs at least one contribution")
+        n = len(contributions)
+        for k in self.keys:
+            g = self._gbuf[k]
+            for i, c in enumerate(contributions):
+                if i == 0:
+                    g.numpy()[...] = _np(c.grads[k])
+                    if self.spec.delay_compensated:
+                        self._compensate(k, g, c)
+                else:
+                    t = self._tmp.get(k)
+                    if t is None:
+                        t = self._tmp[k] = torch.empty_like(g)
+                    t.numpy()[...] = _np(c.grads[k])
+                    if self.spec.delay_compensated:
+                        self._compensate(k, t, c)
+                    g.add_(t)
+            if n > 1:
+                g.div_(n)
+            self.params[k].grad = g
+        lr = self.learning_rate([c.tau for c in contributions])
+        for group in self.torch_opt.param_groups:
+            group["lr"] = lr
+        self.torch_opt.step()
+        self.steps += 1
+        return lr
+
+    def _compensate(self, k: str, g: torch.Tensor, c: Contribution) -> None:
+        """g <- g + lambda (.) g (.) g (.) (w_now - w_bak), in place."""
+        if c.backup is None:
+            raise ValueError("DC-ASGD needs the weights the worker read (backup); the shard did not keep them")
+        w = self.params[k]
+        lam: float | torch.Tensor = float(self.spec.dc_lambda or 0.0)
+        if self.spec.dc_adaptive:
+            ms = self.mean_square[k]
+            ms.mul_(self.spec.dc_decay).addcmul_(g, g, value=1.0 - self.spec.dc_decay)
+            lam = lam / (ms + self.spec.dc_eps).sqrt()
+        g.add_(lam * g * g * (w - c.backup[k]))
+
+    # --- persistence ---
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Optimizer state as named tensors plus a small msgpack-able dict (step counts, spec)."""
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for k in self.keys:
+            for sname, v in self.torch_opt.state.get(self.params[k], {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{k}\x00{sname}"] = v.detach().reshape(-1) if v.dim() else v.detach().reshape(1)
+                    scalars[f"{k}\x00{sname}"] = {"shape": list(v.shape)}
+                else:
+                    scalars[f"{k}\x00{sname}"] = {"value": v}
+            if k in self.mean_square:
+                tensors[f"{k}\x00dc_mean_square"] = self.mean_square[k]
+        return tensors, {"state": scalars, "steps": self.steps, "spec": self.spec.to_dict()}
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        sd = self.torch_opt.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for i, k in enumerate(self.keys):
+            for full, info in meta.get("state", {}).items():
+                key, _, sname = full.partition("\x00")
+                if key != k:
+                    continue
+                if "value" in info:
+                    state.setdefault(i, {})[sname] = info["value"]
+                else:
+                    state.setdefault(i, {})[sname] = torch.as_tensor(tensors[full]).reshape(info["shape"]).clone()
+            if k in self.mean_square:
+                self.mean_square[k].copy_(torch.as_tensor(tensors[f"{k}\x00dc_mean_square"]))
+        sd["state"] = state
+        self.torch_opt.load_state_dict(sd)
+        self.steps = int(meta.get("steps", 0))
+
+
+def build_optimizer(spec: OptimizerSpec | str, params: Mapping[str, torch.Tensor]) -> ServerOptimizer:
+    return ServerOptimizer(optimizer_from_string(spec), params)
+
+
+__all__ = ["OptimizerSpec", "optimizer_from_string", "Contribution", "ServerOptimizer", "build_optimizer",
+           "OPTIMIZERS", "replace"]

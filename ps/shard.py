@@ -1,0 +1,252 @@
+"""The sans-IO shard: named flat parameters, their optimizer state, a version counter, every worker's clock, the
+consistency gate and the staleness statistics. No sockets and no clock of its own: the ZeroMQ server loop and the
+experiments' discrete-event simulator both drive this object and pass `now` when they want time series.
+
+Driving it:
+    if st.may_read(w, c, now):  r = st.read(w, c, now)      # else park the request, retry after every push
+    res = st.push(w, c, r.version, grads, now)               # then retry parked reads
+
+Versions. Each optimizer step bumps `version` by one: one per push under ASP / eager SSP, one per clock under BSP /
+SSP / backup-BSP. Staleness of an update: tau = version (before the step) - version the gradient was read at.
+Read guarantee (SSP(s)): a read at clock c is allowed only when min_w clock_w >= c - s, and then contains every
+update stamped <= c - s - 1 (aggregate mode: version == number of complete clocks >= c - s).
+A push is validated completely before anything changes: all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .consistency import Policy, policy_from_string
+from .errors import ClockError, ConfigError, ProtocolError, ShapeError, UnknownKeyError
+from .optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
+from .staleness import StalenessStats
+
+
+@dataclass
+class ReadResult:
+    version: int
+    clock: int                                  # the worker's clock after the read (backup-BSP may move it up)
+    params: dict[str, torch.Tensor]             # copies, flat or in the shape given at construction
+    committed_clock: int = 0
+
+
+@dataclass
+class PushResult:
+    status: str                                 # "applied" | "buffered" | "dropped"
+    version: int                                # shard version after this push
+    clock: int                                  # the worker's clock after this push
+    staleness: list[tuple[int, int]] = field(default_factory=list)   # (worker, tau) of updates applied now
+
+
+def _as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu").clone().contiguous()
+    return torch.from_numpy(np.array(v, copy=True, order="C"))
+
+
+def _dtype_name(v: Any) -> str:
+    return str(v.dtype).replace("torch.", "")
+
+
+class ShardState:
+    """One shard's parameters, optimizer state, versions, clocks, consistency gate and staleness stats."""
+
+    def __init__(self, params: Mapping[str, Any], optimizer: OptimizerSpec | str = "sgd",
+                 policy: Policy | str = "asp", num_workers: int = 1, *, shard_id: int = 0,
+                 initial_version: int = 0) -> None:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+        self.policy = policy_from_string(policy)
+        if self.policy.backups >= num_workers:
+            raise ConfigError(f"{self.policy} needs more workers than backups: got {num_workers} workers")
+        if not params:
+            raise ConfigError("a shard needs at least one parameter")
+        self.spec = optimizer_from_string(optimizer)
+        self.num_workers = num_workers
+        self.shard_id = shard_id
+        self.params: dict[str, torch.Tensor] = {}
+        for k, v in params.items():
+            t = _as_tensor(v)
+            if not t.is_floating_point():
+                raise ConfigError(f"parameter {k!r} has dtype {t.dtype}; the optimizers need floating point")
+            self.params[str(k)] = t
+        self.shapes = {k: tuple(t.shape) for k, t in self.params.items()}
+        self.optimizer = ServerOptimizer(self.spec, self.params)
+        self.version = int(initial_version)
+        self.clocks = [0] * num_workers
+        self._committed = 0
+        self.pending: dict[int, dict[int, tuple[dict[str, torch.Tensor], int, Any]]] = {}  # clock -> w -> (g, v_read, bak)
+        self.backups: dict[int, dict[str, torch.Tensor]] = {}
+        self._blocked_since: dict[tuple[int, int], float | None] = {}
+        self.stats = StalenessStats(num_workers)
+        self.reads = 0
+        self.pushes = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def keys(self) -> list[str]:
+        return list(self.params)
+
+    @property
+    def committed_clock(self) -> int:
+        """Clocks whose updates are all applied (aggregate modes); min worker clock otherwise."""
+        return self._committed if self.policy.aggregate else min(self.clocks)
+
+    def _check_worker(self, worker: Any) -> int:
+        if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.num_workers:
+            raise ProtocolError(f"worker id {worker!r} is not registered: this shard serves workers "
+                                f"0..{self.num_workers - 1}")
+        return worker
+
+    def _check_clock(self, worker: int, clock: Any, what: str) -> int:
+        if not isinstance(clock, int) or isinstance(clock, bool) or clock != self.clocks[worker]:
+            raise ClockError(f"{what} from worker {worker} is stamped clock {clock!r} but the worker is at clock "
+                             f"{self.clocks[worker]} on shard {self.shard_id}; pushes must advance one clock at a time")
+        return clock
+
+    def may_read(self, worker: int, clock: int, now: float | None = None) -> bool:
+        """Whether worker's read at `clock` may proceed now; a refusal remembers `now` to measure the wait."""
+        self._check_clock(self._check_worker(worker), clock, "read")
+        ok = self.policy.may_read(clock, self.clocks, self._committed)
+        if not ok:
+            self._blocked_since.setdefault((worker, clock), now)
+        return ok
+
+    def blocking_workers(self, clock: int) -> list[int]:
+        """Workers whose progress a read at `clock` is waiting for (empty if it may proceed)."""
+        if self.policy.may_read(clock, self.clocks, self._committed):
+            return []
+        bound = self.policy.bound() or 0
+        if self.policy.backups:
+            return [w for w, c in enumerate(self.clocks) if c <= self._committed]
+        return [w for w, c in enumerate(self.clocks) if c < clock - bound]
+
+    # ------------------------------------------------------------------ read
+    def read(self, worker: int, clock: int, now: float | None = None, *, copy: bool = True) -> ReadResult:
+        """Answer a pull (call only when `may_read` is True); records the gate wait of this read."""
+        if not self.may_read(worker, clock, now):
+            raise ProtocolError(f"worker {worker}'s read at clock {clock} is not allowed yet under {self.policy}; "
+                                f"waiting for workers {self.blocking_workers(clock)} (check may_read first)")
+        t0 = self._blocked_since.pop((worker, clock), "never")
+        waited = 0.0 if t0 == "never" or t0 is None or now is None else max(0.0, now - t0)
+        self.stats.record_wait(worker, waited)
+        if self.policy.backups and self.clocks[worker] < self._committed:
+            self.clocks[worker] = self._committed          # a straggler joins the current clock
+        if self.spec.delay_compensated:
+            self.backups[worker] = {k: p.clone() for k, p in self.params.items()}
+        out = {k: (p.clone() if copy else p) for k, p in self.params.items()}
+        self.reads += 1
+        return ReadResult(self.version, self.clocks[worker], out, self.committed_clock)
+
+    # ------------------------------------------------------------------ push
+    def validate_push(self, worker: int, clock: int, read_version: int, grads: Mapping[str, Any]) -> None:
+        """Raise a ProtocolError subclass if the push is not acceptable; changes nothing."""
+        self._check_clock(self._check_worker(worker), clock, "push")
+        if not isinstance(read_version, int) or isinstance(read_version, bool) or not 0 <= read_version <= self.version:
+            raise ProtocolError(f"push from worker {worker} claims read version {read_version!r}, but shard "
+                                f"{self.shard_id} is at version {self.version}")
+        unknown = [k for k in grads if k not in self.params]
+        if unknown:
+            raise UnknownKeyError(f"shard {self.shard_id} does not own parameter(s) {sorted(unknown)[:5]}; "
+                                  f"it owns {sorted(self.params)[:8]}")
+        missing = [k for k in self.params if k not in grads]
+        if missing:
+            raise ProtocolError(f"push must carry a gradient for every parameter of shard {self.shard_id}; "
+                                f"missing {sorted(missing)[:5]}")
+        for k, g in grads.items():
+            p = self.params[k]
+            if tuple(g.shape) not in (self.shapes[k], (p.numel(),)):
+                raise ShapeError(f"gradient {k!r} has shape {tuple(g.shape)}, expected {self.shapes[k]}")
+            if _dtype_name(g) != _dtype_name(p):
+                raise ShapeError(f"gradient {k!r} has dtype {_dtype_name(g)}, expected {_dtype_name(p)}")
+
+    def push(self, worker: int, clock: int, read_version: int, grads: Mapping[str, Any],
+             now: float | None = None) -> PushResult:
+        """Apply (or buffer, or drop) one worker's gradients for `clock`, computed on `read_version`."""
+        self.validate_push(worker, clock, read_version, grads)
+        self.pushes += 1
+        backup = self.backups.get(worker)
+        if not self.policy.aggregate:
+            tau = self.version - read_version
+            self.optimizer.step([Contribution(grads, tau, backup)])
+            self.stats.record(worker, tau, self.version, now)
+            self.version += 1
+            self.clocks[worker] += 1
+            return PushResult("applied", self.version, self.clocks[worker], [(worker, tau)])
+        self.clocks[worker] += 1
+        if clock < self._committed:                      # backup-BSP: this clock was completed without it
+            self.stats.record_drop(worker)
+            return PushResult("dropped", self.version, self.clocks[worker])
+        grads_copy = {k: _as_tensor(g).reshape(self.shapes[k]) for k, g in grads.items()}
+        self.pending.setdefault(clock, {})[worker] = (grads_copy, read_version, backup)
+        applied = self._commit_ready(now)
+        return PushResult("applied" if applied else "buffered", self.version, self.clocks[worker], applied)
+
+    def _commit_ready(self, now: float | None) -> list[tuple[int, int]]:
+        needed = self.num_workers - self.policy.backups
+        applied: list[tuple[int, int]] = []
+        while len(self.pending.get(self._committed, ())) >= needed:
+            contribs = self.pending.pop(self._committed)
+            chosen = list(contribs.items())[:needed]     # arrival order: the first N
+            steps = []
+            for w, (g, read_version, backup) in chosen:
+                tau = self.version - read_version
+                steps.append(Contribution(g, tau, backup))
+                applied.append((w, tau))
+            self.optimizer.step(steps)
+            for w, tau in applied[-len(chosen):]:
+                self.stats.record(w, tau, self.version, now)
+            self.version += 1
+            self._committed += 1
+        return applied
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(named tensors, msgpack-able metadata) holding everything needed to resume exactly."""
+        tensors: dict[str, torch.Tensor] = {f"param\x00{k}": p for k, p in self.params.items()}
+        opt_t, opt_meta = self.optimizer.state_tensors()
+        tensors.update({f"opt\x00{k}": v for k, v in opt_t.items()})
+        pending_meta = []
+        for clock, contribs in self.pending.items():
+            for w, (grads, read_version, _) in contribs.items():
+                pending_meta.append([clock, w, read_version])
+                tensors.update({f"pend\x00{clock}\x00{w}\x00{k}": g for k, g in grads.items()})
+        for w, b in self.backups.items():
+            tensors.update({f"bak\x00{w}\x00{k}": t for k, t in b.items()})
+        meta = {"version": self.version, "clocks": list(self.clocks), "committed": self._committed,
+                "policy": str(self.policy), "num_workers": self.num_workers, "shard_id": self.shard_id,
+                "shapes": {k: list(s) for k, s in self.shapes.items()}, "optimizer": opt_meta,
+                "pending": pending_meta, "backups": sorted(self.backups), "stats": self.stats.state(),
+                "reads": self.reads, "pushes": self.pushes}
+        return tensors, meta
+
+    @classmethod
+    def from_state_dict(cls, tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> "ShardState":
+        params = {k: torch.as_tensor(tensors[f"param\x00{k}"]).reshape(s) for k, s in meta["shapes"].items()}
+        st = cls(params, OptimizerSpec.from_dict(meta["optimizer"]["spec"]), meta["policy"], meta["num_workers"],
+                 shard_id=meta["shard_id"], initial_version=meta["version"])
+        opt_t = {k[4:]: v for k, v in tensors.items() if k.startswith("opt\x00")}
+        st.optimizer.load_state_tensors(opt_t, meta["optimizer"])
+        st.clocks = [int(c) for c in meta["clocks"]]
+        st._committed = int(meta["committed"])
+        for w in meta["backups"]:
+            st.backups[int(w)] = {k: _as_tensor(tensors[f"bak\x00{w}\x00{k}"]) for k in params}
+        for clock, w, rv in meta["pending"]:
+            grads = {k: _as_tensor(tensors[f"pend\x00{clock}\x00{w}\x00{k}"]).reshape(st.shapes[k]) for k in params}
+            st.pending.setdefault(int(clock), {})[int(w)] = (grads, int(rv), st.backups.get(int(w)))
+        st.stats = StalenessStats.from_state(st.num_workers, meta["stats"])
+        st.reads, st.pushes = int(meta.get("reads", 0)), int(meta.get("pushes", 0))
+        return st
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def __repr__(self) -> str:
+        return (f"ShardState(shard={self.shard_id}, keys={len(self.params)}, bytes={self.param_bytes()}, "
+                f"policy={self.policy}, version={self.version}, clocks={self.clocks})")
+
