@@ -50,7 +50,8 @@ class Transport:
         self.ctx = zmq.Context(io_threads=1)
         self.dropped = 0
         self.last_drop_reason = ""
-        self._pending: dict[tuple[int, Key], tuple[dict, list]] = {}
+        self._pending: dict[tuple[int, Key], wire.Message] = {}
+        self.max_pending = 1 << 16
         self._push: dict[int, zmq.Socket] = {}
         self._trackers: list[zmq.MessageTracker] = []
         self._auth = None
@@ -135,7 +136,7 @@ class Transport:
         want = (src, tuple(key))
         hit = self._pending.pop(want, None)
         if hit is not None:
-            return self._decode(*hit)
+            return hit
         deadline = time.monotonic() + self.timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -144,11 +145,12 @@ class Transport:
                     raise PeerTimeoutError(op, seq, src, self.timeout)
                 continue
             frames = self.pull.recv_multipart(copy=False)
-            try:
+            try:  # validate the whole message on arrival: a bad one is dropped here and never reaches a caller
                 h = wire.decode_header(frames[0], self.limits)
                 k = h["meta"].get("k")
                 if not isinstance(k, list) or not 0 <= h["src"] < self.world_size:
                     raise WireError(f"message without a routing key or from unknown rank {h['src']}")
+                msg = wire.decode(frames, self.limits, as_torch=True, header=h)
             except WireError as e:
                 self.dropped += 1
                 self.last_drop_reason = str(e)
@@ -157,11 +159,12 @@ class Transport:
                 check(h["src"], h)
             got = (h["src"], tuple(k))
             if got == want:
-                return self._decode(h, frames)
-            self._pending[got] = (h, frames)
-
-    def _decode(self, h: dict, frames: list) -> wire.Message:
-        return wire.decode(frames, self.limits, as_torch=True, header=h)
+                return msg
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                self.last_drop_reason = f"mailbox full ({self.max_pending} early messages); dropped {got}"
+                continue
+            self._pending[got] = msg
 
     def close(self) -> None:
         for s in self._push.values():

@@ -121,14 +121,23 @@ class ZmqGroup(ProcessGroup):
         self.tr.flush(op, seq)
 
     # ---- collectives -------------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+    def all_reduce(self, tensor: Tensor, op: str = "sum", algorithm: str = "auto") -> Tensor:
+        """algorithm: "auto" (direct for <= small_bytes, else ring), "ring", "direct", or "root" (gather to rank 0,
+        reduce there, broadcast back: the parameter-server pattern, (N-1) x bytes through the root)."""
         check_op(op)
+        if algorithm not in ("auto", "ring", "direct", "root"):
+            raise ValueError(f"unknown all_reduce algorithm {algorithm!r}; use auto, ring, direct or root")
         buf, orig = as_flat(tensor)
         if op == "avg" and not buf.is_floating_point():
             raise ValueError(f"op='avg' needs a floating-point tensor, got {buf.dtype}")
         seq = self._begin("all_reduce", buf.numel())
         n = self.world_size
-        if n > 1 and buf.numel() * buf.element_size() <= self.small_bytes:
+        small = buf.numel() * buf.element_size() <= self.small_bytes
+        if n == 1:
+            pass
+        elif algorithm == "root":
+            self._root_all_reduce("all_reduce", seq, buf, op)
+        elif algorithm == "direct" or (algorithm == "auto" and small):
             self._direct_all_reduce("all_reduce", seq, buf, op)
         else:
             self._ring("all_reduce", seq, buf, self.rank, ring.all_reduce_steps(n, op))
@@ -147,6 +156,18 @@ class ZmqGroup(ProcessGroup):
         buf.copy_(parts[0])
         for s in range(1, self.world_size):
             ring.combine(buf, parts[s], op)
+
+    def _root_all_reduce(self, name: str, seq: int, buf: torch.Tensor, op: str) -> None:
+        if self.rank == 0:
+            for s in range(1, self.world_size):
+                ring.combine(buf, self._recv(s, name, (seq, "up")), op)
+            for d in range(1, self.world_size):
+                self._send(d, name, (seq, "down"), buf)
+            self.tr.flush(name, seq)
+        else:
+            self._send(0, name, (seq, "up"), buf)
+            self.tr.flush(name, seq)
+            buf.copy_(self._recv(0, name, (seq, "down")))
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum") -> Tensor:
         check_op(op)

@@ -23,7 +23,7 @@ import torch
 
 from .checkpointing import wrap_children
 from .comm import Comm, CommLog, CommThread
-from .engine import ModelFactory, ParamSlot
+from .engine import LocalReplica, ModelFactory
 from .mesh import DeviceMesh
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -158,14 +158,13 @@ class DataParallel(torch.nn.Module):
             self.reducer.require_sync = old
 
 
-class DataParallelReplica:
+class DataParallelReplica(LocalReplica):
     """Replica of the data-parallel engine: the whole model; slots owned by this rank; replicated over `dp`."""
 
     def __init__(self, module: torch.nn.Module, dp: Comm, rank: int, bucket_bytes: int,
-                 loss_fn: Any = torch.nn.functional.cross_entropy) -> None:
-        self.module, self.dp, self.log, self.rank = module, dp, dp.log, rank
+                 loss_fn: Any = None) -> None:
+        super().__init__(module, dp, rank, loss_fn)
         self.bucket_bytes = bucket_bytes
-        self.loss_fn = loss_fn
         self.ddp: DataParallel | None = None
 
     def enable_overlapped_sync(self) -> None:
@@ -178,22 +177,17 @@ class DataParallelReplica:
         with (self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()):
             yield
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        model = self.ddp if self.ddp is not None else self.module
-        loss = self.loss_fn(model(x), y)
-        loss.backward()
-        return float(loss.detach())
-
-    def slots(self) -> list[ParamSlot]:
-        return [ParamSlot(n, p, self.rank) for n, p in self.module.named_parameters()]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.ddp if self.ddp is not None else self.module)(x)
 
 
 class DataParallelEngine:
     """Every rank of the mesh's dp axis holds the whole model; gradients are averaged over dp."""
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checkpoint_activations: bool = False,
-                 log: CommLog | None = None) -> None:
+                 log: CommLog | None = None, loss_fn: Any = None) -> None:
         self.bucket_bytes = bucket_bytes
+        self.loss_fn = loss_fn
         self.checkpoint_activations = checkpoint_activations
         self.log = log
 
@@ -202,4 +196,4 @@ class DataParallelEngine:
         if self.checkpoint_activations:
             wrap_children(model)
         return DataParallelReplica(model, Comm(mesh.group("dp"), self.log), mesh.world.ranks[mesh.rank],
-                                   self.bucket_bytes)
+                                   self.bucket_bytes, self.loss_fn)

@@ -116,6 +116,29 @@ def allreduce_grads(dp: Comm, slots: list[ParamSlot], site: str = "grads") -> No
         off += n
 
 
+class LocalReplica:
+    """A replica whose module lives whole on this rank (data, tensor parallel): loss_fn(module(x), y).backward()."""
+
+    def __init__(self, module: torch.nn.Module, dp: Comm, rank: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+        self.module, self.dp, self.log, self.rank = module, dp, dp.log, rank
+        self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        self.name_of = name_of or (lambda name, p: name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = self.loss_fn(self.forward(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    def slots(self) -> list[ParamSlot]:
+        from .checkpointing import unwrap_name
+        return [ParamSlot(self.name_of(unwrap_name(n), p), p, self.rank) for n, p in self.module.named_parameters()]
+
+
 def train_step(replica: Replica, strategy: SyncStrategy, x: torch.Tensor, y: torch.Tensor) -> float:
     """One synchronous step: forward+backward, then the strategy's synchronisation and update."""
     loss = replica.forward_backward(x, y)

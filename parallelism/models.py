@@ -1,0 +1,99 @@
+"""Small reference models the engines are tested and demonstrated on (single-process definitions).
+
+- `mlp(sizes)`: Linear/Tanh stack as an nn.Sequential (cuttable into pipeline stages by layer).
+- `TinyTransformer`: a pre-LayerNorm GPT-style decoder as an nn.Sequential [Embed, Block × L, Head] whose blocks
+  hold an `Attention` (fused qkv, heads) and an `MLP` (d → 4d → d); `tensor.py` swaps those two for their
+  Megatron tensor-parallel versions. `lm_loss` is token-level cross entropy for its (B, S, V) logits.
+Every factory seeds torch itself, so each rank builds bit-identical initial weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mlp(sizes: list[int] | tuple[int, ...], seed: int = 0, act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    """Linear(sizes[0]→sizes[1]), act, …, Linear(→sizes[-1])."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"model width {d} is not divisible by {heads} heads")
+        self.d, self.heads = d, heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split(self.d, dim=-1)
+        hd = self.d // self.heads
+        q, k, v = (t.view(b, s, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, hidden: int | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden or 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden or 4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, d: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+
+
+class Head(nn.Module):
+    def __init__(self, d: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def tiny_transformer(vocab: int = 32, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 8,
+                     seed: int = 0) -> nn.Sequential:
+    """[Embed, Block × layers, Head] — logits of shape (B, S, vocab)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Embed(vocab, d, seq), *[Block(d, heads) for _ in range(layers)], Head(d, vocab))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over all tokens (works for (B, V) and (B, S, V) logits)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

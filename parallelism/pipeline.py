@@ -1,0 +1,182 @@
+"""Pipeline parallelism: an nn.Sequential cut into p stages on the p ranks of the pp group, run by one executor.
+
+The executor takes a schedule (`schedule.py`: GPipe or 1F1B, pure data) and, for its stage's action list, does
+
+    F i:  receive activation i from stage s−1 (stage 0: micro-batch i of x), run the stage, send to s+1
+          (last stage: loss_i = loss_fn(out, y_i) · b_i/B, so Σ loss_i is the full-batch mean)
+    B i:  receive ∂L/∂out_i from s+1 (last stage: loss_i.backward()), backpropagate, send ∂L/∂in_i to s−1
+
+Sends are non-blocking (waited at the end of the step) and receives are tagged (2i forward, 2i+1 backward), so
+GPipe and 1F1B cannot deadlock; gradients of all micro-batches accumulate in .grad. Only boundary activations and
+their gradients cross ranks: p2p bytes per step = 2·Σ_boundaries (activation bytes), nothing inside a stage.
+
+Measured per step: each action's compute span (time spent waiting in recv is idle), from which the bubble
+fraction 1 − busy/(p·makespan) is compared with (p−1)/(m+p−1); and the peak number of micro-batches whose
+activations the stage holds (GPipe: m; 1F1B: ≤ p). `stage_time=(t_f, t_b)` pads every action to fixed durations,
+the "equal stage times" assumption of the formula.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from collectives import chunk_bounds
+
+from .checkpointing import unwrap_name, wrap_children
+from .comm import Comm, CommLog
+from .engine import EngineError, ModelFactory, ParamSlot
+from .mesh import DeviceMesh
+from .schedule import Action, PipelineSchedule, make_schedule
+
+
+def split_stages(model: nn.Sequential, stages: int) -> list[tuple[int, int]]:
+    """[start, end) child indices of each stage: parameterised children spread evenly, others join their left."""
+    if not isinstance(model, nn.Sequential):
+        raise EngineError(f"pipeline parallelism cuts an nn.Sequential into stages; got {type(model).__name__}")
+    heavy = [i for i, c in enumerate(model) if any(True for _ in c.parameters())]
+    if len(heavy) < stages:
+        raise EngineError(f"cannot cut a model with {len(heavy)} parameterised layers into {stages} stages; "
+                          f"use fewer stages or a deeper model")
+    starts = [0] + [heavy[a] for a, _ in chunk_bounds(len(heavy), stages)[1:]]
+    return list(zip(starts, starts[1:] + [len(model)]))
+
+
+def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
+    """The children in `bounds`, keeping their indices as names (so parameter names match the full model)."""
+    a, b = bounds
+    return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(a, b)))
+
+
+class PipelineReplica:
+    """This rank's stage, its schedule and the executor."""
+
+    def __init__(self, stage: nn.Sequential, meta_model: nn.Sequential, bounds: list[tuple[int, int]],
+                 pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b", micro_batches: int = 4,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 stage_time: tuple[float, float] | None = None, report_loss: bool = True,
+                 measure: bool = False) -> None:
+        self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
+        self.s, self.p = pp.rank, pp.size
+        self.schedule_name, self.micro_batches = schedule, micro_batches
+        self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches)
+        self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        self.stage_time, self.report_loss, self.measure = stage_time, report_loss, measure
+        self._meta, self._bounds = meta_model, bounds
+        self._shapes: dict[tuple, list[torch.Size]] = {}
+        self.spans: list[tuple[Action, float, float]] = []
+        self.step_start = 0.0
+        self.peak_in_flight = 0
+
+    # ---- boundary shapes, inferred on the meta copy of the whole model (no communication, no memory) ----------
+    def _boundary_shapes(self, x: torch.Tensor) -> list[torch.Size]:
+        key = (tuple(x.shape), x.dtype)
+        if key not in self._shapes:
+            h = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            shapes = []
+            with torch.no_grad():
+                for a, b in self._bounds:
+                    for i in range(a, b):
+                        h = self._meta[i](h)
+                    shapes.append((h.shape, h.dtype))
+            self._shapes[key] = shapes
+        return self._shapes[key]
+
+    def _pad(self, phase: str, t0: float) -> None:
+        if self.stage_time is not None:
+            left = self.stage_time[0 if phase == "F" else 1] - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        m, s, p = self.micro_batches, self.s, self.p
+        if x.shape[0] < m:
+            raise EngineError(f"batch of {x.shape[0]} cannot be split into {m} micro-batches")
+        xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+        total = x.shape[0]
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        sends: list[Any] = []
+        losses: list[torch.Tensor] = []
+        self.spans, self.peak_in_flight = [], 0
+        if self.measure:
+            self.pp.group.barrier()
+        self.step_start = time.perf_counter()
+        for a in self.schedule.for_stage(s):
+            i = a.micro
+            if a.phase == "F":
+                if s == 0:
+                    inp = xs[i]
+                else:
+                    shape, dtype = self._boundary_shapes(xs[i])[s - 1]
+                    inp = self.pp.recv(torch.empty(shape, dtype=dtype), s - 1, tag=2 * i).requires_grad_()
+                t0 = time.perf_counter()
+                out = self.stage(inp)
+                if s == p - 1:
+                    out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
+                    losses.append(out.detach())
+                else:
+                    sends.append(self.pp.isend(out.detach().contiguous(), s + 1, tag=2 * i,
+                                               site=f"stage {s} -> {s + 1}"))
+                held[i] = (inp, out)
+                self.peak_in_flight = max(self.peak_in_flight, len(held))
+            else:
+                inp, out = held.pop(i)
+                if s == p - 1:
+                    t0 = time.perf_counter()
+                    out.backward()
+                else:
+                    grad = self.pp.recv(torch.empty_like(out), s + 1, tag=2 * i + 1)
+                    t0 = time.perf_counter()
+                    torch.autograd.backward(out, grad)
+                if s > 0:
+                    sends.append(self.pp.isend(inp.grad.contiguous(), s - 1, tag=2 * i + 1,
+                                               site=f"stage {s} -> {s - 1}"))
+            self._pad(a.phase, t0)
+            self.spans.append((a, t0 - self.step_start, time.perf_counter() - self.step_start))
+        for w in sends:
+            w.wait()
+        loss = torch.stack(losses).sum() if losses else torch.zeros(())
+        if self.report_loss and p > 1:
+            loss = loss.reshape(1).clone()
+            self.pp.broadcast(loss, p - 1, site="loss (report)")
+        return float(loss.sum())
+
+    def slots(self) -> list[ParamSlot]:
+        return [ParamSlot(unwrap_name(n), prm, self.rank) for n, prm in self.stage.named_parameters()]
+
+
+class PipelineEngine:
+    """Cut the factory's nn.Sequential over the mesh's pp axis; replicas of a stage are averaged over dp."""
+
+    def __init__(self, schedule: str = "1f1b", micro_batches: int = 4, loss_fn: Any = None,
+                 stage_time: tuple[float, float] | None = None, checkpoint_activations: bool = False,
+                 report_loss: bool = True, measure: bool = False, log: CommLog | None = None) -> None:
+        self.kw = dict(schedule=schedule, micro_batches=micro_batches, loss_fn=loss_fn, stage_time=stage_time,
+                       report_loss=report_loss, measure=measure)
+        self.checkpoint_activations = checkpoint_activations
+        self.log = log
+
+    def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> PipelineReplica:
+        model = model_factory()
+        log = self.log if self.log is not None else CommLog()
+        pp = Comm(mesh.group("pp"), log)
+        bounds = split_stages(model, pp.size)
+        meta = copy.deepcopy(model).to("meta")
+        stage = stage_module(model, bounds[pp.rank])
+        del model
+        if self.checkpoint_activations:
+            wrap_children(stage)
+        return PipelineReplica(stage, meta, bounds, pp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
+                               **self.kw)
+
+
+def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:
+    """1 − Σ busy / (p · makespan) over per-stage spans measured from a common start."""
+    end = max(e for spans in spans_per_stage for _, _, e in spans)
+    busy = sum(e - b for spans in spans_per_stage for _, b, e in spans)
+    return 1.0 - busy / (len(spans_per_stage) * end)

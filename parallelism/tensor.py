@@ -1,0 +1,200 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): split each layer's matrices across the T ranks of a group.
+
+The two conjugate operators, as named in the paper (§3, Fig. 3):
+
+    f: forward identity,   backward all-reduce     (enters a tensor-parallel region)
+    g: forward all-reduce, backward identity       (leaves it)
+
+Column-parallel Linear Y = X·A with A = [A_1 … A_T] split by output columns: rank t computes X·A_t after f.
+Row-parallel Linear Z = Y·B with B split by input rows: rank t computes Y_t·B_t, then g sums the partial products;
+the bias is added once, after g (it is replicated). The MLP is f → column fc1 → GeLU → row fc2 → g, one all-reduce
+forward and one backward per block, no communication in between (GeLU acts on a whole column shard). Attention
+splits heads: qkv is column-parallel (each rank takes its heads' rows of q, k and v), proj is row-parallel.
+Per block of width d, sequence S, batch B: 2 all-reduces of B·S·d activations forward and 2 backward — every layer
+communicates, which is why TP stays on the fastest link (adjacent ranks, `mesh.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from collectives import chunk_bounds
+
+from .comm import Comm
+from .models import MLP, Attention
+
+SHARD_ATTR = "_tp_shard"   # set on parameters that are shards (not replicas) across the tp group
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.site = comm, site
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, "sum", site=ctx.site)
+        return grad, None, None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:  # type: ignore[override]
+        y = x.contiguous().clone()
+        comm.all_reduce(y, "sum", site=site)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None, None
+
+
+def f(x: torch.Tensor, comm: Comm, site: str = "") -> torch.Tensor:
+    """Megatron's f operator."""
+    return _CopyToTensorParallelRegion.apply(x, comm, site)
+
+
+def g(x: torch.Tensor, comm: Comm, site: str = "") -> torch.Tensor:
+    """Megatron's g operator."""
+    return _ReduceFromTensorParallelRegion.apply(x, comm, site)
+
+
+def _split(n: int, comm: Comm, what: str) -> tuple[int, int]:
+    if n % comm.size:
+        raise ValueError(f"cannot split {what} of size {n} evenly over {comm.size} tensor-parallel ranks; "
+                         f"choose a tp size that divides it")
+    return chunk_bounds(n, comm.size)[comm.rank]
+
+
+def _shard(t: torch.Tensor) -> nn.Parameter:
+    p = nn.Parameter(t.detach().clone().contiguous())
+    setattr(p, SHARD_ATTR, True)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_t = f(X)·A_t + b_t; the output stays split by columns (no gather)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, site: str = "",
+                 use_f: bool = True) -> None:
+        super().__init__()
+        self.weight = _shard(weight)
+        self.bias = _shard(bias) if bias is not None else None
+        self.comm, self.site, self.use_f = comm, site, use_f
+
+    @classmethod
+    def from_full(cls, lin: nn.Linear, comm: Comm, rows: torch.Tensor | None = None, site: str = "",
+                  use_f: bool = True) -> ColumnParallelLinear:
+        """Take this rank's output rows of `lin` (contiguous chunk, or the given row indices)."""
+        if rows is None:
+            a, b = _split(lin.out_features, comm, "out_features")
+            rows = torch.arange(a, b)
+        bias = lin.bias[rows] if lin.bias is not None else None
+        return cls(lin.weight[rows], bias, comm, site, use_f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_f:
+            x = f(x, self.comm, self.site)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = g(Y_t·B_t) + b: partial products summed by g; the replicated bias added after."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, site: str = "") -> None:
+        super().__init__()
+        self.weight = _shard(weight)
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        self.comm, self.site = comm, site
+
+    @classmethod
+    def from_full(cls, lin: nn.Linear, comm: Comm, cols: torch.Tensor | None = None,
+                  site: str = "") -> RowParallelLinear:
+        if cols is None:
+            a, b = _split(lin.in_features, comm, "in_features")
+            cols = torch.arange(a, b)
+        return cls(lin.weight[:, cols], lin.bias, comm, site)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = g(F.linear(x, self.weight), self.comm, self.site)
+        return z + self.bias if self.bias is not None else z
+
+
+class TensorParallelMLP(nn.Module):
+    """f → column fc1 → GeLU → row fc2 → g."""
+
+    def __init__(self, full: MLP, comm: Comm, site: str = "mlp") -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear.from_full(full.fc1, comm, site=site)
+        self.act = full.act
+        self.fc2 = RowParallelLinear.from_full(full.fc2, comm, site=site)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TensorParallelAttention(nn.Module):
+    """Heads split across ranks: rank t owns heads [t·H/T, (t+1)·H/T) of q, k and v, and proj's matching inputs."""
+
+    def __init__(self, full: Attention, comm: Comm, site: str = "attn") -> None:
+        super().__init__()
+        h0, h1 = _split(full.heads, comm, "attention heads")
+        hd = full.d // full.heads
+        own = torch.arange(h0 * hd, h1 * hd)
+        rows = torch.cat([own, own + full.d, own + 2 * full.d])       # my heads' rows of q, k, v
+        self.qkv = ColumnParallelLinear.from_full(full.qkv, comm, rows=rows, site=site)
+        self.proj = RowParallelLinear.from_full(full.proj, comm, cols=own, site=site)
+        self.local_heads, self.head_dim = h1 - h0, hd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        w = self.local_heads * self.head_dim
+        q, k, v = self.qkv(x).split(w, dim=-1)
+        q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, w))
+
+
+def tensor_parallelize(model: nn.Module, comm: Comm) -> nn.Module:
+    """Swap every `Attention` and `MLP` in `model` for its tensor-parallel version (in place; returns model)."""
+    for name, child in list(model.named_modules()):
+        if isinstance(child, (Attention, MLP)):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            cls = TensorParallelAttention if isinstance(child, Attention) else TensorParallelMLP
+            setattr(parent, attr, cls(child, comm, site=name))
+    if comm.size > 1 and not any(getattr(p, SHARD_ATTR, False) for p in model.parameters()):
+        raise ValueError("tensor_parallelize found no Attention or MLP module to split; build the model from "
+                         "parallelism.models blocks")
+    return model
+
+
+class TensorParallelEngine:
+    """Split Attention/MLP blocks over the mesh's tp axis; replicas of the tp shards are averaged over dp.
+
+    Slot names: sharded tensors get the suffix "#tp{t}/{T}" after their full-model name; replicated tensors (LayerNorm,
+    embeddings, row-parallel biases) keep the plain name and have identical gradients on every tp rank."""
+
+    def __init__(self, loss_fn=None, log=None) -> None:
+        self.loss_fn, self.log = loss_fn, log
+
+    def build(self, model_factory, mesh):
+        from .comm import CommLog
+        from .engine import LocalReplica
+        log = self.log if self.log is not None else CommLog()
+        tp = Comm(mesh.group("tp"), log)
+        model = tensor_parallelize(model_factory(), tp)
+        suffix = f"#tp{tp.rank}/{tp.size}"
+
+        def name_of(name: str, p: torch.Tensor) -> str:
+            return name + suffix if getattr(p, SHARD_ATTR, False) and tp.size > 1 else name
+
+        return LocalReplica(model, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank], self.loss_fn, name_of)

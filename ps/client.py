@@ -1,0 +1,318 @@
+"""The worker side: one DEALER socket per shard, driven by a background I/O thread; every call returns a Future.
+
+    client = connect(addresses, worker=0, params=model.state_dict())    # registers with every shard
+    client.init(model.state_dict()).result()      # one owner; the others' first pull waits for it
+    for step in ...:
+        params = client.pull().result().params     # fan-out to all shards in parallel, reassembled by name
+        ...
+        client.push(grads)                         # non-blocking: Future; several may be in flight per shard
+
+The client computes the same `Partition` as every other worker (pure function of names, shapes, shard count),
+splits gradients into per-shard flat slices (zero-copy views: do not modify the tensors until the push's future is
+done), and remembers, per shard, its clock and the version its last pull returned (sent with the next push).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import zmq
+
+from collectives.errors import WireError
+from collectives.wire import decode, encode
+
+from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
+from .partition import Partition, make_partition
+from .protocol import CLIENT_LIMITS
+
+
+@dataclass
+class PullResult:
+    params: dict[str, np.ndarray]      # full tensors by name, in their original shapes
+    versions: list[int]                # per shard
+    clocks: list[int]                  # per shard (the worker's clock there after the read)
+
+
+@dataclass
+class _Pending:
+    future: Future
+    deadline: float
+    shard: int
+    keep: Any = None                   # tensors that must outlive a zero-copy send
+
+
+def _np(t: Any) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().numpy()
+    return np.asarray(t)
+
+
+class PSClient:
+    """A worker's connection to all shards. Thread-safe: calls enqueue, the I/O thread owns the sockets."""
+
+    def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
+                 timeout: float = 60.0, context: zmq.Context | None = None) -> None:
+        if not addresses:
+            raise ConfigError("connect needs at least one shard address")
+        self.addresses = list(addresses)
+        self.worker = int(worker)
+        self.timeout = float(timeout)
+        self.partition: Partition = make_partition(params, len(self.addresses))
+        self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
+        self.clocks = [0] * len(self.addresses)
+        self.versions = [0] * len(self.addresses)
+        self._seq = itertools.count(1)
+        self._ctx = context or zmq.Context.instance()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._wake_addr = f"inproc://pslab-client-{id(self)}-{time.monotonic_ns()}"
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(self._wake_addr)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        self._socks: list[zmq.Socket] = []
+        for a in self.addresses:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+            self._socks.append(s)
+        self._thread = threading.Thread(target=self._io_loop, name=f"pslab-client-{worker}", daemon=True)
+        self._thread.start()
+        self.registration = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
+        for i, (r, _) in enumerate(self.registration):
+            self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
+                 timeout: float | None = None) -> Future:
+        if self._closed:
+            raise PSError("this client is closed; call ps.connect again")
+        fut: Future = Future()
+        seq = next(self._seq)
+        frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._queue.put((shard, seq, frames, _Pending(fut, deadline, shard, tensors)))
+        with self._wake_lock:
+            self._wake_send.send(b"", zmq.NOBLOCK)
+        return fut
+
+    def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
+             timeout: float | None = None) -> Future:
+        """Send to every shard in parallel; a Future of the list of replies (shard order), first error wins."""
+        futs = [self._request(i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
+                              None if per_shard is None else per_shard[i][1], timeout)
+                for i in range(len(self.addresses))]
+        return _gather(futs)
+
+    def init(self, params: Mapping[str, Any]) -> Future:
+        """Initialise every shard with this worker's values (the owner; later inits are ignored by the shards)."""
+        per = [({"worker": self.worker}, self._split(params, i)) for i in range(len(self.addresses))]
+        return _metas(self._all("init", per_shard=per))
+
+    def pull(self, timeout: float | None = None) -> Future:
+        """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate)."""
+        per = [({"clock": self.clocks[i]}, None) for i in range(len(self.addresses))]
+        fut = self._all("pull", per_shard=per, timeout=timeout)
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                replies = f.result()
+                for i, (meta, _) in enumerate(replies):
+                    self.versions[i] = int(meta["version"])
+                    self.clocks[i] = max(self.clocks[i], int(meta["clock"]))
+                out.set_result(PullResult(self._assemble([t for _, t in replies]),
+                                          [int(m["version"]) for m, _ in replies],
+                                          [int(m["clock"]) for m, _ in replies]))
+            except BaseException as e:
+                out.set_exception(e)
+        fut.add_done_callback(done)
+        return out
+
+    def push(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
+        """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock."""
+        per = []
+        for i in range(len(self.addresses)):
+            per.append(({"clock": self.clocks[i], "version": self.versions[i]}, self._split(grads, i)))
+            self.clocks[i] += 1
+        return _metas(self._all("push", per_shard=per, timeout=timeout))
+
+    def stats(self) -> Future:
+        """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters]."""
+        return _metas(self._all("stats"))
+
+    def checkpoint(self) -> Future:
+        """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""
+        return _metas(self._all("checkpoint"))
+
+    def ping(self) -> Future:
+        return _metas(self._all("ping"))
+
+    def shutdown_servers(self, timeout: float = 10.0) -> None:
+        """Ask every shard to checkpoint (if configured) and exit."""
+        self._all("shutdown", timeout=timeout).result(timeout + 1)
+
+    # ------------------------------------------------------------------ slicing
+    def _split(self, tensors: Mapping[str, Any], shard: int) -> dict[str, np.ndarray]:
+        out = {}
+        for s in self.partition.keys_of(shard):
+            if s.name not in tensors:
+                raise ConfigError(f"tensor {s.name!r} is missing; expected all of {self.partition.names[:8]}")
+            a = _np(tensors[s.name])
+            if tuple(a.shape) != s.shape:
+                raise ConfigError(f"tensor {s.name!r} has shape {tuple(a.shape)}, expected {s.shape}")
+            out[s.key] = np.ascontiguousarray(a).reshape(-1)[s.start:s.stop]
+        return out
+
+    def _assemble(self, per_shard: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for name in self.partition.names:
+            pieces = self.partition.slices_of(name)
+            if len(pieces) == 1:
+                out[name] = np.array(per_shard[pieces[0].shard][pieces[0].key]).reshape(pieces[0].shape)
+                continue
+            first = per_shard[pieces[0].shard][pieces[0].key]
+            flat = np.empty(sum(p.numel for p in pieces), dtype=first.dtype)
+            for p in pieces:
+                flat[p.start:p.stop] = per_shard[p.shard][p.key]
+            out[name] = flat.reshape(pieces[0].shape)
+        return out
+
+    # ------------------------------------------------------------------ I/O thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_recv, zmq.POLLIN)
+        for s in self._socks:
+            poller.register(s, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(50))
+            if self._wake_recv in events:
+                while True:
+                    try:
+                        self._wake_recv.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._fail_all(PSError("client closed with requests in flight"))
+                    return
+                shard, seq, frames, pend = item
+                self._pending[(shard, seq)] = pend
+                try:
+                    self._socks[shard].send_multipart(frames, copy=False)
+                except zmq.ZMQError as e:
+                    self._pending.pop((shard, seq))
+                    pend.future.set_exception(PSError(f"cannot send to shard {shard}: {e}"))
+            for i, s in enumerate(self._socks):
+                if s in events:
+                    while True:
+                        try:
+                            frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_reply(i, frames)
+            if self._pending:
+                now = time.monotonic()
+                for key in [k for k, p in self._pending.items() if p.deadline < now]:
+                    p = self._pending.pop(key)
+                    p.future.set_exception(RequestTimeoutError(
+                        f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
+                        f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
+
+    def _on_reply(self, shard: int, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames, CLIENT_LIMITS)
+        except WireError:
+            return  # not a reply we can read: nothing to match it to
+        pend = self._pending.pop((shard, msg.seq), None)
+        if pend is None:
+            return
+        if msg.op == "error":
+            pend.future.set_exception(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard))
+        else:
+            pend.future.set_result((msg.meta, msg.tensors))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for p in self._pending.values():
+            if not p.future.done():
+                p.future.set_exception(exc)
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        with self._wake_lock:
+            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._thread.join(5)
+        for s in (*self._socks, self._wake_send, self._wake_recv):
+            s.close(0)
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.shape) if hasattr(v, "shape") else tuple(v)
+
+
+def _chain(f: Future, out: Future, fn: Any) -> None:
+    try:
+        out.set_result(fn(f.result()))
+    except BaseException as e:
+        out.set_exception(e)
+
+
+def _metas(fut: Future) -> Future:
+    out: Future = Future()
+    fut.add_done_callback(lambda f: _chain(f, out, lambda r: [m for m, _ in r]))
+    return out
+
+
+def _gather(futs: list[Future]) -> Future:
+    out: Future = Future()
+    remaining = [len(futs)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if out.done():
+            return
+        for f in futs:
+            if f.done() and f.exception() is not None:
+                with lock:
+                    if not out.done():
+                        out.set_exception(f.exception())
+                return
+        if last:
+            with lock:
+                if not out.done():
+                    out.set_result([f.result() for f in futs])
+    for f in futs:
+        f.add_done_callback(done)
+    return out
+
+
+def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0) -> PSClient:
+    """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each."""
+    return PSClient(addresses, worker, params, timeout=timeout)

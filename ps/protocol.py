@@ -1,0 +1,58 @@
+"""The parameter-server protocol on top of the `collectives.wire` codec (msgpack header + raw tensor frames).
+
+Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connection, `src` is the worker id:
+
+    register   meta {worker}                                  -> ok {version, clock, initialized, keys, shard, policy}
+    init       meta {worker} + the shard's tensors (flat)     -> ok {initialized: bool (False: already initialised)}
+    pull       meta {clock}                                   -> ok {version, clock, committed} + tensors
+    push       meta {clock, version} + one gradient per key   -> ok {status, version, clock, staleness}
+    stats      meta {}                                        -> ok {version, clocks, stats, counters}
+    checkpoint meta {}                                        -> ok {path}
+    ping       meta {}                                        -> ok {}
+    shutdown   meta {}                                        -> ok {} then the server exits
+
+Every reply echoes the request's seq; an error reply is op "error" with meta {kind, error} where kind is a
+`ps.errors` class name. A malformed message gets an error reply (seq 0 if even the header was unreadable) and
+changes nothing. Only pull can wait (parked on the consistency gate or until init); everything else answers at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from collectives.wire import WireLimits
+
+from .errors import ProtocolError
+
+OPS = frozenset({"register", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown"})
+REPLY_OPS = frozenset({"ok", "error"})
+NEEDS_REGISTRATION = frozenset({"init", "pull", "push", "checkpoint", "shutdown"})
+
+
+def server_limits(max_message_bytes: int = 1 << 31, max_tensors: int = 4096) -> WireLimits:
+    """What a shard accepts: only protocol ops, bounded sizes."""
+    return WireLimits(max_header_bytes=1 << 20, max_tensors=max_tensors, max_tensor_bytes=max_message_bytes,
+                      max_message_bytes=max_message_bytes, allowed_ops=OPS)
+
+
+CLIENT_LIMITS = WireLimits(max_header_bytes=64 << 20, allowed_ops=REPLY_OPS)
+
+
+def meta_int(meta: Mapping[str, Any], key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    """meta[key] as an int in [lo, hi], or ProtocolError naming the field."""
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ProtocolError(f"request field {key!r} must be an integer in [{lo}, {hi}], got {v!r:.60}")
+    return v
+
+
+def wire_safe(obj: Any) -> Any:
+    """Make stats msgpack-safe for a strict receiver: string map keys, lists for tuples, None for nan/inf."""
+    if isinstance(obj, Mapping):
+        return {str(k): wire_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [wire_safe(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    return obj

@@ -1,0 +1,442 @@
+"""One shard's server: a ZeroMQ ROUTER loop around a `ShardState`, plus helpers to start shards as processes.
+
+The loop is single-threaded: receive -> validate (wire limits, op, registration, seq, fields) -> act on the
+ShardState -> reply. A pull that the consistency gate (or a missing init) holds back is parked and retried after
+every push/init; a parked pull older than `request_timeout` gets a GateTimeoutError reply. Any exception while
+handling one message becomes an error reply to that sender; the loop itself never stops on a bad message.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from collectives.errors import WireError
+from collectives.wire import decode, encode
+
+from .checkpoint import latest_checkpoint, save_checkpoint
+from .consistency import policy_from_string
+from .errors import (CheckpointError, ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError,
+                     ProtocolError, PSError)
+from .optim import optimizer_from_string
+from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
+from .shard import ShardState
+
+log = logging.getLogger("ps.server")
+
+
+@dataclass
+class ServerConfig:
+    """Everything a shard server needs; `bind` may end in ":0" (tcp) to pick a free port."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    shard_id: int = 0
+    num_workers: int = 1
+    policy: str = "asp"
+    optimizer: str = "sgd:lr=0.01"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0             # versions between automatic checkpoints (0: only on demand)
+    request_timeout: float = 120.0        # longest a pull may wait on the gate (0: forever)
+    idle_timeout: float = 0.0             # exit after this many seconds without any message (0: never)
+    max_message_bytes: int = 1 << 31
+
+    def validate(self) -> None:
+        policy_from_string(self.policy)
+        optimizer_from_string(self.optimizer)
+        if not (self.bind.startswith("tcp://") or self.bind.startswith("ipc://")):
+            raise ConfigError(f"bind address {self.bind!r} must start with tcp:// or ipc://")
+        if self.num_workers < 1 or self.shard_id < 0 or self.checkpoint_every < 0:
+            raise ConfigError("num_workers must be >= 1, shard_id >= 0 and checkpoint_every >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("checkpoint_every needs checkpoint_dir")
+
+
+@dataclass
+class _Parked:
+    identity: bytes
+    seq: int
+    worker: int
+    clock: int
+    since: float
+
+
+class ShardServer:
+    """Serve one shard on a ROUTER socket (call `bind()` then `serve_forever()`)."""
+
+    def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.ctx = context or zmq.Context.instance()
+        self.limits = server_limits(config.max_message_bytes)
+        self.state: ShardState | None = None
+        self.registered: dict[bytes, int] = {}
+        self.last_seq: dict[bytes, int] = {}
+        self.parked: list[_Parked] = []
+        self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0}
+        self.address = ""
+        self.restored_from: str | None = None
+        self._last_ckpt_version = -1
+        self._stop = False
+        self.sock: zmq.Socket | None = None
+        if config.checkpoint_dir:
+            found = latest_checkpoint(config.checkpoint_dir)
+            if found is not None:
+                path, tensors, meta = found
+                if meta.get("shard_id") != config.shard_id or meta.get("num_workers") != config.num_workers:
+                    raise CheckpointError(f"checkpoint {path} is for shard {meta.get('shard_id')} with "
+                                          f"{meta.get('num_workers')} workers, not shard {config.shard_id} with "
+                                          f"{config.num_workers}; use another checkpoint directory")
+                self.state = ShardState.from_state_dict(tensors, meta)
+                self.restored_from = str(path)
+                self._last_ckpt_version = self.state.version
+                for p, why in meta.get("_rejected", []):
+                    log.warning("rejected checkpoint %s: %s", p, why)
+
+    # ------------------------------------------------------------------ socket
+    def bind(self) -> str:
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
+        b = self.config.bind
+        if b.startswith("tcp://") and b.endswith(":0"):
+            port = self.sock.bind_to_random_port(b[: b.rindex(":")])
+            self.address = f"{b[: b.rindex(':')]}:{port}"
+        else:
+            self.sock.bind(b)
+            self.address = b
+        return self.address
+
+    def serve_forever(self) -> None:
+        if self.sock is None:
+            self.bind()
+        assert self.sock is not None
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_msg = time.monotonic()
+        try:
+            while not self._stop:
+                events = dict(poller.poll(50))
+                now = time.monotonic()
+                if self.sock in events:
+                    for _ in range(64):   # drain a burst, then check timeouts
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        last_msg = now = time.monotonic()
+                        self.handle(frames[0].bytes, frames[1:], now)
+                        if self._stop:
+                            break
+                self._expire_parked(now)
+                if self.config.idle_timeout and now - last_msg > self.config.idle_timeout:
+                    log.warning("shard %d idle for %.0fs: exiting", self.config.shard_id, self.config.idle_timeout)
+                    break
+        finally:
+            if self.state is not None and self.config.checkpoint_dir and self._stop:
+                self._checkpoint()
+            self.sock.close(0)
+
+    def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
+              tensors: Any = None) -> None:
+        assert self.sock is not None
+        frames = encode(op, tensors, seq=seq, src=self.config.shard_id, meta=meta or {})
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply, keep serving
+            log.debug("reply to %r dropped: %s", identity, e)
+
+    def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
+        self.counters["errors"] += 1
+        kind = type(exc).__name__ if isinstance(exc, PSError) else "ProtocolError"
+        self._send(identity, "error", seq, {"kind": kind, "error": str(exc)[:2000]})
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, identity: bytes, frames: list[Any], now: float) -> None:
+        """Handle one request; never raises (except KeyboardInterrupt/SystemExit)."""
+        self.counters["messages"] += 1
+        try:
+            msg = decode(frames, self.limits)
+        except WireError as e:
+            self.counters["malformed"] += 1
+            self._error(identity, 0, ProtocolError(f"malformed message: {e}"))
+            return
+        try:
+            if msg.seq <= self.last_seq.get(identity, -1):
+                raise DuplicateRequestError(f"request id {msg.seq} is not larger than the last accepted one "
+                                            f"({self.last_seq[identity]}) on this connection; duplicate or out of order")
+            if msg.op in NEEDS_REGISTRATION and identity not in self.registered:
+                raise ProtocolError(f"{msg.op} from an unregistered connection; send 'register' with your worker "
+                                    "id first")
+            handler = getattr(self, f"_on_{msg.op}")
+            handler(identity, msg, now)          # raises before changing anything if the request is invalid
+            self.last_seq[identity] = msg.seq
+        except PSError as e:
+            self._error(identity, msg.seq, e)
+        except Exception as e:  # a bug or an unforeseen input: answer, log, keep serving
+            log.exception("shard %d: unexpected error on %s", self.config.shard_id, msg.op)
+            self._error(identity, msg.seq, ProtocolError(f"server could not handle {msg.op}: "
+                                                         f"{type(e).__name__}: {e}"))
+
+    def _on_ping(self, identity: bytes, msg: Any, now: float) -> None:
+        self._send(identity, "ok", msg.seq, {"shard": self.config.shard_id})
+
+    def _on_register(self, identity: bytes, msg: Any, now: float) -> None:
+        worker = meta_int(msg.meta, "worker", 0, self.config.num_workers - 1)
+        if msg.tensors:
+            raise ProtocolError("register carries no tensors")
+        self.registered[identity] = worker
+        st = self.state
+        self._send(identity, "ok", msg.seq, {
+            "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
+            "initialized": st is not None, "version": st.version if st else 0,
+            "clock": st.clocks[worker] if st else 0,
+            "keys": {k: list(s) for k, s in st.shapes.items()} if st else {}})
+
+    def _on_init(self, identity: bytes, msg: Any, now: float) -> None:
+        if self.state is not None:
+            self._send(identity, "ok", msg.seq, {"initialized": False, "version": self.state.version})
+            return
+        if not msg.tensors:
+            raise ProtocolError("init must carry this shard's parameters")
+        self.state = ShardState(dict(msg.tensors), self.config.optimizer, self.config.policy,
+                                self.config.num_workers, shard_id=self.config.shard_id)
+        self._send(identity, "ok", msg.seq, {"initialized": True, "version": 0})
+        self._retry_parked(now)
+
+    def _on_pull(self, identity: bytes, msg: Any, now: float) -> None:
+        worker = self.registered[identity]
+        clock = meta_int(msg.meta, "clock")
+        if msg.tensors:
+            raise ProtocolError("pull carries no tensors")
+        if self.state is not None:
+            self.state._check_clock(worker, clock, "pull")
+        p = _Parked(identity, msg.seq, worker, clock, now)
+        if not self._try_pull(p, now):
+            self.parked.append(p)
+
+    def _try_pull(self, p: _Parked, now: float) -> bool:
+        st = self.state
+        if st is None or not st.may_read(p.worker, p.clock, now):
+            return False
+        r = st.read(p.worker, p.clock, now)
+        self.counters["pulls"] += 1
+        self._send(p.identity, "ok", p.seq, {"version": r.version, "clock": r.clock, "committed": r.committed_clock},
+                   {k: t.reshape(-1) for k, t in r.params.items()})
+        return True
+
+    def _retry_parked(self, now: float) -> None:
+        still = []
+        for p in self.parked:
+            try:
+                if not self._try_pull(p, now):
+                    still.append(p)
+            except PSError as e:
+                self._error(p.identity, p.seq, e)
+        self.parked = still
+
+    def _expire_parked(self, now: float) -> None:
+        t = self.config.request_timeout
+        if not t or not self.parked:
+            return
+        keep = []
+        for p in self.parked:
+            if now - p.since > t:
+                who = self.state.blocking_workers(p.clock) if self.state else "the owner's init"
+                self._error(p.identity, p.seq, GateTimeoutError(
+                    f"pull at clock {p.clock} from worker {p.worker} waited {now - p.since:.1f}s (> request timeout "
+                    f"{t:g}s) under {self.config.policy}; still waiting for {who}"))
+            else:
+                keep.append(p)
+        self.parked = keep
+
+    def _on_push(self, identity: bytes, msg: Any, now: float) -> None:
+        if self.state is None:
+            raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
+                                      "init before anyone pushes")
+        worker = self.registered[identity]
+        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"),
+                              msg.tensors, now)
+        self.counters["pushes"] += 1
+        self._send(identity, "ok", msg.seq, {"status": res.status, "version": res.version, "clock": res.clock,
+                                             "staleness": [list(x) for x in res.staleness]})
+        every = self.config.checkpoint_every
+        if every and self.state.version // every > max(self._last_ckpt_version, 0) // every:
+            self._checkpoint()
+        if self.parked:
+            self._retry_parked(now)
+
+    def _on_stats(self, identity: bytes, msg: Any, now: float) -> None:
+        st = self.state
+        meta = {"shard": self.config.shard_id, "counters": dict(self.counters), "parked": len(self.parked),
+                "restored_from": self.restored_from}
+        if st is not None:
+            meta.update(version=st.version, clocks=list(st.clocks), committed=st.committed_clock,
+                        policy=str(st.policy), stats=st.stats.summary())
+        self._send(identity, "ok", msg.seq, wire_safe(meta))
+
+    def _checkpoint(self) -> str:
+        if not self.config.checkpoint_dir or self.state is None:
+            raise ConfigError("this server has no checkpoint directory (start it with --checkpoint-dir) or no "
+                              "parameters yet")
+        tensors, meta = self.state.state_dict()
+        path = save_checkpoint(self.config.checkpoint_dir, tensors, meta)
+        self._last_ckpt_version = self.state.version
+        self.counters["checkpoints"] += 1
+        return str(path)
+
+    def _on_checkpoint(self, identity: bytes, msg: Any, now: float) -> None:
+        path = self._checkpoint()
+        self._send(identity, "ok", msg.seq, {"path": path, "version": self.state.version if self.state else 0})
+
+    def _on_shutdown(self, identity: bytes, msg: Any, now: float) -> None:
+        self._send(identity, "ok", msg.seq, {})
+        self._stop = True
+
+
+def serve(config: ServerConfig, ready: Callable[[str], None] | None = None,
+          context: zmq.Context | None = None) -> None:
+    """Run one shard until shutdown (or idle timeout); `ready(address)` is called once bound."""
+    server = ShardServer(config, context)
+    address = server.bind()
+    if ready is not None:
+        ready(address)
+    server.serve_forever()
+
+
+# ---------------------------------------------------------------------- processes
+def _server_main(cfg: dict[str, Any], conn: Any) -> None:
+    import torch
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        server = ShardServer(ServerConfig(**cfg))
+        conn.send(("ok", server.bind()))
+    except Exception as e:  # report start-up errors (bad checkpoint, port in use) to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    finally:
+        pass
+    conn.close()
+    server.serve_forever()
+
+
+@dataclass
+class ServerGroup:
+    """Shard server processes started by `start_servers`; use as a context manager or call `stop()`."""
+
+    configs: list[ServerConfig]
+    processes: list[Any] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    start_timeout: float = 60.0
+    _tmpdir: str | None = None
+
+    def start(self, shard: int) -> str:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_server_main, args=(asdict(self.configs[shard]), child), daemon=True,
+                        name=f"pslab-shard-{shard}")
+        p.start()
+        child.close()
+        if not parent.poll(self.start_timeout):
+            p.kill()
+            raise PSError(f"shard {shard} did not start within {self.start_timeout:g}s")
+        status, info = parent.recv()
+        parent.close()
+        if status != "ok":
+            p.join(5)
+            raise PSError(f"shard {shard} failed to start: {info}")
+        while len(self.processes) <= shard:
+            self.processes.append(None)
+            self.addresses.append("")
+        self.processes[shard], self.addresses[shard] = p, info
+        return info
+
+    def kill(self, shard: int, sig: int = signal.SIGKILL) -> None:
+        p = self.processes[shard]
+        if p is not None and p.is_alive():
+            os.kill(p.pid, sig)
+            p.join(10)
+
+    def alive(self, shard: int) -> bool:
+        p = self.processes[shard]
+        return p is not None and p.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for p in self.processes:
+            if p is not None and p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            if p is not None:
+                p.join(max(0.1, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        if self._tmpdir:
+            for f in Path(self._tmpdir).glob("*"):
+                f.unlink(missing_ok=True)
+            os.rmdir(self._tmpdir)
+            self._tmpdir = None
+
+    def __enter__(self) -> "ServerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp", optimizer: str = "sgd:lr=0.01",
+                  *, transport: str = "tcp", checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                  request_timeout: float = 120.0, idle_timeout: float = 600.0,
+                  start_timeout: float = 60.0) -> ServerGroup:
+    """Spawn one server process per shard on 127.0.0.1 (tcp) or ipc:// and return them with their addresses.
+
+    `checkpoint_dir` gets one sub-directory per shard (shard-<i>). `idle_timeout` makes orphaned servers exit.
+    """
+    if transport not in ("tcp", "ipc"):
+        raise ConfigError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+    tmp = tempfile.mkdtemp(prefix="pslab-ps-") if transport == "ipc" else None
+    configs = []
+    for i in range(num_shards):
+        bind = f"ipc://{tmp}/shard-{i}-{uuid.uuid4().hex[:6]}" if tmp else "tcp://127.0.0.1:0"
+        ck = str(Path(checkpoint_dir) / f"shard-{i}") if checkpoint_dir else None
+        configs.append(ServerConfig(bind=bind, shard_id=i, num_workers=num_workers, policy=str(policy),
+                                    optimizer=_opt_str(optimizer), checkpoint_dir=ck, checkpoint_every=checkpoint_every,
+                                    request_timeout=request_timeout, idle_timeout=idle_timeout))
+    for c in configs:
+        c.validate()
+    group = ServerGroup(configs, start_timeout=start_timeout, _tmpdir=tmp)
+    try:
+        for i in range(num_shards):
+            group.start(i)
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def _opt_str(optimizer: Any) -> str:
+    """OptimizerSpec -> its string form (configs travel as plain data)."""
+    from .optim import OptimizerSpec
+    if isinstance(optimizer, OptimizerSpec):
+        d = optimizer.to_dict()
+        name = d.pop("name")
+        parts = []
+        for k, v in d.items():
+            if v is None:
+                continue
+            if k == "betas":
+                v = "/".join(str(b) for b in v)
+            parts.append(f"{k}={int(v) if isinstance(v, bool) else v}")
+        return f"{name}:{','.join(parts)}"
+    return str(optimizer)

@@ -1,0 +1,124 @@
+"""The local launcher and rendezvous: results in rank order, the first failure comes back with its traceback and
+ends the other ranks, timeouts kill everything, torchrun-style environment variables work unchanged, and CURVE
+keys encrypt + authenticate the zmq backend."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import collectives
+from collectives.errors import LaunchError, RendezvousError
+
+
+def rank_and_threads(group):
+    return group.rank, group.world_size, torch.get_num_threads()
+
+
+def test_results_in_rank_order_and_one_thread():
+    """launch returns one result per rank, in order, and every rank runs with torch.set_num_threads(1)."""
+    assert collectives.launch(rank_and_threads, 3, timeout=30) == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+
+
+def fail_on_rank_1(group):
+    if group.rank == 1:
+        raise ValueError("boom from rank one")
+    time.sleep(30)  # the others would hang around: the launcher must kill them
+
+
+def test_first_exception_propagates_with_traceback_and_kills_others():
+    """A ValueError on rank 1 becomes LaunchError naming rank 1, with its traceback, well before the sleepers end."""
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        collectives.launch(fail_on_rank_1, 3, timeout=60)
+    assert "rank 1 failed: ValueError: boom from rank one" in str(e.value)
+    assert "fail_on_rank_1" in str(e.value)  # the remote traceback
+    assert time.monotonic() - t0 < 20
+
+
+def sleep_forever(group):
+    time.sleep(60)
+
+
+def test_launch_timeout_kills_all():
+    """A launch that outlives its timeout raises LaunchError listing the unfinished ranks."""
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"timed out after 2s; ranks \[0, 1\]"):
+        collectives.launch(sleep_forever, 2, timeout=2)
+    assert time.monotonic() - t0 < 10
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, torch
+    torch.set_num_threads(1)
+    import collectives
+    g = collectives.init_process_group(backend=sys.argv[1], timeout=20)
+    t = np.array([g.rank + 1.0])
+    g.all_reduce(t)
+    print("RESULT", g.rank, g.world_size, t[0], flush=True)
+    g.barrier()
+    g.destroy()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("backend", ["zmq", "torch"])
+def test_torchrun_environment(tmp_path, backend):
+    """Processes started with only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (as torchrun does) form a group."""
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script), backend], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("RESULT"))
+    assert lines == ["RESULT 0 2 3.0", "RESULT 1 2 3.0"], outs
+
+
+def test_missing_environment_is_a_clear_error(monkeypatch):
+    """Without rank information init_process_group says which variables to set."""
+    for v in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(RendezvousError, match="set RANK and WORLD_SIZE"):
+        collectives.init_process_group("zmq")
+
+
+def curve_sum(group):
+    t = np.array([group.rank + 1.0])
+    group.all_reduce(t)
+    return float(t[0]), group.tr.pull.curve_server
+
+
+def test_curve_encrypted_group(tmp_path):
+    """With CURVE keys every socket is a CURVE server/client and the group still computes correctly."""
+    from collectives.curve import generate_keys
+    generate_keys(str(tmp_path))
+    res = collectives.launch(curve_sum, 2, timeout=30, curve_keys_dir=str(tmp_path))
+    assert res == [(3.0, True), (3.0, True)]
+
+
+def test_non_loopback_bind_requires_curve(monkeypatch):
+    """Binding beyond 127.0.0.1 without CURVE keys is refused with a message saying how to enable them."""
+    store = torch.distributed.HashStore()
+    with pytest.raises(RendezvousError, match="curve_keys_dir"):
+        collectives.init_process_group("zmq", rank=0, world_size=1, store=store, bind_host="0.0.0.0")
