@@ -34,7 +34,7 @@ def _env_int(*names: str) -> int | None:
 def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
                        master_addr: str | None = None, master_port: int | None = None, store: Any = None,
                        timeout: float = 60.0, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None,
-                       torch_backend: str | None = None, store_prefix: str = "zmq/",
+                       torch_backend: str | None = None, store_prefix: str = "zmq/", use_ipc: bool = True,
                        **group_options: Any) -> ProcessGroup:
     """Join (or create) the world group of this job. Missing arguments come from torchrun/SLURM variables.
 
@@ -58,15 +58,19 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
         if not dist.is_initialized():
             dist.init_process_group(tb, store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout))
-        return TorchGroup(None, range(world_size), rank, timeout)
+        group = TorchGroup(None, range(world_size), rank, timeout)
+        group.store = store
+        return group
     from .zmq_group import ZmqGroup
     curve = CurveKeys(curve_keys_dir) if curve_keys_dir else None
     if bind_host not in ("127.0.0.1", "localhost", "::1") and curve is None:
         raise RendezvousError(f"binding to {bind_host} exposes the group beyond this host: pass curve_keys_dir= "
                               "to encrypt and authenticate (see collectives.curve.generate_keys)")
     tr = Transport(rank, world_size, dist.PrefixStore(store_prefix, store), timeout=timeout, bind_host=bind_host,
-                   curve=curve)
-    return ZmqGroup(tr, range(world_size), **group_options)
+                   curve=curve, use_ipc=use_ipc)
+    group = ZmqGroup(tr, range(world_size), **group_options)
+    group.store = store  # the job's store, e.g. to form a second (torch) group beside this one
+    return group
 
 
 def _env_store(rank: int, world_size: int, addr: str | None, port: int | None, timeout: float) -> Any:

@@ -13,8 +13,10 @@ Each rank sends (N-1) chunks per phase, so all-reduce moves 2(N-1)/N x n x items
 
 Streaming: chunks are cut further into segments; a segment is forwarded to the right neighbour as soon as it has
 been combined, so step g+1 of segment j overlaps step g of segment j+1 and a large tensor flows like a pipeline
-instead of waiting on whole chunks. A segment sent is never written again in the same pass (it is either final or
-overwritten only after its successor has been received), so zero-copy sends are safe.
+instead of waiting on whole chunks. Sends are zero-copy and untracked: a segment sent is never written again in
+the same pass (it is final, or overwritten only after data that causally follows its delivery has come back), and
+the pass ends with an empty acknowledgement from the right neighbour, so every buffer we sent has been delivered
+before the caller may touch it again. One extra latency, instead of tracking every message.
 
 Summation order: the reduced chunk c is ((x_{c+1} + x_{c+2}) + ...) + x_c (ranks in ring order starting after c's
 owner in the pass); all ranks receive the same bits for each chunk, and integers are exact.
@@ -28,7 +30,7 @@ import torch
 
 from .group import chunk_bounds
 
-SendFn = Callable[[int, tuple, torch.Tensor], None]        # (dst group rank, key, tensor)
+SendFn = Callable[[int, tuple, torch.Tensor], None]        # (dst group rank, key, tensor), zero-copy
 RecvFn = Callable[[int, tuple], torch.Tensor]              # (src group rank, key) -> tensor
 
 
@@ -66,6 +68,8 @@ def ring_pass(buf: torch.Tensor, rank: int, world: int, c0: int, combines: list[
             combine(buf[a:b], recv(left, (g, j)), how)
             if forward:
                 send(right, (g + 1, j), buf[a:b])
+    send(left, ("ack",), buf[:0])
+    recv(right, ("ack",))
 
 
 def all_reduce_steps(world: int, op: str) -> list[str]:

@@ -59,6 +59,8 @@ class Transport:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.socket_buffer = 4 << 20  # kernel socket buffers: fewer wake-ups per large message
+        self.pull.setsockopt(zmq.RCVBUF, self.socket_buffer)
         if self._curve:
             from zmq.auth.thread import ThreadAuthenticator
             self._auth = ThreadAuthenticator(self.ctx)
@@ -99,6 +101,7 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.SNDBUF, self.socket_buffer)
             if self._curve:
                 pub, sec = self._curve
                 sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, pub
@@ -107,13 +110,18 @@ class Transport:
         return sock
 
     def send(self, dst: int, op: str, key: Sequence[Any], tensors: Sequence[wire.Tensor] = (), seq: int = 0,
-             meta: dict | None = None) -> None:
-        """Queue a message for `dst`; returns at once. Buffers must stay untouched until `flush()`."""
+             meta: dict | None = None, mode: str = "zerocopy") -> None:
+        """Queue a message for `dst`; returns at once.
+
+        mode "copy": ZeroMQ copies the tensors now, the caller may reuse them at once.
+        mode "track": zero-copy, and `flush()` waits until ZeroMQ has released the buffers.
+        mode "zerocopy": zero-copy and untracked (cheapest); the caller must know by other means that the buffer
+        is no longer needed (e.g. the receiver acknowledged it) before writing to it."""
         m = {"k": list(key)}
         if meta:
             m.update(meta)
         frames = wire.encode(op, tensors, seq=seq, src=self.rank, meta=m)
-        tracker = self._peer_socket(dst).send_multipart(frames, copy=False, track=True)
+        tracker = self._peer_socket(dst).send_multipart(frames, copy=(mode == "copy"), track=(mode == "track"))
         if tracker is not None and not tracker.done:
             self._trackers.append(tracker)
 
@@ -166,9 +174,10 @@ class Transport:
                 continue
             self._pending[got] = msg
 
-    def close(self) -> None:
+    def close(self, linger: float = 5.0) -> None:
+        """Close all sockets; messages still queued get up to `linger` seconds to reach live peers."""
         for s in self._push.values():
-            s.close(0)
+            s.close(int(linger * 1000))
         self.pull.close(0)
         if self._auth is not None:
             self._auth.stop()

@@ -67,7 +67,7 @@ class ZmqGroup(ProcessGroup):
     backend = "zmq"
 
     def __init__(self, transport: Transport, ranks: Sequence[int], gid: str = "w", *,
-                 small_bytes: int = 32 << 10, segment_bytes: int = 256 << 10,
+                 small_bytes: int = 32 << 10, segment_bytes: int = 4 << 20,
                  traffic: TrafficCounter | None = None, owns_transport: bool = True) -> None:
         self.tr = transport
         self.ranks = tuple(ranks)
@@ -85,9 +85,9 @@ class ZmqGroup(ProcessGroup):
         self._cur: tuple[str, int, int] = ("", -1, -1)  # (op, seq, numel) of the collective in progress
 
     # ---- messaging with accounting -----------------------------------------------------------------------------
-    def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor) -> None:
+    def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor, mode: str = "copy") -> None:
         g = self.ranks[dst]
-        self.tr.send(g, op, (self.gid, *key), [t], seq=self._cur[1], meta={"n": self._cur[2]})
+        self.tr.send(g, op, (self.gid, *key), [t], seq=self._cur[1], meta={"n": self._cur[2]}, mode=mode)
         self.traffic_counter.add_sent(g, op, t.numel() * t.element_size())
 
     def _recv(self, src: int, op: str, key: tuple) -> torch.Tensor:
@@ -116,7 +116,7 @@ class ZmqGroup(ProcessGroup):
     def _ring(self, op: str, seq: int, buf: torch.Tensor, c0: int, combines: list[str]) -> None:
         seg = max(1, self.segment_bytes // max(1, buf.element_size()))
         ring.ring_pass(buf, self.rank, self.world_size, c0, combines, seg,
-                       lambda d, k, t: self._send(d, op, (seq, *k), t),
+                       lambda d, k, t: self._send(d, op, (seq, *k), t, mode="zerocopy"),
                        lambda s, k: self._recv(s, op, (seq, *k)))
         self.tr.flush(op, seq)
 
@@ -223,8 +223,11 @@ class ZmqGroup(ProcessGroup):
                 if pos > 0:
                     buf[a:b].copy_(self._recv(prv, "broadcast", (seq, j)))
                 if pos < n - 1:
-                    self._send(nxt, "broadcast", (seq, j), buf[a:b])
-            self.tr.flush("broadcast", seq)
+                    self._send(nxt, "broadcast", (seq, j), buf[a:b], mode="zerocopy")
+            if pos > 0:  # acknowledge, so the sender knows its zero-copy buffers were delivered
+                self._send(prv, "broadcast", (seq, "ack"), buf[:0])
+            if pos < n - 1:
+                self._recv(nxt, "broadcast", (seq, "ack"))
         write_back(buf, orig)
         return tensor
 
@@ -265,7 +268,7 @@ class ZmqGroup(ProcessGroup):
         count = self._p2p_sent[(dst, tag)]
         self._p2p_sent[(dst, tag)] += 1
         g = self.ranks[dst]
-        self.tr.send(g, "p2p", ("p2p", self.gid, tag, count), [buf])
+        self.tr.send(g, "p2p", ("p2p", self.gid, tag, count), [buf], mode="track")
         self.traffic_counter.add_sent(g, "p2p", buf.numel() * buf.element_size())
         return _Work(lambda: self.tr.flush("p2p", count, g))
 

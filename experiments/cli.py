@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # sub-command modules, in the order `pslab --help` lists them; a missing module is skipped (work in progress)
 COMMANDS = ("compare", "run", "sweep", "report", "server", "schedule", "bench")
@@ -31,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # `kill PID` cleans up like Ctrl-C: worker and server processes are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -7,7 +7,9 @@ averages them, and takes one torch.optim step:
 
 which is large-batch SGD on the concatenated K*b batch — the trajectory BSP (all-reduce or PS) must reproduce.
 It records one metrics line per (worker, step), like the distributed strategies, so plots and the batch-identity
-check treat all strategies alike. Stragglers do not apply: a single process has no peers to wait for.
+check treat all strategies alike. Stragglers do not apply: a single process has no peers to wait for. When
+`train.base_step_s` pads each worker's compute (real runs), a local step is padded to the same time — the K
+gradients would be computed in parallel — so `local` is "ideal BSP": the same updates with zero communication.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def run_local(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | 
     with JsonlWriter(rundir.metrics_path) as mw, JsonlWriter(rundir.eval_path) as ew:
         ew.write({"updates": 0, "time_s": 0.0, **wl.evaluate(model)})
         for step in range(t.steps):
+            t_step = time.perf_counter()
             acc = [torch.zeros_like(p) for _, p in params]
             losses = []
             for w in range(K):
@@ -53,6 +56,9 @@ def run_local(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | 
             for a, (_, p) in zip(acc, params):
                 p.grad = a / K
             opt.step()
+            pad = t.base_step_s - (time.perf_counter() - t_step)
+            if pad > 0:
+                time.sleep(pad)
             now = time.perf_counter() - t0
             for w, loss, digest in losses:
                 mw.write({"worker": w, "step": step, "clock": step + 1, "time_s": now, "loss": loss,

@@ -73,17 +73,13 @@ def git_revision() -> str | None:
 
 
 def environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
     versions: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "numpy", "zmq", "msgpack", "sklearn", "matplotlib"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            versions[mod] = None
-    try:
-        from importlib.metadata import version
-        versions["pslab"] = version("pslab")
-    except Exception:
-        versions["pslab"] = None
+    for dist in ("pslab", "torch", "numpy", "pyzmq", "msgpack", "scikit-learn", "matplotlib", "mlxtend"):
+        try:  # metadata only: importing sklearn or matplotlib just for a version costs seconds
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = None
     return {"versions": versions, "host": socket.gethostname(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "git_revision": git_revision(), "argv": sys.argv,
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

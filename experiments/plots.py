@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 STRATEGY_ORDER = ["local", "allreduce", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp"]
 
@@ -145,6 +146,8 @@ def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
             ax.hist(taus, bins=np.arange(taus.max() + 2) - 0.5, color=_color(r, runs), edgecolor="black", lw=0.4)
             ax.axvline(taus.mean(), color="black", ls=":", lw=1, label=f"mean {taus.mean():.2f}")
             ax.legend(fontsize=7)
+        ax.set_xlim(-0.5, (int(taus.max()) if len(taus) else 0) + 1.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(run_label(r), fontsize=9)
         ax.set_xlabel("staleness τ (versions)", fontsize=8)
         ax.set_ylabel("updates", fontsize=8)

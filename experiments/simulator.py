@@ -209,7 +209,10 @@ def shard_summary(st: Any) -> dict[str, Any]:
 
 
 def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    if cfg.strategy.kind == "allreduce":
+        from experiments.sim_allreduce import simulate_allreduce
+        return simulate_allreduce(cfg, rundir, progress)
     if not cfg.strategy.uses_ps:
-        raise ExperimentError(f"--simulate supports the parameter-server strategies (ps-*), not {cfg.strategy}; "
-                              "allreduce BSP is simulated as ps-bsp (same update rule)")
+        raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "
+                              f"{cfg.strategy}: `local` is already a single process, run it without --simulate")
     return Simulator(cfg, progress).run(rundir)

@@ -5,7 +5,8 @@ last layers are ready first in backward). A post-accumulate-grad hook on every p
 bucket k is full and buckets 0..k−1 are launched, bucket k's gradients are copied into one flat buffer and its
 all-reduce is submitted to the communication thread, so it runs while autograd computes earlier layers. Buckets are
 launched in the fixed order 0, 1, 2 … on every rank, whatever order hooks fire in. At the end of backward (an
-autograd-engine callback) we wait for all buckets, divide by N and copy the averages back into `.grad`.
+autograd-engine callback) we wait for all buckets and divide by N. Gradients are views into the bucket buffers
+(DDP's gradient_as_bucket_view): autograd accumulates straight into them, so nothing is copied either way.
 
 Each rank moves 2(N−1)/N · 4Ψ bytes per step (ring all-reduce of Ψ fp32 gradients), independent of N.
 
@@ -72,6 +73,18 @@ class GradReducer:
         """Called before each forward: capture whether the coming backward synchronises."""
         self._armed = self.require_sync
         self._callback_queued = False
+        for b in self.buckets:   # gradients live in the bucket buffers (no copies; DDP's gradient_as_bucket_view)
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                view = b.buffer[off:off + n].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+                off += n
         if self._armed:
             self._next = 0
             for b in self.buckets:
@@ -93,16 +106,22 @@ class GradReducer:
             b = self.buckets[self._next]
             if b.pending > 0 and not force:
                 return
-            off = 0
-            for p in b.params:
-                n = p.numel()
-                if p.grad is None:
-                    b.buffer[off:off + n].zero_()
-                else:
-                    b.buffer[off:off + n].copy_(p.grad.reshape(-1))
-                off += n
+            self._into_buffer(b)
             b.future = self._thread.submit(self.comm.all_reduce, b.buffer, "sum", f"bucket {b.index}")
             self._next += 1
+
+    @staticmethod
+    def _into_buffer(b: _Bucket) -> None:
+        """Make sure the bucket buffer holds every gradient (they normally already are views of it)."""
+        off = 0
+        for p in b.params:
+            n = p.numel()
+            view = b.buffer[off:off + n]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            off += n
 
     def finish(self) -> None:
         """Wait for every bucket; write averaged gradients back. Runs at the end of backward."""
@@ -116,11 +135,9 @@ class GradReducer:
             off = 0
             for p in b.params:
                 n = p.numel()
-                g = b.buffer[off:off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                view = b.buffer[off:off + n].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
                 off += n
         self._armed = False
 

@@ -87,11 +87,13 @@ class PipelineReplica:
             self._shapes[key] = shapes
         return self._shapes[key]
 
-    def _pad(self, phase: str, t0: float) -> None:
+    def _pad(self, phase: str, t0: float) -> float:
+        """Stretch the compute that started at t0 to the fixed stage time, if any; return the end time."""
         if self.stage_time is not None:
             left = self.stage_time[0 if phase == "F" else 1] - (time.perf_counter() - t0)
             if left > 0:
                 time.sleep(left)
+        return time.perf_counter()
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         m, s, p = self.micro_batches, self.s, self.p
@@ -119,7 +121,8 @@ class PipelineReplica:
                 if s == p - 1:
                     out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
                     losses.append(out.detach())
-                else:
+                t1 = self._pad(a.phase, t0)
+                if s < p - 1:
                     sends.append(self.pp.isend(out.detach().contiguous(), s + 1, tag=2 * i,
                                                site=f"stage {s} -> {s + 1}"))
                 held[i] = (inp, out)
@@ -133,11 +136,11 @@ class PipelineReplica:
                     grad = self.pp.recv(torch.empty_like(out), s + 1, tag=2 * i + 1)
                     t0 = time.perf_counter()
                     torch.autograd.backward(out, grad)
+                t1 = self._pad(a.phase, t0)
                 if s > 0:
                     sends.append(self.pp.isend(inp.grad.contiguous(), s - 1, tag=2 * i + 1,
                                                site=f"stage {s} -> {s - 1}"))
-            self._pad(a.phase, t0)
-            self.spans.append((a, t0 - self.step_start, time.perf_counter() - self.step_start))
+            self.spans.append((a, t0 - self.step_start, t1 - self.step_start))
         for w in sends:
             w.wait()
         loss = torch.stack(losses).sum() if losses else torch.zeros(())

@@ -147,9 +147,18 @@ class PSClient:
             self.clocks[i] += 1
         return _metas(self._all("push", per_shard=per, timeout=timeout))
 
-    def stats(self) -> Future:
-        """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters]."""
-        return _metas(self._all("stats"))
+    def stats(self, series: bool = False) -> Future:
+        """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters];
+        `series=True` adds the per-update time series [[now, worker, tau, version], ...]."""
+        return _metas(self._all("stats", {"series": bool(series)}))
+
+    def resync(self) -> list[int]:
+        """Re-register and adopt each shard's clock and version for this worker (after an error or a shard
+        restart); returns the clocks."""
+        regs = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
+        for i, (r, _) in enumerate(regs):
+            self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+        return list(self.clocks)
 
     def checkpoint(self) -> Future:
         """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""

@@ -26,7 +26,7 @@ Staleness of an update: tau = (shard version when applied) - (version the gradie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
@@ -35,9 +35,9 @@ from .errors import ConfigError
 class Policy:
     """Base policy. `aggregate`: pushes of one clock are averaged into one step; else each push is one step."""
 
-    name: str = "policy"
-    aggregate: bool = False
-    backups: int = 0
+    name: str = field(default="policy", kw_only=True)
+    aggregate: bool = field(default=False, kw_only=True)
+    backups: int = field(default=0, kw_only=True)
 
     def may_read(self, clock: int, clocks: list[int], committed_clock: int) -> bool:
         """True if a read at `clock` may proceed given every worker's clock and the number of committed clocks."""
@@ -53,7 +53,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class ASP(Policy):
-    name: str = "asp"
+    name: str = field(default="asp", kw_only=True)
 
     def may_read(self, clock: int, clocks: list[int], committed_clock: int) -> bool:
         return True
@@ -63,8 +63,8 @@ class ASP(Policy):
 class SSP(Policy):
     staleness: int = 0
     eager: bool = False
-    name: str = "ssp"
-    aggregate: bool = True
+    name: str = field(default="ssp", kw_only=True)
+    aggregate: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.staleness, int) or self.staleness < 0:
@@ -93,8 +93,8 @@ class BSP(SSP):
 @dataclass(frozen=True)
 class BackupBSP(Policy):
     backups: int = 1
-    name: str = "bsp-backup"
-    aggregate: bool = True
+    name: str = field(default="bsp-backup", kw_only=True)
+    aggregate: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.backups, int) or self.backups < 0:

@@ -19,6 +19,7 @@ exactly to the plain update.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Sequence
 
@@ -65,6 +66,17 @@ class OptimizerSpec:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["betas"] = list(self.betas)
         return d
+
+    def to_string(self) -> str:
+        """The `optimizer_from_string` form, e.g. "adam:lr=0.001,...,staleness_lr=1" (configs travel as text)."""
+        parts = []
+        for k, v in self.to_dict().items():
+            if k == "name" or v is None:
+                continue
+            if k == "betas":
+                v = "/".join(str(b) for b in v)
+            parts.append(f"{k}={int(v) if isinstance(v, bool) else v}")
+        return f"{self.name}:{','.join(parts)}"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OptimizerSpec":
@@ -150,6 +162,14 @@ class ServerOptimizer:
         if not contributions:
             raise ValueError("an optimizer step needs at least one contribution")
         n = len(contributions)
+        if n == 1 and not self.spec.delay_compensated:   # fast path: the optimizer reads the gradient in place
+            with warnings.catch_warnings():                # received frames are read-only; torch.optim only reads
+                warnings.simplefilter("ignore", UserWarning)
+                for k in self.keys:
+                    g = contributions[0].grads[k]
+                    g = g if isinstance(g, torch.Tensor) else torch.from_numpy(np.asarray(g))
+                    self.params[k].grad = g.reshape(self.params[k].shape)
+            return self._apply([c.tau for c in contributions])
         for k in self.keys:
             g = self._gbuf[k]
             for i, c in enumerate(contributions):
@@ -168,10 +188,17 @@ class ServerOptimizer:
             if n > 1:
                 g.div_(n)
             self.params[k].grad = g
-        lr = self.learning_rate([c.tau for c in contributions])
+        return self._apply([c.tau for c in contributions])
+
+    def _apply(self, taus: list[int]) -> float:
+        lr = self.learning_rate(taus)
         for group in self.torch_opt.param_groups:
             group["lr"] = lr
-        self.torch_opt.step()
+        try:
+            self.torch_opt.step()
+        finally:
+            for p in self.params.values():
+                p.grad = None
         self.steps += 1
         return lr
 

@@ -82,11 +82,13 @@ class ShardServer:
         self.registered: dict[bytes, int] = {}
         self.last_seq: dict[bytes, int] = {}
         self.parked: list[_Parked] = []
-        self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0}
+        self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
+                         "internal_errors": 0}
         self.address = ""
         self.restored_from: str | None = None
         self._last_ckpt_version = -1
         self._stop = False
+        self._inflight: list[Any] = []      # trackers of zero-copy pull replies that still reference the params
         self.sock: zmq.Socket | None = None
         if config.checkpoint_dir:
             found = latest_checkpoint(config.checkpoint_dir)
@@ -147,13 +149,23 @@ class ShardServer:
             self.sock.close(0)
 
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
-              tensors: Any = None) -> None:
+              tensors: Any = None, track: bool = False) -> None:
         assert self.sock is not None
         frames = encode(op, tensors, seq=seq, src=self.config.shard_id, meta=meta or {})
         try:
-            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+            tracker = self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK, track=track)
         except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply, keep serving
             log.debug("reply to %r dropped: %s", identity, e)
+            return
+        if track:
+            self._inflight.append(tracker)
+
+    def _before_update(self) -> None:
+        """Copy-on-write: if a zero-copy pull reply may still be reading the parameters, move them to new storage."""
+        if self._inflight:
+            if any(not t.done for t in self._inflight) and self.state is not None:
+                self.state.unshare_params()
+            self._inflight.clear()
 
     def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         self.counters["errors"] += 1
@@ -165,15 +177,18 @@ class ShardServer:
         """Handle one request; never raises (except KeyboardInterrupt/SystemExit)."""
         self.counters["messages"] += 1
         try:
-            msg = decode(frames, self.limits)
+            msg = decode(frames, self.limits, as_torch=True)
         except WireError as e:
             self.counters["malformed"] += 1
             self._error(identity, 0, ProtocolError(f"malformed message: {e}"))
             return
         try:
-            if msg.seq <= self.last_seq.get(identity, -1):
+            if msg.seq < 1:
+                raise ProtocolError(f"request id (seq) must be a positive integer, got {msg.seq}")
+            last = self.last_seq.get(identity, 0)
+            if msg.seq <= last:
                 raise DuplicateRequestError(f"request id {msg.seq} is not larger than the last accepted one "
-                                            f"({self.last_seq[identity]}) on this connection; duplicate or out of order")
+                                            f"({last}) on this connection; duplicate or out of order")
             if msg.op in NEEDS_REGISTRATION and identity not in self.registered:
                 raise ProtocolError(f"{msg.op} from an unregistered connection; send 'register' with your worker "
                                     "id first")
@@ -183,6 +198,7 @@ class ShardServer:
         except PSError as e:
             self._error(identity, msg.seq, e)
         except Exception as e:  # a bug or an unforeseen input: answer, log, keep serving
+            self.counters["internal_errors"] += 1
             log.exception("shard %d: unexpected error on %s", self.config.shard_id, msg.op)
             self._error(identity, msg.seq, ProtocolError(f"server could not handle {msg.op}: "
                                                          f"{type(e).__name__}: {e}"))
@@ -228,10 +244,10 @@ class ShardServer:
         st = self.state
         if st is None or not st.may_read(p.worker, p.clock, now):
             return False
-        r = st.read(p.worker, p.clock, now)
+        r = st.read(p.worker, p.clock, now, copy=False)   # zero-copy; _before_update protects it (copy-on-write)
         self.counters["pulls"] += 1
         self._send(p.identity, "ok", p.seq, {"version": r.version, "clock": r.clock, "committed": r.committed_clock},
-                   {k: t.reshape(-1) for k, t in r.params.items()})
+                   {k: t.reshape(-1) for k, t in r.params.items()}, track=True)
         return True
 
     def _retry_parked(self, now: float) -> None:
@@ -264,6 +280,7 @@ class ShardServer:
             raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
                                       "init before anyone pushes")
         worker = self.registered[identity]
+        self._before_update()
         res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"),
                               msg.tensors, now)
         self.counters["pushes"] += 1
@@ -282,6 +299,8 @@ class ShardServer:
         if st is not None:
             meta.update(version=st.version, clocks=list(st.clocks), committed=st.committed_clock,
                         policy=str(st.policy), stats=st.stats.summary())
+            if msg.meta.get("series") is True:
+                meta["series"] = [list(x) for x in st.stats.series]
         self._send(identity, "ok", msg.seq, wire_safe(meta))
 
     def _checkpoint(self) -> str:
@@ -350,7 +369,10 @@ class ServerGroup:
         if not parent.poll(self.start_timeout):
             p.kill()
             raise PSError(f"shard {shard} did not start within {self.start_timeout:g}s")
-        status, info = parent.recv()
+        try:
+            status, info = parent.recv()
+        except EOFError:
+            status, info = "error", f"the process exited during start-up (exit code {p.exitcode})"
         parent.close()
         if status != "ok":
             p.join(5)
@@ -426,17 +448,6 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
 
 
 def _opt_str(optimizer: Any) -> str:
-    """OptimizerSpec -> its string form (configs travel as plain data)."""
+    """OptimizerSpec (or string) -> its string form (kept for callers of the early API; see OptimizerSpec.to_string)."""
     from .optim import OptimizerSpec
-    if isinstance(optimizer, OptimizerSpec):
-        d = optimizer.to_dict()
-        name = d.pop("name")
-        parts = []
-        for k, v in d.items():
-            if v is None:
-                continue
-            if k == "betas":
-                v = "/".join(str(b) for b in v)
-            parts.append(f"{k}={int(v) if isinstance(v, bool) else v}")
-        return f"{name}:{','.join(parts)}"
-    return str(optimizer)
+    return optimizer.to_string() if isinstance(optimizer, OptimizerSpec) else str(optimizer)

@@ -243,6 +243,12 @@ class ShardState:
         st.reads, st.pushes = int(meta.get("reads", 0)), int(meta.get("pushes", 0))
         return st
 
+    def unshare_params(self) -> None:
+        """Give every parameter fresh storage (copy-on-write): buffers handed out by `read(copy=False)` keep the
+        old values while later pushes update the new ones. The optimizer state is unaffected."""
+        for p in self.params.values():
+            p.data = p.data.clone()
+
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
 

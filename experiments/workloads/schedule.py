@@ -27,7 +27,7 @@ class BatchSchedule:
         if min(len(s) for s in self.shards) == 0:
             raise ValueError(f"{workers} workers but only {n_train} training examples")
 
-    @lru_cache(maxsize=64)
+    @lru_cache(maxsize=4096)
     def _epoch(self, worker: int, epoch: int) -> np.ndarray:
         shard = self.shards[worker]
         return shard[np.random.default_rng([self.seed, worker, epoch]).permutation(len(shard))]

@@ -122,3 +122,41 @@ def test_non_loopback_bind_requires_curve(monkeypatch):
     store = torch.distributed.HashStore()
     with pytest.raises(RendezvousError, match="curve_keys_dir"):
         collectives.init_process_group("zmq", rank=0, world_size=1, store=store, bind_host="0.0.0.0")
+
+
+def curve_rejects_strangers(group):
+    """Rank 0 tries to inject a well-formed message into rank 1 over a socket without the keys."""
+    import zmq
+    from collectives import wire
+    from collectives.errors import PeerTimeoutError
+    if group.rank == 0:
+        host, *eps = group.tr.store.get("addr/1").decode().split("|")
+        s = zmq.Context.instance().socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect([e for e in eps if e.startswith("tcp")][0])
+        s.send_multipart(wire.encode("evil", [np.zeros(1)], src=0, meta={"k": ["evil"]}))
+    group.barrier()
+    got = None
+    if group.rank == 1:
+        group.tr.timeout = 1.0
+        try:
+            got = group.tr.recv(0, ("evil",), "evil").op
+        except PeerTimeoutError:
+            got = "nothing arrived"
+    group.tr.timeout = 30
+    group.barrier()
+    return got
+
+
+def test_curve_rejects_unauthenticated_sockets(tmp_path):
+    """A socket without the CURVE keys cannot deliver anything, even a well-formed message."""
+    from collectives.curve import generate_keys
+    generate_keys(str(tmp_path))
+    res = collectives.launch(curve_rejects_strangers, 2, timeout=30, curve_keys_dir=str(tmp_path))
+    assert res[1] == "nothing arrived"
+
+
+def test_without_curve_the_same_injection_arrives():
+    """Control for the test above: without CURVE the stranger's message is delivered (so the test can fail)."""
+    res = collectives.launch(curve_rejects_strangers, 2, timeout=30)
+    assert res[1] == "evil"

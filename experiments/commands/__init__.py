@@ -1,0 +1,1 @@
+"""Sub-commands of `pslab`: each module has register(subparsers) and run(args) -> int."""

@@ -1,0 +1,29 @@
+"""`pslab bench WHAT [...]`: benchmarks, each against a peer in the same run (gloo, torch RPC, DDP), printing ratios.
+
+    pslab bench collectives   zmq ring collectives vs torch.distributed gloo (time, algbw, busbw, ratio)
+    pslab bench ps            parameter-server push+pull rate vs the torch.distributed.rpc PS pattern
+    pslab bench dp            data-parallel training samples/s vs torch DistributedDataParallel on gloo
+
+Arguments after WHAT go to that benchmark (`pslab bench collectives --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"collectives": "zmq collectives vs gloo", "ps": "parameter server vs torch RPC PS",
+           "dp": "data parallel vs torch DDP"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (try --help)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"experiments.bench.{args.what}")
+    return int(module.main(list(args.rest)) or 0)

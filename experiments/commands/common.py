@@ -1,0 +1,16 @@
+"""Arguments several sub-commands share."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
+    if config_required:
+        p.add_argument("config", help="TOML config file (see examples/*.toml)")
+    else:
+        p.add_argument("--config", default=None, help="TOML config file (default: the built-in default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set train.strategy=ps-ssp:2 (repeatable)")
+    p.add_argument("--simulate", action="store_true", help="run in the discrete-event simulator (virtual time)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

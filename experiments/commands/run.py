@@ -1,0 +1,36 @@
+"""`pslab run CONFIG.toml [--set key=value ...] [--simulate]`: one run, written to a run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from experiments.commands.common import add_config_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run one config (real processes, or --simulate) into a run directory")
+    add_config_args(p, config_required=True)
+    p.add_argument("--out", default="runs", help="parent directory of the run directory (default: runs)")
+    p.add_argument("--label", default=None, help="name of the run (default: strategy and conditions)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from experiments.config import load_config
+    from experiments.env_role import from_environment
+    from experiments.runner import execute
+    cfg = load_config(args.config, args.overrides)
+    role = from_environment()
+    if role is not None and not args.simulate:
+        from experiments.env_role import run_with_role
+        return run_with_role(cfg, role, args.out, args.label)
+    rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet)
+    s = json.loads((rd.path / "summary.json").read_text())
+    acc = s.get("final_test_acc")
+    print(f"{s['label']}: {s['updates']} updates in {s['time_s']:.2f} s{' (virtual)' if s['simulated'] else ''}, "
+          f"test accuracy {100 * acc:.1f}%" if acc is not None else "", end="")
+    if s.get("staleness_mean") is not None:
+        print(f", staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}", end="")
+    print(f"\nrun directory: {rd.path}")
+    return 0

@@ -1,0 +1,53 @@
+"""`pslab server`: run one parameter-server shard in the foreground (one process per shard).
+
+    pslab server --bind tcp://127.0.0.1:5555 --shard 0 --workers 4 --policy ssp:3 --optimizer adam:lr=1e-3 \\
+                 --checkpoint-dir ckpt/shard-0 --checkpoint-every 100
+
+Workers connect with `ps.connect([addr0, addr1, ...], worker=w, params=...)`, addresses in shard order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("server", help="run one parameter-server shard (ZeroMQ) until shutdown or idle timeout")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0",
+                   help="tcp://HOST:PORT (port 0: pick a free one) or ipc://PATH (default: %(default)s)")
+    p.add_argument("--shard", type=int, default=0, help="this shard's index (default: 0)")
+    p.add_argument("--workers", type=int, required=True, help="number of workers that will connect")
+    p.add_argument("--policy", default="asp", help="asp | bsp | ssp:S | ssp-eager:S | bsp-backup:B (default: asp)")
+    p.add_argument("--optimizer", default="sgd:lr=0.01",
+                   help="sgd|momentum|adam[:key=value,...], keys: lr, momentum, betas=B1/B2, eps, weight_decay, "
+                        "nesterov, staleness_lr, dc_lambda, dc_adaptive, dc_decay (default: %(default)s)")
+    p.add_argument("--checkpoint-dir", default=None, help="write/resume checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (0: on demand)")
+    p.add_argument("--request-timeout", type=float, default=120.0,
+                   help="seconds a pull may wait on the consistency gate before an error reply (0: forever)")
+    p.add_argument("--idle-timeout", type=float, default=0.0,
+                   help="exit after this many seconds without any message (0: never)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ps.server import ServerConfig, ShardServer
+    torch.set_num_threads(1)
+    cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
+                       optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every, request_timeout=args.request_timeout,
+                       idle_timeout=args.idle_timeout)
+    server = ShardServer(cfg)
+    address = server.bind()
+    restored = f", resumed from {server.restored_from} (version {server.state.version})" if server.restored_from else ""
+    print(f"pslab server: shard {cfg.shard_id} serving {cfg.num_workers} workers on {address} "
+          f"[{cfg.policy}, {cfg.optimizer}]{restored}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("pslab server: interrupted", file=sys.stderr)
+        return 130
+    return 0

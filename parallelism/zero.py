@@ -1,0 +1,267 @@
+"""ZeRO (Rajbhandari et al., 2020): shard optimizer state (stage 1), + gradients (2), + parameters (3) over N ranks.
+
+Every parameter is cut flat into N chunks with `chunk_bounds(numel, N)`; rank r owns chunk r of each parameter and
+runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks only.
+
+    stage 0  plain DP: all-reduce full gradients, every rank updates everything              (p+g+K)Ψ per rank
+    stage 1  full gradients; reduce-scatter them; update own chunk; all-gather parameters     (p+g)Ψ + KΨ/N
+    stage 2  as 1, but each gradient is reduce-scattered from its autograd hook as soon as
+             it is ready and the full gradient freed: only the gradient shard persists        pΨ + (g+K)Ψ/N
+    stage 3  as 2, and parameters live as shards: a layer's full weights are all-gathered just
+             before its forward (and again before its backward) and freed right after; the
+             next layer's gather is issued early on the communication thread (prefetch)         (p+g+K)Ψ/N
+
+(p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
+Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
+stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements.
+Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
+Parameter object itself, so the gather before that layer's backward puts the full data back where backward looks.
+`state_bytes()` counts the bytes actually allocated (unique storages) for parameters, gradients and optimizer state;
+`peak_gathered_bytes` is the most full-parameter bytes stage 3 ever held at once.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from collectives import chunk_bounds
+
+from .comm import Comm, CommLog, CommThread
+from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
+from .mesh import DeviceMesh
+from .zero_memory import StateBytes
+
+
+def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class _Unit:
+    """A module that directly owns parameters: the granularity of stage-3 gathering."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
+        self.index, self.name, self.module, self.params = index, name, module, params
+        self.nbytes = sum(p.numel() * p.element_size() for _, p in params)
+        self.state = "full"
+        self.future: Future | None = None
+        self.grads_pending = 0
+
+
+class ZeroReplica:
+    """ZeRO stage 0–3 over the data-parallel group `dp`; owns its (sharded) optimizer."""
+
+    def __init__(self, module: nn.Module, dp: Comm, stage: int, optimizer_factory: OptimizerFactory, rank: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 prefetch: bool = True) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise EngineError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        self.module, self.dp, self.log, self.stage, self.rank = module, dp, dp.log, stage, rank
+        self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        self.prefetch = prefetch
+        self.n, self.r = dp.size, dp.rank
+        self.thread = CommThread()
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.bounds = {n: chunk_bounds(p.numel(), self.n)[self.r] for n, p in self.named}
+        self.shapes = {n: p.shape for n, p in self.named}
+        self.peak_gathered_bytes = 0
+        self.gathered_bytes = 0
+        self.last_state: StateBytes | None = None
+        total_shard = sum(b - a for a, b in self.bounds.values())
+        # persistent gradient shard (stages 2, 3): one flat buffer, a view per parameter
+        self.grad_shard = torch.zeros(total_shard) if stage >= 2 else None
+        self.shards: dict[str, nn.Parameter] = {}
+        off = 0
+        for n, p in self.named:
+            a, b = self.bounds[n]
+            if stage == 0:
+                self.shards[n] = p
+            elif stage in (1, 2):
+                self.shards[n] = nn.Parameter(p.data.view(-1)[a:b])       # a view: updates land in p itself
+            else:
+                self.shards[n] = nn.Parameter(p.data.view(-1)[a:b].clone())
+            if self.grad_shard is not None:
+                self.shards[n].grad = self.grad_shard[off:off + b - a]
+            off += b - a
+        self.optimizer = optimizer_factory(list(self.shards.values()))
+        self.units: list[_Unit] = []
+        if stage >= 2:
+            for n, p in self.named:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(n))
+        if stage == 3:
+            self._setup_units()
+
+    # ---- communication helpers (everything goes through one thread, so the order is the same on all ranks) ----
+    def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.thread.submit(fn, *args).result()
+
+    def _reduce_scatter_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        a, b = self.bounds[name]
+        out = torch.empty(b - a, dtype=grad.dtype)
+        self._sync(self.dp.reduce_scatter, out, grad.contiguous().view(-1), "sum", f"grad {name}")
+        return out.mul_(1.0 / self.n)
+
+    def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self.shards[name].grad.add_(self._reduce_scatter_grad(name, p.grad))
+            p.grad = None                      # the full gradient is freed as soon as it is reduced
+            if self.stage == 3:
+                unit = self._unit_of[name]
+                unit.grads_pending -= 1
+                if unit.grads_pending == 0:
+                    self._free(unit)
+        return hook
+
+    # ---- stage 3: gather just in time, free after use, prefetch the next unit ---------------------------------
+    def _setup_units(self) -> None:
+        owner = {id(p): n for n, p in self.named}
+        for mname, mod in self.module.named_modules():
+            own = [(owner[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in owner]
+            if own:
+                self.units.append(_Unit(len(self.units), mname, mod, own))
+        self._unit_of = {n: u for u in self.units for n, _ in u.params}
+        self.gathered_bytes = sum(u.nbytes for u in self.units)
+        for u in self.units:
+            u.module.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
+            u.module.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
+            self._free(u)
+        self.peak_gathered_bytes = 0
+
+    def _gather(self, u: _Unit, wait: bool = True) -> None:
+        if u.state == "free":
+            for n, p in u.params:
+                p.data = torch.empty(self.shapes[n], dtype=p.dtype)
+            self.gathered_bytes += u.nbytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            u.future = self.thread.submit(self._gather_unit, u)
+            u.state = "pending"
+        if wait and u.state == "pending":
+            u.future.result()
+            u.state = "full"
+
+    def _gather_unit(self, u: _Unit) -> None:
+        for n, p in u.params:
+            self.dp.all_gather(p.data.view(-1), self.shards[n].data, site=f"param {n}")
+
+    def _free(self, u: _Unit) -> None:
+        if u.state == "pending":
+            u.future.result()
+        if u.state != "free":
+            for _, p in u.params:
+                p.data = torch.empty(0, dtype=p.dtype)   # autograd's saved reference sees the data set before use
+            self.gathered_bytes -= u.nbytes
+        u.state = "free"
+
+    def _before_forward(self, u: _Unit) -> None:
+        self._gather(u)
+        if self.prefetch and u.index + 1 < len(self.units):
+            self._gather(self.units[u.index + 1], wait=False)
+
+    def _after_forward(self, u: _Unit, out: Any) -> None:
+        u.grads_pending = len(u.params)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g, u=u: self._before_backward(u))
+        self._free(u)
+
+    def _before_backward(self, u: _Unit) -> None:
+        self._gather(u)
+        if self.prefetch and u.index > 0:
+            self._gather(self.units[u.index - 1], wait=False)
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = self.loss_fn(self.module(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    def step(self) -> None:
+        """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
+        if self.stage == 0:
+            from .engine import allreduce_grads
+            allreduce_grads(self.dp, [ParamSlot(n, p, self.rank) for n, p in self.named])
+        elif self.stage == 1:
+            for n, p in self.named:
+                a, b = self.bounds[n]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                flat = p.grad.view(-1)
+                flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
+                self.shards[n].grad = flat[a:b]
+        for u in self.units:                                      # any unit whose grads never came (unused)
+            self._free(u)
+        self.optimizer.step()
+        self.last_state = self.state_bytes()
+        if self.stage in (1, 2):
+            for n, p in self.named:
+                self._sync(self.dp.all_gather, p.data.view(-1), self.shards[n].data.clone(), f"param {n}")
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for n, p in self.named:
+            p.grad = None
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        elif self.stage == 1:
+            for s in self.shards.values():
+                s.grad = None
+
+    def slots(self) -> list[ParamSlot]:
+        if self.stage == 0:
+            return [ParamSlot(n, p, self.rank) for n, p in self.named]
+        return [ParamSlot(f"{n}#shard{self.bounds[n][0]}:{self.bounds[n][1]}", s, self.rank)
+                for n, s in self.shards.items()]
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every full parameter (all-gathered for stage 3). Collective: call on every rank."""
+        out = {}
+        for n, p in self.named:
+            if self.stage == 3:
+                full = torch.empty(self.shapes[n], dtype=p.dtype)
+                self._sync(self.dp.all_gather, full.view(-1), self.shards[n].data, "export")
+                out[n] = full
+            else:
+                out[n] = p.detach().clone()
+        return out
+
+    def state_bytes(self) -> StateBytes:
+        """Bytes of distinct storages held now: parameters, gradients, optimizer state."""
+        def total(tensors: list[torch.Tensor]) -> int:
+            return sum(dict(_storage_bytes(t) for t in tensors if t.untyped_storage().nbytes()).values())
+        params = [p for _, p in self.named] + list(self.shards.values())
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        grads += [s.grad for s in self.shards.values() if s.grad is not None]
+        opt = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return StateBytes(params=total(params), grads=total(grads), optimizer=total(opt))
+
+    def close(self) -> None:
+        self.thread.close()
+
+
+class ZeroStrategy:
+    """The sync strategy of a ZeRO replica: it owns its sharded optimizer, so step is the replica's own."""
+
+    def attach(self, replica: ZeroReplica) -> None:
+        if not isinstance(replica, ZeroReplica):
+            raise EngineError("ZeroStrategy works with replicas built by ZeroEngine")
+
+    def step(self, replica: ZeroReplica) -> None:
+        replica.step()
+
+
+class ZeroEngine:
+    """ZeRO over the mesh's dp axis (pp = tp = 1)."""
+
+    def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
+                 log: CommLog | None = None) -> None:
+        self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
+            stage, optimizer_factory, loss_fn, prefetch, log)
+
+    def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
+        if mesh.size("pp") > 1 or mesh.size("tp") > 1:
+            raise EngineError("ZeroEngine shards over dp only; use a mesh with pp=1 and tp=1")
+        return ZeroReplica(model_factory(), Comm(mesh.group("dp"), self.log), self.stage, self.optimizer_factory,
+                           mesh.world.ranks[mesh.rank], self.loss_fn, self.prefetch)

