@@ -34,7 +34,7 @@ def _env_int(*names: str) -> int | None:
 def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
                        master_addr: str | None = None, master_port: int | None = None, store: Any = None,
                        timeout: float = 60.0, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None,
-                       torch_backend: str | None = None, store_prefix: str = "zmq/", use_ipc: bool = True,
+                       torch_backend: str | None = None, store_prefix: str = "zmq/", use_ipc: bool = True, use_shm: bool = True,
                        **group_options: Any) -> ProcessGroup:
     """Join (or create) the world group of this job. Missing arguments come from torchrun/SLURM variables.
 
@@ -67,7 +67,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
         raise RendezvousError(f"binding to {bind_host} exposes the group beyond this host: pass curve_keys_dir= "
                               "to encrypt and authenticate (see collectives.curve.generate_keys)")
     tr = Transport(rank, world_size, dist.PrefixStore(store_prefix, store), timeout=timeout, bind_host=bind_host,
-                   curve=curve, use_ipc=use_ipc)
+                   curve=curve, use_ipc=use_ipc, use_shm=use_shm)
     group = ZmqGroup(tr, range(world_size), **group_options)
     group.store = store  # the job's store, e.g. to form a second (torch) group beside this one
     return group

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from . import wire
+from . import shm, wire
 from .errors import PeerTimeoutError, RendezvousError, WireError
 
 Key = tuple
@@ -44,7 +44,7 @@ class Transport:
 
     def __init__(self, rank: int, world_size: int, store: Any, *, timeout: float = 60.0,
                  bind_host: str = "127.0.0.1", use_ipc: bool = True, curve: CurveKeys | None = None,
-                 limits: wire.WireLimits = wire.DEFAULT_LIMITS) -> None:
+                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, use_shm: bool = True) -> None:
         self.rank, self.world_size, self.timeout, self.limits = rank, world_size, timeout, limits
         self.store = store
         self.ctx = zmq.Context(io_threads=1)
@@ -55,6 +55,11 @@ class Transport:
         self._push: dict[int, zmq.Socket] = {}
         self._trackers: list[zmq.MessageTracker] = []
         self._auth = None
+        self.use_shm = use_shm and shm.available()
+        self._job = uuid.uuid4().hex[:12]
+        self._same_host: dict[int, bool] = {}
+        self._outbox: dict[int, shm.Outbox] = {}
+        self._inbox = shm.Inbox()
         self._curve = _load_curve(curve) if curve else None
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -97,6 +102,7 @@ class Transport:
                 raise RendezvousError(f"rank {self.rank}: no address published by rank {dst} ({e})") from None
             ipc = [e for e in eps if e.startswith("ipc://")]
             tcp = [e for e in eps if e.startswith("tcp://")]
+            self._same_host[dst] = host == self.host
             ep = ipc[0] if ipc and host == self.host else tcp[0]
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -110,20 +116,42 @@ class Transport:
         return sock
 
     def send(self, dst: int, op: str, key: Sequence[Any], tensors: Sequence[wire.Tensor] = (), seq: int = 0,
-             meta: dict | None = None, mode: str = "zerocopy") -> None:
+             meta: dict | None = None, mode: str = "zerocopy", shm_offset: int = 0) -> None:
         """Queue a message for `dst`; returns at once.
 
         mode "copy": ZeroMQ copies the tensors now, the caller may reuse them at once.
         mode "track": zero-copy, and `flush()` waits until ZeroMQ has released the buffers.
         mode "zerocopy": zero-copy and untracked (cheapest); the caller must know by other means that the buffer
-        is no longer needed (e.g. the receiver acknowledged it) before writing to it."""
+        is no longer needed (e.g. the receiver acknowledged it) before writing to it.
+        mode "shm": one tensor, written at byte `shm_offset` of the shared-memory outbox for `dst` (see shm.py and
+        `shm_reserve`); falls back to "zerocopy" for a peer on another host."""
         m = {"k": list(key)}
         if meta:
             m.update(meta)
+        if mode == "shm":
+            box = self._outbox.get(dst)
+            if box is not None and box.size:
+                m["shm"] = box.write(shm_offset, tensors[0])
+                self._peer_socket(dst).send_multipart(wire.encode(op, (), seq=seq, src=self.rank, meta=m))
+                return
+            mode = "zerocopy"
         frames = wire.encode(op, tensors, seq=seq, src=self.rank, meta=m)
         tracker = self._peer_socket(dst).send_multipart(frames, copy=(mode == "copy"), track=(mode == "track"))
         if tracker is not None and not tracker.done:
             self._trackers.append(tracker)
+
+    def shm_reserve(self, dst: int, nbytes: int) -> bool:
+        """Between collectives: make `dst`'s outbox hold `nbytes`. False when `dst` is not reachable by shm."""
+        if not self.use_shm:
+            return False
+        self._peer_socket(dst)
+        if not self._same_host.get(dst):
+            return False
+        box = self._outbox.get(dst)
+        if box is None:
+            box = self._outbox[dst] = shm.Outbox(self._job, self.rank, dst)
+        box.reserve(nbytes)
+        return True
 
     def flush(self, op: str = "send", seq: int = 0, peer: int = -1) -> None:
         """Wait until ZeroMQ no longer needs any buffer passed to `send`."""
@@ -159,6 +187,8 @@ class Transport:
                 if not isinstance(k, list) or not 0 <= h["src"] < self.world_size:
                     raise WireError(f"message without a routing key or from unknown rank {h['src']}")
                 msg = wire.decode(frames, self.limits, as_torch=True, header=h)
+                if "shm" in h["meta"]:
+                    msg.tensors["0"] = self._inbox.view(h["src"], h["meta"]["shm"])
             except WireError as e:
                 self.dropped += 1
                 self.last_drop_reason = str(e)
@@ -178,6 +208,9 @@ class Transport:
         """Close all sockets; messages still queued get up to `linger` seconds to reach live peers."""
         for s in self._push.values():
             s.close(int(linger * 1000))
+        for box in self._outbox.values():
+            box.close()
+        self._inbox.close()
         self.pull.close(0)
         if self._auth is not None:
             self._auth.stop()

@@ -7,6 +7,8 @@ Algorithms (see ring.py for the ring and its byte count):
   reduce_scatter  ring reduce-scatter;  all_gather  ring all-gather
   broadcast       streamed chain src -> src+1 -> ... for large tensors, direct sends for small ones
   all_to_all      direct sends;  barrier  direct exchange of one byte
+Payloads of the streamed ring and chain go through shared memory when the neighbour is on the same host (shm.py:
+one memcpy, no kernel copies; ZeroMQ carries only the header), else zero-copy over ipc:// or tcp://.
 Every message is keyed by (group id, sequence number, step, segment), so early arrivals wait in a mailbox and a rank
 that runs another collective at the same sequence number is reported by name (`CollectiveMismatchError`).
 """
@@ -85,9 +87,13 @@ class ZmqGroup(ProcessGroup):
         self._cur: tuple[str, int, int] = ("", -1, -1)  # (op, seq, numel) of the collective in progress
 
     # ---- messaging with accounting -----------------------------------------------------------------------------
-    def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor, mode: str = "copy") -> None:
+    def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor, mode: str = "copy", base: torch.Tensor | None = None
+              ) -> None:
+        """mode "shm" writes `t` at its own byte offset inside `base` (the collective's buffer) in the outbox."""
         g = self.ranks[dst]
-        self.tr.send(g, op, (self.gid, *key), [t], seq=self._cur[1], meta={"n": self._cur[2]}, mode=mode)
+        off = 0 if base is None else t.data_ptr() - base.data_ptr()
+        self.tr.send(g, op, (self.gid, *key), [t], seq=self._cur[1], meta={"n": self._cur[2]}, mode=mode,
+                     shm_offset=off)
         self.traffic_counter.add_sent(g, op, t.numel() * t.element_size())
 
     def _recv(self, src: int, op: str, key: tuple) -> torch.Tensor:
@@ -115,8 +121,10 @@ class ZmqGroup(ProcessGroup):
 
     def _ring(self, op: str, seq: int, buf: torch.Tensor, c0: int, combines: list[str]) -> None:
         seg = max(1, self.segment_bytes // max(1, buf.element_size()))
+        right = (self.rank + 1) % self.world_size
+        mode = "shm" if self.tr.shm_reserve(self.ranks[right], buf.numel() * buf.element_size()) else "zerocopy"
         ring.ring_pass(buf, self.rank, self.world_size, c0, combines, seg,
-                       lambda d, k, t: self._send(d, op, (seq, *k), t, mode="zerocopy"),
+                       lambda d, k, t: self._send(d, op, (seq, *k), t, mode=mode if d == right else "copy", base=buf),
                        lambda s, k: self._recv(s, op, (seq, *k)))
         self.tr.flush(op, seq)
 
@@ -219,11 +227,13 @@ class ZmqGroup(ProcessGroup):
             pos = (r - src) % n
             seg = max(1, self.segment_bytes // buf.element_size())
             nxt, prv = (r + 1) % n, (r - 1) % n
+            mode = "shm" if pos < n - 1 and self.tr.shm_reserve(self.ranks[nxt], buf.numel() * buf.element_size()) \
+                else "zerocopy"
             for j, (a, b) in enumerate(ring.segments(0, buf.numel(), seg)):
                 if pos > 0:
                     buf[a:b].copy_(self._recv(prv, "broadcast", (seq, j)))
                 if pos < n - 1:
-                    self._send(nxt, "broadcast", (seq, j), buf[a:b], mode="zerocopy")
+                    self._send(nxt, "broadcast", (seq, j), buf[a:b], mode=mode, base=buf)
             if pos > 0:  # acknowledge, so the sender knows its zero-copy buffers were delivered
                 self._send(prv, "broadcast", (seq, "ack"), buf[:0])
             if pos < n - 1:

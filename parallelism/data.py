@@ -4,8 +4,10 @@ Parameters are packed into buckets of at most `bucket_bytes`, in *reverse* regis
 last layers are ready first in backward). A post-accumulate-grad hook on every parameter marks it ready; when
 bucket k is full and buckets 0..k−1 are launched, bucket k's gradients are copied into one flat buffer and its
 all-reduce is submitted to the communication thread, so it runs while autograd computes earlier layers. Buckets are
-launched in the fixed order 0, 1, 2 … on every rank, whatever order hooks fire in. At the end of backward (an
-autograd-engine callback) we wait for all buckets and divide by N. Gradients are views into the bucket buffers
+launched in the fixed order 0, 1, 2 … on every rank, whatever order hooks fire in. When the last gradient has
+arrived (in its hook) we wait for all buckets and divide by N. (Not an autograd-engine end-of-backward callback:
+under reentrant activation checkpointing that would fire at the end of a nested backward, too early.) If some
+parameters get no gradient in a step, call `finish()` after backward: it reduces them as zeros. Gradients are views into the bucket buffers
 (DDP's gradient_as_bucket_view): autograd accumulates straight into them, so nothing is copied either way.
 
 Each rank moves 2(N−1)/N · 4Ψ bytes per step (ring all-reduce of Ψ fp32 gradients), independent of N.
@@ -64,7 +66,6 @@ class GradReducer:
         self._thread = CommThread()
         self._next = 0
         self._armed = False          # a synchronised forward ran; its backward must reduce
-        self._callback_queued = False
         self.require_sync = True
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -72,7 +73,6 @@ class GradReducer:
     def prepare_forward(self) -> None:
         """Called before each forward: capture whether the coming backward synchronises."""
         self._armed = self.require_sync
-        self._callback_queued = False
         for b in self.buckets:   # gradients live in the bucket buffers (no copies; DDP's gradient_as_bucket_view)
             off = 0
             for p in b.params:
@@ -95,11 +95,10 @@ class GradReducer:
         if not self._armed:
             return
         b = self._bucket_of[id(p)]
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._callback_queued = True
         b.pending -= 1
         self._launch_ready()
+        if self._next == len(self.buckets):   # the last gradient arrived: wait for the reductions right here
+            self.finish()
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets):
@@ -196,6 +195,10 @@ class DataParallelReplica(LocalReplica):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.ddp if self.ddp is not None else self.module)(x)
+
+    def after_backward(self) -> None:
+        if self.ddp is not None:
+            self.ddp.reducer.finish()
 
 
 class DataParallelEngine:

@@ -132,7 +132,11 @@ class LocalReplica:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         loss = self.loss_fn(self.forward(x), y)
         loss.backward()
+        self.after_backward()
         return float(loss.detach())
+
+    def after_backward(self) -> None:
+        """Hook for engines that finish work after backward (data parallel: buckets of unused parameters)."""
 
     def slots(self) -> list[ParamSlot]:
         from .checkpointing import unwrap_name

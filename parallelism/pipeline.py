@@ -7,7 +7,8 @@ The executor takes a schedule (`schedule.py`: GPipe or 1F1B, pure data) and, for
     B i:  receive ∂L/∂out_i from s+1 (last stage: loss_i.backward()), backpropagate, send ∂L/∂in_i to s−1
 
 Sends are non-blocking (waited at the end of the step) and receives are tagged (2i forward, 2i+1 backward), so
-GPipe and 1F1B cannot deadlock; gradients of all micro-batches accumulate in .grad. Only boundary activations and
+GPipe and 1F1B cannot deadlock; the first time a micro-batch shape is seen, a stage sends a small shape header
+before the activation so the receiver can allocate its buffer; gradients of all micro-batches accumulate in .grad. Only boundary activations and
 their gradients cross ranks: p2p bytes per step = 2·Σ_boundaries (activation bytes), nothing inside a stage.
 
 Measured per step: each action's compute span (time spent waiting in recv is idle), from which the bubble
@@ -18,7 +19,6 @@ the "equal stage times" assumption of the formula.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -33,6 +33,11 @@ from .comm import Comm, CommLog
 from .engine import EngineError, ModelFactory, ParamSlot
 from .mesh import DeviceMesh
 from .schedule import Action, PipelineSchedule, make_schedule
+
+
+_SHAPE_TAG = 1 << 20      # tags of the one-off shape headers (activations use 2i, gradients 2i+1)
+_MAX_DIMS = 6
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
 def split_stages(model: nn.Sequential, stages: int) -> list[tuple[int, int]]:
@@ -56,8 +61,7 @@ def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential
 class PipelineReplica:
     """This rank's stage, its schedule and the executor."""
 
-    def __init__(self, stage: nn.Sequential, meta_model: nn.Sequential, bounds: list[tuple[int, int]],
-                 pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b", micro_batches: int = 4,
+    def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b", micro_batches: int = 4,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  stage_time: tuple[float, float] | None = None, report_loss: bool = True,
                  measure: bool = False) -> None:
@@ -67,24 +71,32 @@ class PipelineReplica:
         self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches)
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.stage_time, self.report_loss, self.measure = stage_time, report_loss, measure
-        self._meta, self._bounds = meta_model, bounds
-        self._shapes: dict[tuple, list[torch.Size]] = {}
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self._sent_shapes: set[tuple] = set()
         self.spans: list[tuple[Action, float, float]] = []
         self.step_start = 0.0
         self.peak_in_flight = 0
 
-    # ---- boundary shapes, inferred on the meta copy of the whole model (no communication, no memory) ----------
-    def _boundary_shapes(self, x: torch.Tensor) -> list[torch.Size]:
-        key = (tuple(x.shape), x.dtype)
+    # ---- boundary shapes: sent once per new micro-batch shape as a small header message --------------------------
+    def _shape_key(self, i: int, xs: tuple[torch.Tensor, ...]) -> tuple:
+        return (tuple(xs[i].shape), xs[i].dtype)
+
+    def _send_shape(self, key: tuple, out: torch.Tensor, i: int) -> None:
+        if key in self._sent_shapes:
+            return
+        self._sent_shapes.add(key)
+        if out.dim() > _MAX_DIMS:
+            raise EngineError(f"stage {self.s} output has {out.dim()} dims; at most {_MAX_DIMS} can cross a stage")
+        hdr = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+        hdr[0], hdr[1] = out.dim(), _DTYPES.index(out.dtype)
+        hdr[2:2 + out.dim()] = torch.tensor(out.shape)
+        self.pp.isend(hdr, self.s + 1, tag=_SHAPE_TAG + i, site="shapes").wait()
+
+    def _recv_shape(self, key: tuple, i: int) -> tuple[torch.Size, torch.dtype]:
         if key not in self._shapes:
-            h = torch.empty(x.shape, dtype=x.dtype, device="meta")
-            shapes = []
-            with torch.no_grad():
-                for a, b in self._bounds:
-                    for i in range(a, b):
-                        h = self._meta[i](h)
-                    shapes.append((h.shape, h.dtype))
-            self._shapes[key] = shapes
+            hdr = self.pp.recv(torch.zeros(_MAX_DIMS + 2, dtype=torch.int64), self.s - 1, tag=_SHAPE_TAG + i)
+            nd = int(hdr[0])
+            self._shapes[key] = (torch.Size(hdr[2:2 + nd].tolist()), _DTYPES[int(hdr[1])])
         return self._shapes[key]
 
     def _pad(self, phase: str, t0: float) -> float:
@@ -114,7 +126,7 @@ class PipelineReplica:
                 if s == 0:
                     inp = xs[i]
                 else:
-                    shape, dtype = self._boundary_shapes(xs[i])[s - 1]
+                    shape, dtype = self._recv_shape(self._shape_key(i, xs), i)
                     inp = self.pp.recv(torch.empty(shape, dtype=dtype), s - 1, tag=2 * i).requires_grad_()
                 t0 = time.perf_counter()
                 out = self.stage(inp)
@@ -123,6 +135,7 @@ class PipelineReplica:
                     losses.append(out.detach())
                 t1 = self._pad(a.phase, t0)
                 if s < p - 1:
+                    self._send_shape(self._shape_key(i, xs), out, i)
                     sends.append(self.pp.isend(out.detach().contiguous(), s + 1, tag=2 * i,
                                                site=f"stage {s} -> {s + 1}"))
                 held[i] = (inp, out)
@@ -135,7 +148,8 @@ class PipelineReplica:
                 else:
                     grad = self.pp.recv(torch.empty_like(out), s + 1, tag=2 * i + 1)
                     t0 = time.perf_counter()
-                    torch.autograd.backward(out, grad)
+                    # == torch.autograd.backward(out, grad), whose first call imports sympy (~1 s per process)
+                    (out * grad).sum().backward()
                 t1 = self._pad(a.phase, t0)
                 if s > 0:
                     sends.append(self.pp.isend(inp.grad.contiguous(), s - 1, tag=2 * i + 1,
@@ -169,12 +183,11 @@ class PipelineEngine:
         log = self.log if self.log is not None else CommLog()
         pp = Comm(mesh.group("pp"), log)
         bounds = split_stages(model, pp.size)
-        meta = copy.deepcopy(model).to("meta")
         stage = stage_module(model, bounds[pp.rank])
         del model
         if self.checkpoint_activations:
             wrap_children(stage)
-        return PipelineReplica(stage, meta, bounds, pp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
+        return PipelineReplica(stage, pp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
                                **self.kw)
 
 

@@ -47,8 +47,13 @@ Server and client::
     client = connect(servers.addresses, worker=0, params=model_state)     # params: {name: tensor or shape}
     client.init(model_state).result()       # exactly one owner initialises; the others' pulls wait for it
     fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clock)]
-    fut = client.push(grads)                # Future[list[PushAck]]; stamps the current clock and advances it
-    client.stats() / client.checkpoint() / client.shutdown_servers() / client.close()
+    fut = client.push(grads)                # Future[list of per-shard acks {status, version, clock, staleness}];
+                                            # stamps the current clock and advances it
+    client.clocks, client.versions          # per shard: this worker's clock, version of its last pull
+    client.stats(series=False)              # Future[list of per-shard dicts: version, clocks, stats (summary),
+                                            #   counters, and with series=True [[now, worker, tau, version], ...]]
+    client.resync()                         # adopt the shards' clocks/versions (after an error or a restart)
+    client.checkpoint() / client.shutdown_servers() / client.close()
 
 Errors: every error raised on purpose derives from `ps.errors.PSError`.
 """

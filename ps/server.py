@@ -28,7 +28,7 @@ from .checkpoint import latest_checkpoint, save_checkpoint
 from .consistency import policy_from_string
 from .errors import (CheckpointError, ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError,
                      ProtocolError, PSError)
-from .optim import optimizer_from_string
+from .optim import OptimizerSpec, optimizer_from_string
 from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
 from .shard import ShardState
 
@@ -98,6 +98,13 @@ class ShardServer:
                     raise CheckpointError(f"checkpoint {path} is for shard {meta.get('shard_id')} with "
                                           f"{meta.get('num_workers')} workers, not shard {config.shard_id} with "
                                           f"{config.num_workers}; use another checkpoint directory")
+                if str(policy_from_string(config.policy)) != meta.get("policy"):
+                    raise CheckpointError(f"checkpoint {path} was written under policy {meta.get('policy')}, but this "
+                                          f"server runs {config.policy}; use the same policy or another directory")
+                if optimizer_from_string(config.optimizer).to_dict() != meta["optimizer"]["spec"]:
+                    raise CheckpointError(f"checkpoint {path} was written with optimizer "
+                                          f"{OptimizerSpec.from_dict(meta['optimizer']['spec']).to_string()}, but this "
+                                          f"server runs {config.optimizer}; use the same optimizer or another directory")
                 self.state = ShardState.from_state_dict(tensors, meta)
                 self.restored_from = str(path)
                 self._last_ckpt_version = self.state.version

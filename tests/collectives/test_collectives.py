@@ -153,3 +153,11 @@ def test_subgroups(backend):
     assert all(x["none_for_other"] for x in res)
     assert res[0]["evens"] == res[2]["evens"] == 4 and res[0]["gather"] == [0, 2]
     assert "evens" not in res[1]
+
+
+@pytest.mark.parametrize("world, options", [(3, {"use_shm": False}), (4, {"use_shm": False, "use_ipc": False})])
+def test_zmq_socket_paths_match_numpy(world, options):
+    """The same checks with payloads through ipc:// sockets (no shared memory) and through tcp:// only."""
+    res = collectives.launch(run_checks, world, "zmq", args=(("default", "ring"),), timeout=120,
+                             segment_bytes=4096, **options)
+    assert res == [[]] * world

@@ -101,3 +101,23 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path):
             final = c.pull().result(20).params
             for k in INIT:    # momentum state survived the crash: same as an uninterrupted 11-step run
                 np.testing.assert_allclose(final[k], ref.params[k].numpy(), rtol=0, atol=0)
+
+
+def test_on_demand_checkpoint_and_mismatched_restart(thread_servers, tmp_path):
+    """client.checkpoint() writes a verifiable file at the current version; restarting the directory under another
+    policy or optimizer is refused with a CheckpointError that says so."""
+    servers = thread_servers(1, num_workers=1, policy="asp", optimizer="adam:lr=0.01", checkpoint_dir=str(tmp_path))
+    with connect(servers.addresses, 0, INIT, timeout=20) as c:
+        c.init(INIT).result(20)
+        for i in range(3):
+            c.pull().result(20)
+            c.push(GRADS[i]).result(20)
+        path = c.checkpoint().result(20)[0]["path"]
+    tensors, meta = load_checkpoint(path)
+    assert meta["version"] == 3 and meta["clocks"] == [3]
+    with pytest.raises(CheckpointError, match="policy"):
+        ShardServer(ServerConfig(checkpoint_dir=str(tmp_path), policy="bsp", optimizer="adam:lr=0.01"))
+    with pytest.raises(CheckpointError, match="optimizer"):
+        ShardServer(ServerConfig(checkpoint_dir=str(tmp_path), policy="asp", optimizer="adam:lr=0.02"))
+    restored = ShardServer(ServerConfig(checkpoint_dir=str(tmp_path), policy="asp", optimizer="adam:lr=0.01"))
+    assert restored.state.version == 3

@@ -1,0 +1,139 @@
+"""Shared-memory payloads between ranks of one host (like NCCL's SHM transport); ZeroMQ still carries the messages.
+
+Through a socket a payload is copied twice by the kernel (sender -> socket buffer -> receiver), in pieces, with a
+wake-up per piece. Between processes of one host the sender can instead write the payload once into a memory
+segment the receiver has mapped, and send only the header over ZeroMQ:
+
+    sender:    outbox[dst][offset : offset + n] = payload          (one memcpy)
+               send header {"shm": [name, size, offset, dtype, shape]} over ZeroMQ
+    receiver:  view = inbox[src][offset : offset + n]               (no copy: combine reads it directly)
+
+The outbox is one segment per destination, as large as the largest buffer sent in one collective; a collective
+writes each chunk at the chunk's own offset. A region is rewritten only after the receiver has consumed it:
+the ring's causality (a chunk comes back to its sender only after every rank, the receiver included, has combined
+it) plus the acknowledgement that ends every pass, which the ring needs anyway for zero-copy sends.
+
+Segments live in /dev/shm as `pslab-<job>-<src>-<dst>-<generation>`; the receiver unlinks a name as soon as it has
+mapped it, and the sender unlinks its own on close, so nothing outlives the ranks but what a crash leaves behind.
+A receiver opens only names of that form (never a path), checks offset + size against the segment, and maps it
+read-only.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import warnings
+
+import torch
+
+from . import wire
+from .errors import WireError
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^pslab-[0-9a-f]{12}-\d+-\d+-\d+$")
+
+
+def available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class Outbox:
+    """The sender's side: one growable segment per destination."""
+
+    def __init__(self, job: str, src: int, dst: int) -> None:
+        self.job, self.src, self.dst = job, src, dst
+        self.gen, self.size, self.name = 0, 0, ""
+        self.mm: mmap.mmap | None = None
+        self.bytes: torch.Tensor | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for `nbytes`; call only between collectives (a new segment replaces the old one)."""
+        if nbytes <= self.size:
+            return
+        self.close()
+        self.gen += 1
+        self.size = max(nbytes, 1 << 20)
+        self.name = f"pslab-{self.job}-{self.src}-{self.dst}-{self.gen}"
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def write(self, offset: int, t: torch.Tensor) -> list:
+        """Copy `t` to `offset`; returns the descriptor that goes into the message header."""
+        n = t.numel() * t.element_size()
+        if n == 0:
+            offset = 0
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"shm write of {n} bytes at {offset} exceeds the reserved {self.size}")
+        if n:
+            self.bytes[offset:offset + n].view(t.dtype).copy_(t.reshape(-1))
+        return [self.name, self.size, offset, wire.wire_dtype(t), list(t.shape)]
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.bytes = None
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+                pass
+            self.mm = None
+        if self.name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass  # the receiver already unlinked it after mapping
+
+
+class Inbox:
+    """The receiver's side: the current mapping of each sender's segment."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, tuple[str, mmap.mmap]] = {}
+
+    def view(self, src: int, desc: object) -> torch.Tensor:
+        """Validate a header's shm descriptor and return a read-only tensor view of the payload."""
+        if not (isinstance(desc, list) and len(desc) == 5):
+            raise WireError("shm descriptor must be [name, size, offset, dtype, shape]")
+        name, size, offset, dtype, shape = desc
+        if not (isinstance(name, str) and _NAME.match(name) and f"-{src}-" in name):
+            raise WireError(f"shm segment name {name!r:.60} is not one rank {src} may use")
+        if not (isinstance(size, int) and isinstance(offset, int) and isinstance(shape, list)
+                and all(isinstance(s, int) and s >= 0 for s in shape) and dtype in wire.WIRE_DTYPES):
+            raise WireError("shm descriptor has fields of the wrong type")
+        itemsize = wire._DTYPES[dtype][2]
+        nbytes = math.prod(shape) * itemsize
+        if offset < 0 or offset + nbytes > size or offset % itemsize:
+            raise WireError(f"shm payload [{offset}, {offset + nbytes}) lies outside the {size}-byte segment")
+        cur = self.maps.get(src)
+        if cur is None or cur[0] != name:
+            path = os.path.join(SHM_DIR, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise WireError(f"shm segment {name} cannot be opened ({e.strerror})") from None
+            try:
+                if os.fstat(fd).st_size < size:
+                    raise WireError(f"shm segment {name} is smaller than announced")
+                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            os.unlink(path)  # mapped: the name is no longer needed
+            self.maps[src] = (name, mm)
+            cur = self.maps[src]
+        if nbytes == 0:
+            return torch.empty(shape, dtype=wire._DTYPES[dtype][1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(cur[1], dtype=wire._DTYPES[dtype][1], count=math.prod(shape),
+                                 offset=offset)
+        return t.view(shape)
+
+    def close(self) -> None:
+        self.maps.clear()

@@ -1,0 +1,62 @@
+"""Mesh layout (named axes, validation, TP on adjacent ranks) and the ZeRO memory formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+import collectives
+from parallelism.mesh import DeviceMesh, MeshError, MeshLayout
+from parallelism.zero_memory import FP32_ADAM, MIXED_PRECISION_ADAM, zero_bytes_per_rank
+
+
+def test_layout_tp_adjacent_and_groups_partition():
+    """tp groups are runs of adjacent ranks; each axis' groups partition the world; coords round-trip."""
+    lay = MeshLayout(dp=2, pp=2, tp=2)
+    assert lay.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert lay.groups("pp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    for axis in ("dp", "pp", "tp"):
+        assert sorted(r for g in lay.groups(axis) for r in g) == list(range(8))
+    for r in range(8):
+        assert lay.rank_of(**lay.coords(r)) == r
+
+
+def test_layout_errors():
+    """Unknown axes, non-positive sizes and a mesh that does not fit the world raise MeshError with the numbers."""
+    with pytest.raises(MeshError, match="unknown mesh axis"):
+        MeshLayout(2).groups("ep")
+    with pytest.raises(MeshError, match=">= 1"):
+        MeshLayout(dp=0)
+
+    class _World:
+        world_size, rank, ranks = 4, 0, (0, 1, 2, 3)
+    with pytest.raises(MeshError, match="= 6 ranks, but the world group has 4"):
+        DeviceMesh(_World(), dp=3, tp=2)
+
+
+def _mesh_worker(group):
+    import torch
+    mesh = DeviceMesh(group, dp=2, tp=2)
+    t = torch.tensor([float(group.rank)])
+    mesh.group("tp").all_reduce(t)          # sums over my tp group only
+    return mesh.coords, mesh.group("tp").ranks, mesh.group("dp").ranks, float(t[0])
+
+
+def test_device_mesh_subgroups():
+    """On 4 ranks, dp=2 x tp=2: the tp sub-group of rank r is its adjacent pair and collectives stay inside it."""
+    out = collectives.launch(_mesh_worker, 4, backend="zmq", timeout=60)
+    assert [o[1] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [o[2] for o in out] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [o[3] for o in out] == [1.0, 1.0, 5.0, 5.0]
+
+
+def test_zero_formulas_match_paper():
+    """The ZeRO paper's Figure 1 example: 7.5B parameters, N = 64, mixed-precision Adam (K = 12) gives 120 GB,
+    31.4 GB, 16.6 GB and 1.9 GB per device for stages 0–3; fp32 Adam is (4+4+8)Ψ at stage 0."""
+    psi, n = 7_500_000_000, 64
+    got = [zero_bytes_per_rank(s, psi, n, MIXED_PRECISION_ADAM).total / 1e9 for s in range(4)]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.06)
+    assert zero_bytes_per_rank(0, 10, 4, FP32_ADAM).total == 160
+    assert zero_bytes_per_rank(3, 10, 4, FP32_ADAM).total == 40
+    with pytest.raises(ValueError, match="stage"):
+        zero_bytes_per_rank(4, 10, 2)

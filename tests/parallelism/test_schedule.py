@@ -1,0 +1,67 @@
+"""Pipeline schedules as data: structure, bubble of the virtual-time replay, in-flight activations, the picture."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallelism.schedule import (Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b,
+                                  simulate)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_replay_bubble_equals_formula(name, p, m):
+    """With equal stage times the replayed bubble is exactly (p−1)/(m+p−1), for any backward/forward time ratio."""
+    sched = make_schedule(name, p, m)
+    for tb in (1.0, 2.0):
+        tl = simulate(sched, 1.0, tb)
+        assert tl.makespan == pytest.approx((m + p - 1) * (1 + tb))
+        assert tl.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 8), (4, 4), (4, 8), (4, 16)])
+def test_in_flight(p, m):
+    """GPipe holds all m micro-batches on every stage; 1F1B holds min(p−s, m) on stage s, never more than p."""
+    assert gpipe(p, m).peak_in_flight() == [m] * p
+    peaks = one_f_one_b(p, m).peak_in_flight()
+    assert peaks == [min(p - s, m) for s in range(p)]
+    assert max(peaks) <= p
+
+
+def test_1f1b_shape():
+    """1F1B on stage 0 of 4 with 8 micro-batches: 3 warm-up forwards, then F/B alternation, then cool-down."""
+    acts = [f"{a.phase}{a.micro}" for a in one_f_one_b(4, 8).for_stage(0)]
+    assert acts == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "F6", "B3", "F7", "B4", "B5", "B6", "B7"]
+    last = [f"{a.phase}{a.micro}" for a in one_f_one_b(4, 8).for_stage(3)]
+    assert last[:4] == ["F0", "B0", "F1", "B1"]
+
+
+def test_invalid_schedules_are_rejected():
+    """Bad sizes, unknown names, missing actions and backward-before-forward raise ScheduleError; a schedule whose
+    stages wait on each other forever is reported as a deadlock by the replay."""
+    with pytest.raises(ScheduleError, match="micro_batches"):
+        gpipe(2, 0)
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        make_schedule("zigzag", 2, 2)
+    with pytest.raises(ScheduleError, match="exactly once"):
+        PipelineSchedule("bad", 1, 2, ((Action(0, 0, "F"), Action(0, 0, "B")),))
+    with pytest.raises(ScheduleError, match="before F0"):
+        PipelineSchedule("bad", 1, 1, ((Action(0, 0, "B"), Action(0, 0, "F")),))
+    # legal per stage, but stage 0 waits for B0 from stage 1 while stage 1 waits for F1 from stage 0
+    dead = PipelineSchedule("dead", 2, 2, (
+        (Action(0, 0, "F"), Action(0, 0, "B"), Action(0, 1, "F"), Action(0, 1, "B")),
+        (Action(1, 0, "F"), Action(1, 1, "F"), Action(1, 0, "B"), Action(1, 1, "B"))))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(dead)
+
+
+def test_schedule_command_draws_picture(tmp_path, capsys):
+    """`pslab schedule` writes a PNG and prints the bubble next to (p−1)/(m+p−1); bad sizes give exit code 1."""
+    from experiments.cli import main
+    out = tmp_path / "pipe.png"
+    assert main(["schedule", "--stages", "4", "--micro-batches", "8", "--schedule", "1f1b", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "bubble=0.2727" in text and "peak in-flight per stage=[4, 3, 2, 1]" in text
+    assert main(["schedule", "--stages", "0", "-o", str(tmp_path / "x.png")]) == 1
