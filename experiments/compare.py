@@ -2,8 +2,8 @@
 straggler, then report.md + plots. Only the sync strategy and the straggler change between runs: model, data, seed
 and batch schedule are identical.
 
-The default is sized for a 2-core laptop (≤ 3 minutes): digits-MLP, 4 workers x 120 steps; each step's compute is
-padded to 10 ms (sleep) so that a 4x straggler is a real, visible effect rather than noise on a shared CPU.
+The default is sized for a 2-core laptop (≤ 3 minutes): digits-MLP, 4 workers x 100 steps; each step's compute is
+padded to 20 ms (sleep) so that a 4x straggler is a real, visible effect rather than noise on a shared CPU.
 `local` runs once (a single process has no straggler to wait for).
 """
 
@@ -20,8 +20,8 @@ from experiments.report import write_report
 from experiments.runner import execute
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
-DEFAULT_OVERRIDES = ("workload.name=digits-mlp", "train.workers=4", "train.steps=120", "train.lr=0.2",
-                     "train.base_step_s=0.01", "train.eval_every=40")
+DEFAULT_OVERRIDES = ("workload.name=digits-mlp", "train.workers=4", "train.steps=100", "train.lr=0.2",
+                     "train.base_step_s=0.02", "train.eval_every=40")
 STRAGGLER_FACTOR = 4.0
 
 

@@ -126,7 +126,7 @@ def plot_wait(runs: list[dict[str, Any]], out: Path) -> Path:
     for r in runs:
         s = r.get("summary") or {}
         v.append(float(s.get("wait_s_total") or 0.0) / max(1, s.get("workers") or 1))
-    return _bars(runs, v, "time waiting at the consistency gate per worker (s)", "Time waiting at the gate",
+    return _bars(runs, v, "time blocked per worker (s): PS pull / gate, all-reduce", "Time waiting at the gate",
                  out / "wait_time.png")
 
 

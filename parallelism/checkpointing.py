@@ -34,10 +34,14 @@ class CheckpointWrapper(torch.nn.Module):
         return self.module(*args)
 
     def forward(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            # nothing to differentiate w.r.t. the input: reentrant checkpoint needs an input that requires grad
+        if not torch.is_grad_enabled():
+            return self.module(*args)
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            # reentrant checkpoint only differentiates through inputs that require grad: promote float inputs
             args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
                          else a for a in args)
+            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return self.module(*args)   # integer inputs (token ids): nothing to gain, run it plainly
         return checkpoint(self._run, *args, use_reentrant=True)
 
 

@@ -7,8 +7,11 @@ One "update" = a worker sends one gradient for every parameter and gets the fres
          (the pattern of "Implementing Batch RPC Processing Using Asynchronous Executions", without batching, and
          returning the parameter tensors rather than the pickled module).
 No compute: gradients are fixed random tensors, so the figure is the PS's transport + apply cost. Each worker is a
-process with torch.set_num_threads(1); each configuration runs `--reps` timed windows of `--updates` updates per
-worker after a warm-up, and reports the median. updates/s counts all workers; MB/s = updates/s x 2 x model bytes.
+process with torch.set_num_threads(1). For one worker count, every system (pslab with each shard count, torch rpc)
+is started once and kept idle between timed windows; the windows of the systems alternate round by round (order
+reversed every other round), so a load change on a shared machine hits all of them alike. Reported: the median
+updates/s over `--reps` windows of `--updates` updates per worker (all workers counted; MB/s = updates/s x 2 x
+model bytes), and the median over rounds of the per-round pslab / rpc ratio.
 """
 
 from __future__ import annotations
@@ -49,20 +52,20 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
     from ps.client import connect
     grads = _tensors(shapes, 100 + rank)
     try:
-        with connect(addresses, rank, shapes, timeout=60) as c:
+        with connect(addresses, rank, shapes, timeout=120) as c:
             if rank == 0:
-                c.init(_tensors(shapes, 0)).result(60)
-            c.pull().result(60)
+                c.init(_tensors(shapes, 0)).result(120)
+            c.pull().result(120)
 
             def update() -> None:
                 fp = c.push(grads)
                 fl = c.pull()
-                fp.result(60)
-                fl.result(60)
+                fp.result(120)
+                fl.result(120)
             for _ in range(3):
                 update()
             for r in range(reps):
-                barrier.wait(120)
+                barrier.wait(600)              # the parent opens each window
                 t0 = time.monotonic()
                 for _ in range(updates):
                     update()
@@ -72,11 +75,30 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
         raise
 
 
-def bench_pslab(workers: int, shards: int, shapes: dict, updates: int, reps: int, transport: str) -> list[float]:
-    from ps.server import start_servers
-    ctx = mp.get_context("spawn")
-    with start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=120) as servers:
-        return _run_workers(ctx, _pslab_worker, workers, (servers.addresses, shapes, updates, reps), updates, reps)
+class PslabSystem:
+    """Shard servers + K worker processes, idle between windows."""
+
+    def __init__(self, workers: int, shards: int, shapes: dict, updates: int, reps: int, transport: str) -> None:
+        from ps.server import start_servers
+        ctx = mp.get_context("spawn")
+        self.label = f"pslab ({shards} shard{'s' if shards > 1 else ''})"
+        self.workers, self.updates = workers, updates
+        self.servers = start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=900)
+        self.out = ctx.Queue()
+        self.barrier = ctx.Barrier(workers + 1)
+        self.procs = [ctx.Process(target=_pslab_worker, args=(w, self.servers.addresses, shapes, updates, reps,
+                                                              self.barrier, self.out), daemon=True)
+                      for w in range(workers)]
+        for p in self.procs:
+            p.start()
+
+    def window(self, r: int) -> float:
+        self.barrier.wait(600)
+        return _collect(self.out, r, self.workers, self.updates)
+
+    def stop(self) -> None:
+        _stop(self.procs)
+        self.servers.stop()
 
 
 # ---------------------------------------------------------------------------------------------- torch rpc
@@ -101,25 +123,12 @@ class ParameterServer:
             return [p.detach().clone() for p in self.params]
 
 
-def _rpc_run_worker(ps_rref: Any, rank: int, shapes: dict, updates: int, reps: int) -> list:
+def _rpc_window(ps_rref: Any, rank: int, shapes: dict, updates: int, warmup: int) -> tuple[float, float]:
     import torch
     import torch.distributed.rpc as rpc
     grads = [torch.from_numpy(v) for v in _tensors(shapes, 100 + rank).values()]
     owner = ps_rref.owner()
-
-    def update() -> None:
-        rpc.rpc_sync(owner, ParameterServer.update_and_fetch_model, args=(ps_rref, grads))
-    for _ in range(3):
-        update()
-    return [update, grads]  # not used remotely; placeholder to keep the signature simple
-
-
-def _rpc_window(ps_rref: Any, rank: int, shapes: dict, updates: int) -> tuple[float, float]:
-    import torch
-    import torch.distributed.rpc as rpc
-    grads = [torch.from_numpy(v) for v in _tensors(shapes, 100 + rank).values()]
-    owner = ps_rref.owner()
-    for _ in range(2):
+    for _ in range(warmup):
         rpc.rpc_sync(owner, ParameterServer.update_and_fetch_model, args=(ps_rref, grads))
     t0 = time.monotonic()
     for _ in range(updates):
@@ -127,19 +136,23 @@ def _rpc_window(ps_rref: Any, rank: int, shapes: dict, updates: int) -> tuple[fl
     return t0, time.monotonic()
 
 
-def _rpc_proc(rank: int, world: int, port: int, shapes: dict, updates: int, reps: int, out: Any) -> None:
+def _rpc_proc(rank: int, world: int, port: int, shapes: dict, updates: int, reps: int, barrier: Any,
+              out: Any) -> None:
     import torch
     torch.set_num_threads(1)
     import torch.distributed.rpc as rpc
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=600,
                                            num_worker_threads=8)
     name = "ps" if rank == 0 else f"worker{rank}"
     try:
         rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
         if rank == 0:
             ps_rref = rpc.RRef(ParameterServer(shapes))
-            for r in range(reps):   # every window starts all workers together and waits for all of them
-                futs = [rpc.rpc_async(f"worker{w}", _rpc_window, args=(ps_rref, w, shapes, updates))
+            for w in range(1, world):      # warm-up, outside the timed windows
+                rpc.rpc_sync(f"worker{w}", _rpc_window, args=(ps_rref, w, shapes, 0, 3))
+            for r in range(reps):          # the parent opens each window; all workers start together
+                barrier.wait(600)
+                futs = [rpc.rpc_async(f"worker{w}", _rpc_window, args=(ps_rref, w, shapes, updates, 0))
                         for w in range(1, world)]
                 for w, f in zip(range(1, world), futs):
                     t0, t1 = f.wait()
@@ -150,51 +163,56 @@ def _rpc_proc(rank: int, world: int, port: int, shapes: dict, updates: int, reps
         raise
 
 
-def bench_rpc(workers: int, shapes: dict, updates: int, reps: int) -> list[float]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rpc_proc, args=(r, workers + 1, port, shapes, updates, reps, out), daemon=True)
-             for r in range(workers + 1)]
-    return _collect(procs, out, workers, updates, reps)
+class RpcSystem:
+    """torch.distributed.rpc: one PS process + K worker processes (TensorPipe), idle between windows."""
+
+    label = "torch.distributed.rpc"
+
+    def __init__(self, workers: int, shapes: dict, updates: int, reps: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.workers, self.updates = workers, updates
+        self.out = ctx.Queue()
+        self.barrier = ctx.Barrier(2)
+        port = _free_port()
+        self.procs = [ctx.Process(target=_rpc_proc, args=(r, workers + 1, port, shapes, updates, reps,
+                                                          self.barrier, self.out), daemon=True)
+                      for r in range(workers + 1)]
+        for p in self.procs:
+            p.start()
+
+    def window(self, r: int) -> float:
+        self.barrier.wait(600)
+        return _collect(self.out, r, self.workers, self.updates)
+
+    def stop(self) -> None:
+        _stop(self.procs)
 
 
 # ---------------------------------------------------------------------------------------------- common
-def _run_workers(ctx: Any, target: Any, workers: int, args: tuple, updates: int, reps: int) -> list[float]:
-    out = ctx.Queue()
-    barrier = ctx.Barrier(workers)
-    addresses, shapes, updates, reps = args
-    procs = [ctx.Process(target=target, args=(w, addresses, shapes, updates, reps, barrier, out), daemon=True)
-             for w in range(workers)]
-    return _collect(procs, out, workers, updates, reps)
-
-
-def _collect(procs: list, out: Any, workers: int, updates: int, reps: int, timeout: float = 300) -> list[float]:
-    for p in procs:
-        p.start()
-    rows: dict[int, list[tuple[float, float]]] = {}
+def _collect(out: Any, r: int, workers: int, updates: int, timeout: float = 600) -> float:
+    """Wait for every worker's (t0, t1) of window r; updates/s over the union of their intervals."""
+    rows = []
     deadline = time.monotonic() + timeout
-    try:
-        for _ in range(workers * reps):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"benchmark did not finish within {timeout:g}s")
-            rank, r, t0, t1 = out.get(timeout=left)
-            if r < 0:
-                raise RuntimeError(f"benchmark worker {rank} failed: {t0}")
-            rows.setdefault(r, []).append((t0, t1))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    rates = []
-    for r in sorted(rows):
-        t0 = min(a for a, _ in rows[r])
-        t1 = max(b for _, b in rows[r])
-        rates.append(workers * updates / (t1 - t0))
-    return rates
+    while len(rows) < workers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"benchmark window {r} did not finish within {timeout:g}s")
+        rank, rr, t0, t1 = out.get(timeout=left)
+        if rr < 0:
+            raise RuntimeError(f"benchmark worker {rank} failed: {t0}")
+        if rr != r:
+            raise RuntimeError(f"benchmark worker {rank} reported window {rr} during window {r}")
+        rows.append((t0, t1))
+    return workers * updates / (max(b for _, b in rows) - min(a for a, _ in rows))
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        p.join(10)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,24 +236,36 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.updates} updates/worker x {a.reps} windows, median; transport {a.transport}")
     print(f"{'system':<22}{'workers':>8}{'updates/s':>12}{'MB/s':>10}{'min..max upd/s':>20}")
     results: dict[tuple[str, int], float] = {}
-
-    def row(label: str, w: int, rates: list[float]) -> None:
-        med = statistics.median(rates)
-        results[(label, w)] = med
-        print(f"{label:<22}{w:>8}{med:>12.1f}{med * mb:>10.0f}{min(rates):>12.1f}..{max(rates):<8.1f}", flush=True)
+    ratios: dict[tuple[int, int], float] = {}
     for w in workers:
-        for s in shards:
-            row(f"pslab ({s} shard{'s' if s > 1 else ''})", w, bench_pslab(w, s, shapes, a.updates, a.reps,
-                                                                          a.transport))
+        systems: list[Any] = []
+        try:   # all systems of this worker count stay up; their windows alternate, so load drifts hit all alike
+            for sh in shards:
+                systems.append(PslabSystem(w, sh, shapes, a.updates, a.reps, a.transport))
+            if not a.no_rpc:
+                systems.append(RpcSystem(w, shapes, a.updates, a.reps))
+            rates: dict[str, list[float]] = {sys_.label: [] for sys_ in systems}
+            for r in range(a.reps):
+                order = systems if r % 2 == 0 else systems[::-1]
+                for sys_ in order:
+                    rates[sys_.label].append(sys_.window(r))
+        finally:
+            for sys_ in systems:
+                sys_.stop()
+        for label, rr in rates.items():
+            med = statistics.median(rr)
+            results[(label, w)] = med
+            print(f"{label:<22}{w:>8}{med:>12.1f}{med * mb:>10.0f}{min(rr):>12.1f}..{max(rr):<8.1f}", flush=True)
         if not a.no_rpc:
-            row("torch.distributed.rpc", w, bench_rpc(w, shapes, a.updates, a.reps))
+            for sh in shards:
+                label = f"pslab ({sh} shard{'s' if sh > 1 else ''})"
+                per_round = [x / y for x, y in zip(rates[label], rates[RpcSystem.label])]
+                ratios[(w, sh)] = statistics.median(per_round)
     if not a.no_rpc:
-        print("ratio pslab / torch-rpc (updates/s, same model, same run):")
+        print("ratio pslab / torch-rpc updates/s (median over rounds of the per-round ratio; same model, same run):")
         for w in workers:
-            parts = [f"{s} shard{'s' if s > 1 else ''}: "
-                     f"{results[(f'pslab ({s} shard' + ('s' if s > 1 else '') + ')', w)] / results[('torch.distributed.rpc', w)]:.2f}x"
-                     for s in shards]
-            print(f"  {w} worker{'s' if w > 1 else ''}: " + ", ".join(parts))
+            print(f"  {w} worker{'s' if w > 1 else ''}: " + ", ".join(
+                f"{sh} shard{'s' if sh > 1 else ''}: {ratios[(w, sh)]:.2f}x" for sh in shards))
     return 0
 
 
