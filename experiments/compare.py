@@ -60,6 +60,8 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
              f"{STRAGGLER_FACTOR:g}x slower. " if straggler else "") +
              ("Simulated in virtual time. " if simulate else
               f"Real processes on this machine; each step's compute padded to {cfg.train.base_step_s * 1e3:g} ms. ") +
-             f"Throughput counts updates while all workers are still running. Total time {elapsed:.0f} s.")
+             "`local` is one process doing the same updates with no communication (its steps are padded like the "
+             "workers', so it is ideal BSP). Throughput counts updates while all workers are still running. "
+             f"Total time {elapsed:.0f} s.")
     report = write_report(runs, out, "pslab compare: synchronous vs asynchronous training", intro)
     return report, runs

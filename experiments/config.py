@@ -1,11 +1,11 @@
 """Run configuration: dataclasses, read from TOML (`tomllib`), overridden by `--set section.key=value`.
 
     [workload]    name, batch_size, seed
-    [train]       strategy, workers, steps (per worker), shards, backend, optimizer, lr, momentum, betas,
+    [train]       strategy, workers, steps (per worker), shards, backend, engine, optimizer, lr, momentum, betas,
                   staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [simulate]    enabled, compute_s, latency_intra_s, latency_inter_s, bandwidth_intra_Bps,
-                  bandwidth_inter_Bps, workers_per_host, server_apply_s
+                  bandwidth_inter_Bps, workers_per_host
 
 Every value is validated here; a bad one raises ConfigError naming the key and what is allowed.
 """
@@ -24,6 +24,7 @@ from experiments.stragglers import StragglerConfig
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("zmq", "torch")
+ENGINES = ("none", "data")
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TrainConfig:
     steps: int = 100          # clocks (updates) per worker
     shards: int = 1
     backend: str = "zmq"      # allreduce backend
+    engine: str = "none"      # allreduce: "none" (one flat all-reduce per step) | "data" (parallelism's DDP-style
+                              # engine: bucketed all-reduce overlapped with backward)
     optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
@@ -62,7 +65,6 @@ class SimulateConfig:
     bandwidth_intra_Bps: float = 10e9
     bandwidth_inter_Bps: float = 1.25e9  # 10 Gbit/s
     workers_per_host: int = 8            # shards live on host 0
-    server_apply_s: float = 0.0          # virtual time a shard spends applying one push
 
 
 @dataclass
@@ -94,6 +96,10 @@ class RunConfig:
         _positive("train.eval_every", t.eval_every)
         if t.backend not in BACKENDS:
             raise ConfigError(f"train.backend must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
+        if t.engine not in ENGINES:
+            raise ConfigError(f"train.engine must be one of {', '.join(ENGINES)}, got {t.engine!r}")
+        if t.engine != "none" and s.kind != "allreduce":
+            raise ConfigError(f"train.engine = {t.engine!r} works with strategy allreduce, not {s.label}")
         if t.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
         if not t.lr > 0:
@@ -105,7 +111,7 @@ class RunConfig:
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
         m = self.simulate
-        for k in ("compute_s", "latency_intra_s", "latency_inter_s", "server_apply_s"):
+        for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:
                 raise ConfigError(f"simulate.{k} must be >= 0")
         for k in ("bandwidth_intra_Bps", "bandwidth_inter_Bps", "workers_per_host"):

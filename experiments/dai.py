@@ -8,6 +8,8 @@ uniformly from {0, ..., s} (capped at t), and applied to the current parameters:
 
 s = 0 is plain sequential training. This isolates the effect of staleness from everything else (no processes, no
 clocks, no network), which is how Dai et al. draw their "steps to reach target accuracy vs s" curves.
+The update is made by the parameter server's own optimizer (`ps.optim`, given tau = r_t and, for DC-ASGD, the stale
+weights), so staleness-aware learning rates and delay compensation can be swept here too.
 The staleness draws come from a generator seeded with (seed, s), so a run is exactly repeatable.
 """
 
@@ -21,7 +23,7 @@ import torch
 from torch.func import functional_call
 
 from experiments.config import TrainConfig
-from experiments.local import make_torch_optimizer
+from experiments.psbridge import optimizer_spec
 from experiments.workloads import Workload
 
 
@@ -40,9 +42,10 @@ def run_dai(wl: Workload, train: TrainConfig, staleness: int, max_steps: int, ta
         raise ValueError("staleness must be >= 0")
     torch.set_num_threads(1)
     model = wl.make_model()
+    from ps.optim import Contribution, build_optimizer
     names = [n for n, _ in model.named_parameters()]
     live = [p for _, p in model.named_parameters()]
-    opt = make_torch_optimizer(train, live)
+    opt = build_optimizer(optimizer_spec(train), {n: p.detach() for n, p in zip(names, live)})  # updates in place
     history: deque[list[torch.Tensor]] = deque(maxlen=staleness + 1)
     history.append([p.detach().clone() for p in live])
     rng = np.random.default_rng([seed, 0xDA1, staleness])
@@ -57,9 +60,8 @@ def run_dai(wl: Workload, train: TrainConfig, staleness: int, max_steps: int, ta
         if not torch.isfinite(loss):
             res.diverged = True
             return res
-        for p, g in zip(live, grads):
-            p.grad = g
-        opt.step()
+        stale_w = history[-1 - r]
+        opt.step([Contribution(dict(zip(names, grads)), r, dict(zip(names, stale_w)))])
         history.append([p.detach().clone() for p in live])
         if (step + 1) % eval_every == 0:
             acc = wl.evaluate(model)["test_acc"]

@@ -35,7 +35,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def summary_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| run | workers | updates | time (s) | updates/s | final train loss | test acc (%) | "
+    head = ("| run | workers | updates | time (s) | updates/s (all running) | final train loss | test acc (%) | "
             "staleness mean / max | wait per worker (s) | MB per worker |")
     rows = [head, "|" + "---|" * 10]
     for r in runs:

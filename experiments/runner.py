@@ -66,6 +66,8 @@ def default_label(cfg: RunConfig, simulated: bool) -> str:
     lab = cfg.strategy.label
     if cfg.strategy.kind == "allreduce" and cfg.train.backend != "zmq":
         lab += f"[{cfg.train.backend}]"
+    if cfg.train.engine != "none":
+        lab += f"[{cfg.train.engine} engine]"
     if cfg.stragglers.active:
         lab += " +straggler"
     if simulated:
@@ -93,6 +95,7 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     import torch
     torch.set_num_threads(1)  # this process too (and so the forked workers) — the machines here have 2 cores
     sim = cfg.simulate.enabled if simulate is None else simulate
+    _preload(cfg)
     if sim:
         cfg.simulate.enabled = True
     strategy = cfg.strategy
@@ -139,6 +142,14 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
                    dropped=sum(1 for u in updates if u.get("dropped")), **{k: v for k, v in extra.items()})
     rd.write_summary(summary)
     return rd
+
+
+def _preload(cfg: RunConfig) -> None:
+    """Load the dataset and the lazily-imported parts of torch (torch.optim pulls in torch._dynamo, seconds on a
+    busy machine) once here, so forked workers and servers inherit them instead of each importing them again."""
+    import torch._dynamo  # noqa: F401
+    from experiments.workloads import get_workload
+    get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
 
 
 def _run_local(cfg: RunConfig, rd: RunDir, progress: Callable[[int], None]) -> float:

@@ -14,6 +14,7 @@ Cells where no learning rate reaches the target within max_steps are reported as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class SweepSpec:
     max_steps: int = 1000
     batch_size: int = 32
     eval_every: int = 10
+    base: TrainConfig = field(default_factory=TrainConfig)  # optimizer options (staleness_lr, dc_asgd, ...) pass through
 
 
 def run_cell(model: str, optimizer: str, lrs: tuple[float, ...], s: int, spec: SweepSpec) -> dict[str, Any]:
@@ -52,7 +54,8 @@ def run_cell(model: str, optimizer: str, lrs: tuple[float, ...], s: int, spec: S
         steps = []
         for seed in spec.seeds:
             wl = get_workload(model, 1, spec.batch_size, seed)
-            r = run_dai(wl, TrainConfig(optimizer=optimizer, lr=lr), s, cap, spec.target_acc, spec.eval_every, seed)
+            tc = dataclasses.replace(spec.base, optimizer=optimizer, lr=lr)
+            r = run_dai(wl, tc, s, cap, spec.target_acc, spec.eval_every, seed)
             steps.append(r.steps_to_target)
         mean = float(np.mean(steps)) if all(x is not None for x in steps) else None
         tried.append({"lr": lr, "steps": steps, "mean": mean})

@@ -1,0 +1,46 @@
+"""pslab's parallelism engines: data, tensor, pipeline, ZeRO sharding, activation checkpointing, over one mesh.
+
+    mesh = DeviceMesh(world_group, dp=2, tp=2)                  # named axes; tp groups on adjacent ranks
+    replica = TensorParallelEngine(loss_fn=lm_loss).build(model_factory, mesh)
+    strategy = AllReduceStrategy(lambda ps: torch.optim.SGD(ps, lr=0.1))   # or a parameter-server strategy
+    strategy.attach(replica)
+    loss = train_step(replica, strategy, x, y)
+
+Files, one idea each:
+    engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
+    mesh.py          dp × pp × tp layout and sub-groups
+    comm.py          per-engine bytes by kind and by site; the ordered communication thread
+    data.py          bucketed, hook-driven, overlapped gradient all-reduce; no_sync()
+    tensor.py        Megatron f/g, column/row-parallel Linear, TP MLP and attention
+    schedule.py      GPipe and 1F1B as data; (p−1)/(m+p−1); virtual-time replay
+    pipeline.py      stages over send/recv, measured bubble and in-flight activations
+    zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
+    checkpointing.py activation checkpointing and the saved-activation meter
+    plot.py          the pipeline timeline picture (`pslab schedule`)
+    models.py        small MLP and GPT-style models the engines are tested on
+
+Imports point down only: this package uses `collectives`, never `ps` or `experiments`.
+"""
+
+from .checkpointing import ActivationMeter, CheckpointWrapper
+from .comm import Comm, CommLog
+from .data import DataParallel, DataParallelEngine, GradReducer
+from .engine import (AllReduceStrategy, Engine, EngineError, LocalReplica, ParamSlot, Replica, SyncStrategy,
+                     train_step)
+from .mesh import DeviceMesh, MeshError, MeshLayout
+from .pipeline import PipelineEngine, PipelineReplica, bubble_fraction
+from .schedule import Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b, simulate
+from .tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, TensorParallelEngine,
+                     TensorParallelMLP, f, g)
+from .zero import ZeroEngine, ZeroReplica, ZeroStrategy
+from .zero_memory import StateBytes, zero_bytes_per_rank
+
+__all__ = [
+    "ActivationMeter", "CheckpointWrapper", "Comm", "CommLog", "DataParallel", "DataParallelEngine", "GradReducer",
+    "AllReduceStrategy", "Engine", "EngineError", "LocalReplica", "ParamSlot", "Replica", "SyncStrategy",
+    "train_step", "DeviceMesh", "MeshError", "MeshLayout", "PipelineEngine", "PipelineReplica", "bubble_fraction",
+    "Action", "PipelineSchedule", "ScheduleError", "gpipe", "make_schedule", "one_f_one_b", "simulate",
+    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelEngine",
+    "TensorParallelMLP", "f", "g", "ZeroEngine", "ZeroReplica", "ZeroStrategy", "StateBytes",
+    "zero_bytes_per_rank",
+]

@@ -196,3 +196,31 @@ def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) ->
     end = max(e for spans in spans_per_stage for _, _, e in spans)
     busy = sum(e - b for spans in spans_per_stage for _, b, e in spans)
     return 1.0 - busy / (len(spans_per_stage) * end)
+
+
+def measure_step(group: Any, schedule: str, micro_batches: int, stage_time: tuple[float, float],
+                 width: int = 32, batch: int = 64) -> dict[str, Any]:
+    """Run one padded pipeline step of a small MLP (one Linear per stage) on the ranks of `group`; for `launch`.
+
+    Returns this stage's spans on the shared monotonic clock (perf_counter), its peak in-flight count, and the step
+    start — gather them from all ranks and pass to `bubble_fraction` / `plot.draw_timeline`."""
+    from .models import mlp
+    torch.manual_seed(0)
+    mesh = DeviceMesh(group, pp=group.world_size)
+    factory = lambda: mlp([width] * (group.world_size + 1), seed=0)
+    rep = PipelineEngine(schedule, micro_batches, stage_time=stage_time, measure=True,
+                         report_loss=False).build(factory, mesh)
+    x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
+    rep.stage_time = None
+    rep.forward_backward(x, y)               # warm-up: shape headers, first connections
+    rep.stage_time = stage_time
+    rep.forward_backward(x, y)
+    t0 = rep.step_start
+    return {"spans": [(a.stage, a.micro, a.phase, t0 + b, t0 + e) for a, b, e in rep.spans],
+            "peak_in_flight": rep.peak_in_flight, "start": t0}
+
+
+def gather_spans(results: list[dict[str, Any]]) -> list[list[tuple[Action, float, float]]]:
+    """Per-stage spans from `measure_step` results of all ranks, relative to the earliest step start."""
+    start = min(r["start"] for r in results)
+    return [[(Action(s, i, ph), b - start, e - start) for s, i, ph, b, e in r["spans"]] for r in results]

@@ -16,13 +16,17 @@ communicates, which is why TP stays on the fastest link (adjacent ranks, `mesh.p
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from collectives import chunk_bounds
 
-from .comm import Comm
+from .comm import Comm, CommLog
+from .engine import LocalReplica
+from .mesh import DeviceMesh
 from .models import MLP, Attention
 
 SHARD_ATTR = "_tp_shard"   # set on parameters that are shards (not replicas) across the tp group
@@ -183,12 +187,11 @@ class TensorParallelEngine:
     Slot names: sharded tensors get the suffix "#tp{t}/{T}" after their full-model name; replicated tensors (LayerNorm,
     embeddings, row-parallel biases) keep the plain name and have identical gradients on every tp rank."""
 
-    def __init__(self, loss_fn=None, log=None) -> None:
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 log: CommLog | None = None) -> None:
         self.loss_fn, self.log = loss_fn, log
 
-    def build(self, model_factory, mesh):
-        from .comm import CommLog
-        from .engine import LocalReplica
+    def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         log = self.log if self.log is not None else CommLog()
         tp = Comm(mesh.group("tp"), log)
         model = tensor_parallelize(model_factory(), tp)

@@ -12,12 +12,14 @@ Core (sans-IO)::
         # params: {name: np.ndarray | torch.Tensor}; a shard stores flat float tensors (copies)
     st.may_read(worker, clock, now=None) -> bool        # consistency gate; remembers when a read first blocked
     st.blocking_workers(clock) -> list[int]              # who a read at `clock` is waiting for
-    st.read(worker, clock, now=None) -> ReadResult       # .version, .clock, .params {name: torch.Tensor (copy)}
+    st.read(worker, clock, now=None, copy=True) -> ReadResult
+        # .version, .clock (backup-BSP may move it up), .committed_clock, .params {name: torch.Tensor}
     st.push(worker, clock, read_version, grads, now=None) -> PushResult
         # .status "applied" | "buffered" (waits for the rest of its clock) | "dropped" (late backup gradient)
         # .version (after), .staleness [(worker, tau), ...] for every update applied by this push
     st.version, st.clocks, st.committed_clock, st.stats (StalenessStats: .summary(), .histogram(), .percentile(q),
-    .series, .waits), st.state_dict() / ShardState.from_state_dict(d)
+    .series [(now, worker, tau, version)], .waits {worker: [seconds per read]}, .dropped), st.params (live),
+    st.state_dict() -> (tensors, meta) / ShardState.from_state_dict(tensors, meta)
 
     Workers are 0..num_workers-1. A worker's clock c = number of pushes it has made; a push is stamped with the
     worker's current clock, and a pull "at clock c" is the read before computing the clock-c gradient.
@@ -30,9 +32,9 @@ Consistency policies (ps.consistency)::
 Optimizers (ps.optim), state lives on the shard::
 
     OptimizerSpec(name="sgd"|"momentum"|"adam", lr=0.01, momentum=0.9, betas=(0.9, 0.999), eps=1e-8,
-                  weight_decay=0.0, nesterov=False, staleness_lr=False, dc_lambda=0.0, dc_adaptive=False,
-                  dc_decay=0.95)
-    optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec
+                  weight_decay=0.0, nesterov=False, staleness_lr=False, dc_lambda=None, dc_adaptive=False,
+                  dc_decay=0.95)                      # dc_lambda=None: no DC-ASGD; 0.0 runs DC with lambda 0
+    optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec;  spec.to_string() is the inverse
 
 Partitioning (ps.partition), a pure function of (names, shapes, num_shards)::
 
@@ -43,10 +45,13 @@ Server and client::
 
     servers = start_servers(num_shards=2, num_workers=4, policy="asp", optimizer="sgd:lr=0.1",
                             checkpoint_dir=None, checkpoint_every=0)       # spawned processes; .addresses, .stop()
-    serve(ServerConfig(...))                                              # blocking loop (`pslab server ...`)
+    serve(ServerConfig(bind="tcp://127.0.0.1:0", shard_id=0, num_workers=1, policy="asp", optimizer="sgd:lr=0.01",
+                       checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0, idle_timeout=0.0),
+          ready=lambda address: ...)                                      # blocking loop (`pslab server ...`)
     client = connect(servers.addresses, worker=0, params=model_state)     # params: {name: tensor or shape}
     client.init(model_state).result()       # exactly one owner initialises; the others' pulls wait for it
-    fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clock)]
+    fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clocks)]
+    # futures are driven by the waiting thread (no background I/O thread): call .result() to make progress
     fut = client.push(grads)                # Future[list of per-shard acks {status, version, clock, staleness}];
                                             # stamps the current clock and advances it
     client.clocks, client.versions          # per shard: this worker's clock, version of its last pull

@@ -1,4 +1,9 @@
-"""The worker side: one DEALER socket per shard, driven by a background I/O thread; every call returns a Future.
+"""The worker side: one DEALER socket per shard; every call sends at once and returns a Future.
+
+There is no background I/O thread (each thread hop costs latency on a busy machine): requests are sent from the
+calling thread, and replies are received by whichever thread waits on a future (`result()`/`exception()`), which
+dispatches every reply that arrives to its own future. Progress therefore happens inside client calls, as in MPI.
+Thread-safe: socket access is serialised by a lock that a waiting thread releases between polls.
 
     client = connect(addresses, worker=0, params=model.state_dict())    # registers with every shard
     client.init(model.state_dict()).result()      # one owner; the others' first pull waits for it
@@ -15,7 +20,6 @@ done), and remembers, per shard, its clock and the version its last pull returne
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -31,7 +35,7 @@ from collectives.wire import decode, encode
 
 from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
 from .partition import Partition, make_partition
-from .protocol import CLIENT_LIMITS
+from .protocol import CLIENT_LIMITS, tune_socket
 
 
 @dataclass
@@ -56,7 +60,7 @@ def _np(t: Any) -> np.ndarray:
 
 
 class PSClient:
-    """A worker's connection to all shards. Thread-safe: calls enqueue, the I/O thread owns the sockets."""
+    """A worker's connection to all shards (see the module docstring for how progress is made)."""
 
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
                  timeout: float = 60.0, context: zmq.Context | None = None) -> None:
@@ -67,28 +71,30 @@ class PSClient:
         self.timeout = float(timeout)
         self.partition: Partition = make_partition(params, len(self.addresses))
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
+        self._keys_of = [self.partition.keys_of(i) for i in range(len(self.addresses))]
+        self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
         self.versions = [0] * len(self.addresses)
         self._seq = itertools.count(1)
         self._ctx = context or zmq.Context.instance()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[tuple[int, int], _Pending] = {}
-        self._wake_addr = f"inproc://pslab-client-{id(self)}-{time.monotonic_ns()}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_addr)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
         self._socks: list[zmq.Socket] = []
         for a in self.addresses:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(a)
-            self._socks.append(s)
-        self._thread = threading.Thread(target=self._io_loop, name=f"pslab-client-{worker}", daemon=True)
-        self._thread.start()
-        self.registration = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            tune_socket(sock)
+            sock.connect(a)
+            self._socks.append(sock)
+        self._poller = zmq.Poller()
+        for sock in self._socks:
+            self._poller.register(sock, zmq.POLLIN)
+        try:
+            self.registration = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
+        except BaseException:
+            self.close()
+            raise
         for i, (r, _) in enumerate(self.registration):
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
 
@@ -97,13 +103,17 @@ class PSClient:
                  timeout: float | None = None) -> Future:
         if self._closed:
             raise PSError("this client is closed; call ps.connect again")
-        fut: Future = Future()
-        seq = next(self._seq)
-        frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+        fut = _LazyFuture(self._drive)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._queue.put((shard, seq, frames, _Pending(fut, deadline, shard, tensors)))
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        with self._lock:
+            seq = next(self._seq)
+            frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+            self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
+            try:
+                self._socks[shard].send_multipart(frames, copy=False)
+            except zmq.ZMQError as e:
+                self._pending.pop((shard, seq))
+                fut.set_exception(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
         return fut
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
@@ -123,7 +133,7 @@ class PSClient:
         """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate)."""
         per = [({"clock": self.clocks[i]}, None) for i in range(len(self.addresses))]
         fut = self._all("pull", per_shard=per, timeout=timeout)
-        out: Future = Future()
+        out: Future = _derived(fut)
 
         def done(f: Future) -> None:
             try:
@@ -140,10 +150,12 @@ class PSClient:
         return out
 
     def push(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
-        """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock."""
-        per = []
+        """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock.
+        The gradient tensors are sent zero-copy: do not modify them until the future is done. If a push fails,
+        call `resync()` to adopt the shards' clocks again."""
+        pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
+        per = [({"clock": self.clocks[i], "version": self.versions[i]}, pieces[i]) for i in range(len(pieces))]
         for i in range(len(self.addresses)):
-            per.append(({"clock": self.clocks[i], "version": self.versions[i]}, self._split(grads, i)))
             self.clocks[i] += 1
         return _metas(self._all("push", per_shard=per, timeout=timeout))
 
@@ -174,7 +186,7 @@ class PSClient:
     # ------------------------------------------------------------------ slicing
     def _split(self, tensors: Mapping[str, Any], shard: int) -> dict[str, np.ndarray]:
         out = {}
-        for s in self.partition.keys_of(shard):
+        for s in self._keys_of[shard]:
             if s.name not in tensors:
                 raise ConfigError(f"tensor {s.name!r} is missing; expected all of {self.partition.names[:8]}")
             a = _np(tensors[s.name])
@@ -185,8 +197,7 @@ class PSClient:
 
     def _assemble(self, per_shard: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        for name in self.partition.names:
-            pieces = self.partition.slices_of(name)
+        for name, pieces in self._slices_of.items():
             if len(pieces) == 1:
                 out[name] = np.array(per_shard[pieces[0].shard][pieces[0].key]).reshape(pieces[0].shape)
                 continue
@@ -197,50 +208,34 @@ class PSClient:
             out[name] = flat.reshape(pieces[0].shape)
         return out
 
-    # ------------------------------------------------------------------ I/O thread
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_recv, zmq.POLLIN)
-        for s in self._socks:
-            poller.register(s, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll(50))
-            if self._wake_recv in events:
-                while True:
-                    try:
-                        self._wake_recv.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+    # ------------------------------------------------------------------ progress
+    def _drive(self, fut: Future, timeout: float | None) -> None:
+        """Receive and dispatch replies until `fut` is done, its own deadline passes, or `timeout` expires."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return                       # Future.result then raises concurrent.futures.TimeoutError
+            with self._lock:
+                if fut.done() or self._closed:
                     break
-                if item is None:
-                    self._fail_all(PSError("client closed with requests in flight"))
-                    return
-                shard, seq, frames, pend = item
-                self._pending[(shard, seq)] = pend
-                try:
-                    self._socks[shard].send_multipart(frames, copy=False)
-                except zmq.ZMQError as e:
-                    self._pending.pop((shard, seq))
-                    pend.future.set_exception(PSError(f"cannot send to shard {shard}: {e}"))
-            for i, s in enumerate(self._socks):
-                if s in events:
+                wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
+                for sock, _ in self._poller.poll(wait_ms):
+                    i = self._socks.index(sock)
                     while True:
                         try:
-                            frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._on_reply(i, frames)
-            if self._pending:
-                now = time.monotonic()
-                for key in [k for k, p in self._pending.items() if p.deadline < now]:
-                    p = self._pending.pop(key)
-                    p.future.set_exception(RequestTimeoutError(
-                        f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
-                        f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
+                self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, p in self._pending.items() if p.deadline < now]:
+            p = self._pending.pop(key)
+            p.future.set_exception(RequestTimeoutError(
+                f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
+                f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
 
     def _on_reply(self, shard: int, frames: list[Any]) -> None:
         try:
@@ -262,21 +257,42 @@ class PSClient:
         self._pending.clear()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
-        self._thread.join(5)
-        for s in (*self._socks, self._wake_send, self._wake_recv):
-            s.close(0)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._fail_all(PSError("client closed with requests in flight"))
+            for sock in self._socks:
+                sock.close(0)
 
     def __enter__(self) -> "PSClient":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _LazyFuture(Future):
+    """A Future whose result()/exception() drive the client's receive loop (no background thread)."""
+
+    def __init__(self, driver: Any) -> None:
+        super().__init__()
+        self._driver = driver
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._driver(self, timeout)
+        return super().result(timeout=0 if timeout is not None or self.done() else None)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._driver(self, timeout)
+        return super().exception(timeout=0 if timeout is not None or self.done() else None)
+
+
+def _derived(fut: Future) -> Future:
+    """A new lazy future driven by the same client as `fut`."""
+    return _LazyFuture(lambda f, timeout: fut.exception(timeout) and None)
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -291,13 +307,25 @@ def _chain(f: Future, out: Future, fn: Any) -> None:
 
 
 def _metas(fut: Future) -> Future:
-    out: Future = Future()
+    out: Future = _derived(fut)
     fut.add_done_callback(lambda f: _chain(f, out, lambda r: [m for m, _ in r]))
     return out
 
 
 def _gather(futs: list[Future]) -> Future:
-    out: Future = Future()
+    """One future for all shards' replies; waiting on it waits on each shard's future in turn."""
+
+    def drive(_: Future, timeout: float | None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        for f in futs:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            try:
+                f.exception(left)
+            except TimeoutError:
+                return
+            if out.done():
+                return
+    out: Future = _LazyFuture(drive)
     remaining = [len(futs)]
     lock = threading.Lock()
 

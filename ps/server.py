@@ -29,7 +29,7 @@ from .consistency import policy_from_string
 from .errors import (CheckpointError, ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError,
                      ProtocolError, PSError)
 from .optim import OptimizerSpec, optimizer_from_string
-from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
+from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, tune_socket, wire_safe
 from .shard import ShardState
 
 log = logging.getLogger("ps.server")
@@ -116,6 +116,7 @@ class ShardServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
+        tune_socket(self.sock)
         b = self.config.bind
         if b.startswith("tcp://") and b.endswith(":0"):
             port = self.sock.bind_to_random_port(b[: b.rindex(":")])

@@ -1,6 +1,11 @@
 """`pslab schedule`: draw a pipeline schedule (GPipe or 1F1B) as a timeline picture, with its bubble fraction.
 
-    pslab schedule --stages 4 --micro-batches 8 --schedule 1f1b -o pipe.png
+    pslab schedule --stages 4 --micro-batches 8 --schedule 1f1b -o pipe.png          # the schedule, replayed
+    pslab schedule --stages 4 --micro-batches 8 --schedule 1f1b --run -o run.png     # measured on p processes
+
+With --run, p local processes execute one pipeline step of a small MLP over the zmq backend, every forward padded
+to --forward-ms and every backward to --backward-ratio times that (equal stage times), and the picture shows the
+measured spans; the printed bubble is measured, next to (p−1)/(m+p−1).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backward-ratio", type=float, default=2.0,
                    help="backward time / forward time, equal on every stage (default 2)")
     p.add_argument("-o", "--output", default="pipe.png", help="picture to write (default pipe.png)")
+    p.add_argument("--run", action="store_true", help="measure the schedule on --stages local processes")
+    p.add_argument("--forward-ms", type=float, default=50.0, help="with --run: forward time per stage (default 50)")
+    p.add_argument("--backend", default="zmq", choices=("zmq", "torch"), help="with --run: collectives backend")
     p.set_defaults(func=run)
 
 
@@ -32,9 +40,32 @@ def run(args: argparse.Namespace) -> int:
         sched = make_schedule(args.schedule, args.stages, args.micro_batches)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
+    if args.run:
+        return _run_measured(args, sched)
     timeline = simulate(sched, 1.0, args.backward_ratio)
     out = draw_schedule(timeline, args.output)
     peaks = sched.peak_in_flight()
     print(f"{sched.name}: p={sched.stages} m={sched.micro_batches} bubble={timeline.bubble_fraction():.4f} "
           f"(theory (p-1)/(m+p-1)={sched.theoretical_bubble():.4f}) peak in-flight per stage={peaks} -> {out}")
+    return 0
+
+
+def _run_measured(args: argparse.Namespace, sched) -> int:
+    import collectives
+    from parallelism.pipeline import bubble_fraction, gather_spans, measure_step
+    from parallelism.plot import draw_timeline
+
+    if not 1 <= args.stages <= 8:
+        raise ConfigError(f"--run starts one process per stage; use 1..8 stages, got {args.stages}")
+    tf = args.forward_ms / 1000.0
+    results = collectives.launch(measure_step, args.stages, backend=args.backend,
+                                 args=(sched.name, sched.micro_batches, (tf, tf * args.backward_ratio)), timeout=300)
+    spans = gather_spans(results)
+    measured = bubble_fraction(spans)
+    out = draw_timeline(spans, args.output, title=f"{sched.name} measured: p={sched.stages}, m={sched.micro_batches}",
+                        theoretical_bubble=sched.theoretical_bubble())
+    peaks = [r["peak_in_flight"] for r in results]
+    print(f"{sched.name}: p={sched.stages} m={sched.micro_batches} measured bubble={measured:.4f} "
+          f"(theory (p-1)/(m+p-1)={sched.theoretical_bubble():.4f}) measured peak in-flight per stage={peaks} "
+          f"-> {out}")
     return 0

@@ -54,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
 def _staleness(args: argparse.Namespace, out: Path, seeds: list[int], t0: float) -> int:
     from tqdm import tqdm
     from experiments.staleness_sweep import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
-    spec = SweepSpec(seeds=tuple(seeds))
+    from experiments.compare import default_config
+    base = default_config(args.config, args.overrides).train  # e.g. --set train.staleness_lr=true
+    spec = SweepSpec(seeds=tuple(seeds), base=base)
     if args.quick:
         spec = SweepSpec(models={"shallow": "digits-mlp", "deep": "digits-deep-mlp"},
                          optimizers={"sgd": (0.1, 0.2), "adam": (0.003, 0.01)}, staleness=(0, 4, 16),
-                         seeds=tuple(seeds), target_acc=0.8, max_steps=600)
+                         seeds=tuple(seeds), target_acc=0.8, max_steps=600, base=base)
     n = len(spec.models) * len(spec.optimizers) * len(spec.staleness)
     with tqdm(total=n, desc="staleness sweep", unit="cell", disable=args.quiet) as bar:
         cells = run_staleness_sweep(spec, bar.update)

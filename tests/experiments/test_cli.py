@@ -105,9 +105,11 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
-def test_ctrl_c_stops_every_process_and_keeps_metrics(tmp_path):
-    """SIGINT to the whole process group (what a terminal's Ctrl-C does) during a PS run: pslab exits promptly,
-    no process of its session survives, and the metrics written so far are merged into metrics.jsonl."""
+@pytest.mark.parametrize("how", ["ctrl-c", "kill"])
+def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how):
+    """During a PS run, SIGINT to the whole process group (a terminal's Ctrl-C) or SIGTERM to pslab alone
+    (`kill PID`): pslab exits promptly, no process of its session survives, and the metrics written so far are
+    merged into metrics.jsonl."""
     cfg = tmp_path / "c.toml"
     cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-asp"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
@@ -123,7 +125,10 @@ def test_ctrl_c_stops_every_process_and_keeps_metrics(tmp_path):
         else:
             pytest.fail("workers did not start")
         time.sleep(0.5)
-        os.killpg(p.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            os.kill(p.pid, signal.SIGTERM)
         p.wait(timeout=30)
         time.sleep(1.0)
         assert _session_processes(p.pid) == []
@@ -135,3 +140,23 @@ def test_ctrl_c_stops_every_process_and_keeps_metrics(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
         for pid in _session_processes(p.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_gives_each_process_its_role(tmp_path):
+    """Under torchrun (RANK/WORLD_SIZE/MASTER_* set) `pslab run` does not spawn workers: the 2 torchrun processes
+    are the 2 all-reduce workers, and rank 0 writes one run directory with both workers' updates."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "allreduce"\nworkers = 7\nsteps = 3\n'
+                   'timeout_s = 60\n')
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    r = subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={port}", "-m", "experiments.cli", "run",
+                        str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=110)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from experiments.metrics import read_jsonl
+    ups = read_jsonl(tmp_path / "runs" / "allreduce" / "metrics.jsonl")
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]

@@ -38,6 +38,8 @@ def test_toml_file_and_overrides(tmp_path):
     ("stragglers.factors={\"9\"=2.0}", "out of range"),
     ("stragglers.delay=gamma", "stragglers.delay"),
     ("justtext", "section.key=value"),
+    ("train.engine=data", "works with strategy allreduce"),
+    ("train.engine=pipeline", "train.engine must be one of"),
 ])
 def test_bad_values_raise_config_error_naming_the_key(override, fragment):
     """Each invalid value gives a ConfigError whose message says what is wrong."""

@@ -53,3 +53,12 @@ def test_sweep_writes_data_curve_and_note(tmp_path):
     assert c0["normalised"] == 1.0 and c0["steps"] is not None
     assert f"s=0: {c0['steps']:.0f}" in trend_note(cells, spec)
     assert (tmp_path / "staleness_sweep.csv").read_text().count("\n") == 3
+
+
+def test_ps_optimizer_options_reach_the_emulation():
+    """The emulation updates through ps.optim with tau = the drawn delay: staleness-aware lr changes a stale run
+    but leaves s = 0 (tau always 0) bit-for-bit unchanged."""
+    wl = get_workload("digits-logreg", 1, 16, seed=0)
+    plain, aware = TrainConfig(optimizer="sgd", lr=0.2), TrainConfig(optimizer="sgd", lr=0.2, staleness_lr=True)
+    assert run_dai(wl, plain, 0, 30, 2.0, 10).curve == run_dai(wl, aware, 0, 30, 2.0, 10).curve
+    assert run_dai(wl, plain, 8, 30, 2.0, 10).curve != run_dai(wl, aware, 8, 30, 2.0, 10).curve

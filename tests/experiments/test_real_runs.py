@@ -1,5 +1,6 @@
 """Real multi-process runs (forked workers, ZeroMQ on 127.0.0.1): every strategy consumes exactly the same batches,
-and BSP — all-reduce (zmq and torch backends) or parameter server — reproduces the local large-batch reference."""
+and BSP — all-reduce (zmq and torch backends, flat or through parallelism's data-parallel engine) or the parameter
+server (1 or 2 shards) — reproduces the local large-batch reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from experiments.metrics import read_jsonl
 from experiments.runner import execute
 from tests.experiments.conftest import small_config
 
-STRATEGIES = ["local", "allreduce", "allreduce[torch]", "ps-bsp", "ps-ssp:1", "ps-asp"]
+STRATEGIES = ["local", "allreduce", "allreduce[torch]", "allreduce[data engine]", "ps-bsp", "ps-bsp[2 shards]", "ps-ssp:1", "ps-asp"]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,10 @@ def runs(tmp_path_factory):
         o = ["train.strategy=" + s.split("[")[0]]
         if "[torch]" in s:
             o.append("train.backend=torch")
+        if "[data engine]" in s:
+            o.append("train.engine=data")
+        if "[2 shards]" in s:
+            o.append("train.shards=2")
         rd = execute(small_config(*o), root, label=s, quiet=True)
         out[s] = (rd, read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text()))
     return out
@@ -37,7 +42,8 @@ def test_every_strategy_consumed_exactly_the_same_batches(runs):
         assert got == ref, s
 
 
-@pytest.mark.parametrize("s", ["allreduce", "allreduce[torch]", "ps-bsp"])
+@pytest.mark.parametrize("s", ["allreduce", "allreduce[torch]", "allreduce[data engine]", "ps-bsp",
+                               "ps-bsp[2 shards]"])
 def test_bsp_matches_the_local_large_batch_reference(runs, s):
     """Per-(worker, step) losses and the final test accuracy of BSP equal the local reference's (float32
     summation order differs, hence the tolerance)."""
