@@ -21,7 +21,7 @@ from typing import Any
 from experiments.config import RunConfig
 from experiments.errors import ExperimentError
 from experiments.metrics import JsonlWriter, RunDir, read_jsonl
-from experiments.psbridge import optimizer_spec, policy_string
+from experiments.psbridge import optimizer_string, policy_string
 from experiments.worker_common import WorkerContext
 from experiments.workloads import get_params, set_params
 
@@ -41,14 +41,13 @@ class Servers:
 
     def __init__(self, cfg: RunConfig, start_method: str):
         from ps import ServerConfig
-        from ps.server import _opt_str  # OptimizerSpec -> its string form, as start_servers does
         self.procs: list[Any] = []
         self.addresses: list[str] = []
         ctx = mp.get_context(start_method)
         try:
             for i in range(cfg.train.shards):
                 sc = ServerConfig(bind="tcp://127.0.0.1:0", shard_id=i, num_workers=cfg.train.workers,
-                                  policy=policy_string(cfg.strategy), optimizer=_opt_str(optimizer_spec(cfg.train)),
+                                  policy=policy_string(cfg.strategy), optimizer=optimizer_string(cfg.train),
                                   request_timeout=cfg.train.timeout_s, idle_timeout=cfg.train.timeout_s)
                 parent, child = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_server_child, args=(sc, child), daemon=True, name=f"pslab-shard-{i}")
@@ -157,13 +156,15 @@ def fill_staleness(rd: RunDir) -> None:
         p.unlink()
 
 
-def run_ps(cfg: RunConfig, rd: RunDir) -> float:
+def run_ps(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:
+    """Run the workers against fresh shard servers; returns what the shards measured themselves (their staleness
+    statistics and the time each worker's reads waited at the gate), for the summary."""
     import collectives
     from experiments.runner import START_METHOD
-    t = time.perf_counter()
+    results: list[Any] = []
     try:
         with Servers(cfg, START_METHOD) as servers:
-            collectives.launch(ps_worker, world_size=cfg.train.workers, backend="zmq",
+            results = collectives.launch(ps_worker, world_size=cfg.train.workers, backend="zmq",
                                args=(cfg.to_dict(), str(rd.path), servers.addresses), timeout=cfg.train.timeout_s,
                                start_method=START_METHOD)
     except collectives.LaunchError as e:
@@ -171,4 +172,8 @@ def run_ps(cfg: RunConfig, rd: RunDir) -> float:
     finally:
         rd.merge_parts("metrics")
         fill_staleness(rd)
-    return time.perf_counter() - t
+    shard0 = ((results[0] or {}).get("shard_stats") or [{}])[0] if results else {}
+    st = shard0.get("stats") or {}
+    return {"shard_staleness_mean": st.get("mean"), "shard_staleness_max": st.get("max"),
+            "gate_wait_s_total": sum(float(v) for v in (st.get("wait_seconds") or {}).values()),
+            "shard_dropped": sum(int(v) for v in (st.get("dropped") or {}).values())}

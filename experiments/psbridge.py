@@ -27,6 +27,22 @@ def optimizer_spec(t: TrainConfig) -> Any:
                          dc_adaptive=t.dc_adaptive)
 
 
+def optimizer_string(t: TrainConfig) -> str:
+    """The same optimizer as `optimizer_spec`, in ps.optimizer_from_string syntax (ServerConfig carries a string)."""
+    d = optimizer_spec(t).to_dict()
+    name = d.pop("name")
+    parts = []
+    for k, v in d.items():
+        if v is None:
+            continue
+        if k == "betas":
+            v = "/".join(str(b) for b in v)
+        elif isinstance(v, bool):
+            v = int(v)
+        parts.append(f"{k}={v}")
+    return f"{name}:{','.join(parts)}"
+
+
 def make_partition_for(params: dict[str, np.ndarray], num_shards: int) -> Any:
     from ps import make_partition
     return make_partition({n: v for n, v in params.items()}, num_shards)

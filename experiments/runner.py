@@ -26,6 +26,12 @@ from experiments.metrics import RunDir, read_jsonl, summarize
 # with one thread, so forking is safe); set PSLAB_START_METHOD=spawn to use fresh interpreters instead.
 START_METHOD = os.environ.get("PSLAB_START_METHOD", "fork")
 
+# Forking while another thread holds a lock copies the lock held into the child. Our only extra thread is the
+# progress poller (tqdm writes to stderr under a lock), so it works under _FORK_LOCK and no fork happens meanwhile.
+_FORK_LOCK = threading.Lock()
+os.register_at_fork(before=_FORK_LOCK.acquire, after_in_parent=_FORK_LOCK.release,
+                    after_in_child=_FORK_LOCK.release)
+
 
 def _count_lines(paths: list[Path]) -> int:
     n = 0
@@ -50,7 +56,8 @@ class _FilePoller:
         while not self._stop.wait(0.25):
             n = _count_lines(sorted(self.rundir.path.glob("metrics.w*.jsonl")))
             if n > seen:
-                self.bar.update(n - seen)
+                with _FORK_LOCK:
+                    self.bar.update(n - seen)
                 seen = n
 
     def __enter__(self) -> "_FilePoller":
@@ -119,7 +126,8 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
                     elapsed = _run_allreduce(cfg, rd)
                 else:
                     from experiments.ps_run import run_ps
-                    elapsed = run_ps(cfg, rd)
+                    extra = run_ps(cfg, rd)
+                    elapsed = 0.0
         ok = True
     finally:
         rd.merge_parts("metrics")

@@ -2,13 +2,14 @@
 
 Parameters are packed into buckets of at most `bucket_bytes`, in *reverse* registration order (gradients of the
 last layers are ready first in backward). A post-accumulate-grad hook on every parameter marks it ready; when
-bucket k is full and buckets 0..k−1 are launched, bucket k's gradients are copied into one flat buffer and its
-all-reduce is submitted to the communication thread, so it runs while autograd computes earlier layers. Buckets are
+bucket k is full and buckets 0..k−1 are launched, the all-reduce of bucket k's flat buffer is submitted to the
+communication thread, so it runs while autograd computes earlier layers. Buckets are
 launched in the fixed order 0, 1, 2 … on every rank, whatever order hooks fire in. When the last gradient has
 arrived (in its hook) we wait for all buckets and divide by N. (Not an autograd-engine end-of-backward callback:
 under reentrant activation checkpointing that would fire at the end of a nested backward, too early.) If some
-parameters get no gradient in a step, call `finish()` after backward: it reduces them as zeros. Gradients are views into the bucket buffers
-(DDP's gradient_as_bucket_view): autograd accumulates straight into them, so nothing is copied either way.
+parameters get no gradient in a step, call `finish()` after backward: it reduces them as zeros. Gradients are views
+into the bucket buffers (DDP's gradient_as_bucket_view): autograd accumulates straight into them, so nothing is
+copied either way.
 
 Each rank moves 2(N−1)/N · 4Ψ bytes per step (ring all-reduce of Ψ fp32 gradients), independent of N.
 

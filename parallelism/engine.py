@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
+from .checkpointing import unwrap_name
 from .comm import Comm, CommLog
 from .mesh import DeviceMesh
 
@@ -139,7 +140,6 @@ class LocalReplica:
         """Hook for engines that finish work after backward (data parallel: buckets of unused parameters)."""
 
     def slots(self) -> list[ParamSlot]:
-        from .checkpointing import unwrap_name
         return [ParamSlot(self.name_of(unwrap_name(n), p), p, self.rank) for n, p in self.module.named_parameters()]
 
 

@@ -6,10 +6,11 @@ The executor takes a schedule (`schedule.py`: GPipe or 1F1B, pure data) and, for
           (last stage: loss_i = loss_fn(out, y_i) · b_i/B, so Σ loss_i is the full-batch mean)
     B i:  receive ∂L/∂out_i from s+1 (last stage: loss_i.backward()), backpropagate, send ∂L/∂in_i to s−1
 
-Sends are non-blocking (waited at the end of the step) and receives are tagged (2i forward, 2i+1 backward), so
-GPipe and 1F1B cannot deadlock; the first time a micro-batch shape is seen, a stage sends a small shape header
-before the activation so the receiver can allocate its buffer; gradients of all micro-batches accumulate in .grad. Only boundary activations and
-their gradients cross ranks: p2p bytes per step = 2·Σ_boundaries (activation bytes), nothing inside a stage.
+Sends are non-blocking (waited at the end of the step) and receives are tagged (2i forward, 2i+1 backward), so GPipe
+and 1F1B cannot deadlock; the first time a micro-batch shape is seen, a stage sends a small shape header before the
+activation so the receiver can allocate its buffer; gradients of all micro-batches accumulate in .grad. Only
+boundary activations and their gradients cross ranks: p2p bytes per step = 2·Σ_boundaries (activation bytes),
+nothing inside a stage.
 
 Measured per step: each action's compute span (time spent waiting in recv is idle), from which the bubble
 fraction 1 − busy/(p·makespan) is compared with (p−1)/(m+p−1); and the peak number of micro-batches whose
@@ -61,8 +62,8 @@ def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential
 class PipelineReplica:
     """This rank's stage, its schedule and the executor."""
 
-    def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b", micro_batches: int = 4,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b",
+                 micro_batches: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  stage_time: tuple[float, float] | None = None, report_loss: bool = True,
                  measure: bool = False) -> None:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank

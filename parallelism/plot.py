@@ -15,7 +15,7 @@ Span = tuple[Action, float, float]
 
 
 def draw_timeline(spans: Sequence[Sequence[Span]], path: str | Path, title: str = "",
-                  theoretical_bubble: float | None = None) -> Path:
+                  theoretical_bubble: float | None = None, xlabel: str = "time") -> Path:
     """Write a PNG (or any matplotlib format, by suffix) of the per-stage spans; returns the path."""
     import matplotlib
     matplotlib.use("Agg", force=True)
@@ -33,7 +33,7 @@ def draw_timeline(spans: Sequence[Sequence[Span]], path: str | Path, title: str 
     ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
-    ax.set_xlabel("time")
+    ax.set_xlabel(xlabel)
     busy = [sum(e - b for _, b, e in row) for row in spans]
     measured = 1.0 - sum(busy) / (stages * end) if end > 0 else 0.0
     label = f"bubble {measured:.3f}"
@@ -54,4 +54,4 @@ def draw_schedule(timeline: Timeline, path: str | Path) -> Path:
     """Draw a simulated schedule (equal stage times)."""
     s = timeline.schedule
     return draw_timeline(timeline.spans, path, title=f"{s.name}: p={s.stages}, m={s.micro_batches}",
-                         theoretical_bubble=s.theoretical_bubble())
+                         theoretical_bubble=s.theoretical_bubble(), xlabel="time (forward = 1)")

@@ -70,7 +70,7 @@ from .errors import PSError
 __all__ = [
     "PSError", "ShardState", "ReadResult", "PushResult", "Policy", "ASP", "BSP", "SSP", "BackupBSP",
     "policy_from_string", "OptimizerSpec", "optimizer_from_string", "Partition", "Slice", "make_partition",
-    "StalenessStats", "ServerConfig", "serve", "start_servers", "PSClient", "connect",
+    "StalenessStats", "ServerConfig", "serve", "start_servers", "ServerGroup", "PSClient", "connect",
 ]
 
 _LAZY = {
@@ -80,7 +80,7 @@ _LAZY = {
     "OptimizerSpec": "optim", "optimizer_from_string": "optim",
     "Partition": "partition", "Slice": "partition", "make_partition": "partition",
     "StalenessStats": "staleness",
-    "ServerConfig": "server", "serve": "server", "start_servers": "server",
+    "ServerConfig": "server", "serve": "server", "start_servers": "processes", "ServerGroup": "processes",
     "PSClient": "client", "connect": "client",
 }
 

@@ -35,7 +35,7 @@ from collectives.wire import decode, encode
 
 from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
 from .partition import Partition, make_partition
-from .protocol import CLIENT_LIMITS, tune_socket
+from .protocol import CLIENT_LIMITS
 
 
 @dataclass
@@ -84,7 +84,6 @@ class PSClient:
         for a in self.addresses:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            tune_socket(sock)
             sock.connect(a)
             self._socks.append(sock)
         self._poller = zmq.Poller()

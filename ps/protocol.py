@@ -30,21 +30,6 @@ REPLY_OPS = frozenset({"ok", "error"})
 NEEDS_REGISTRATION = frozenset({"init", "pull", "push", "checkpoint", "shutdown"})
 
 
-import os
-
-# kernel socket buffer size for PS sockets (bytes; 0 = OS default). Big messages (MBs of tensors) then cross the
-# socket in few syscalls instead of many sender/receiver ping-pongs; the kernel caps it at net.core.[rw]mem_max.
-SOCKET_BUFFER_BYTES = int(os.environ.get("PSLAB_SOCKET_BUFFER", 0))
-
-
-def tune_socket(sock: Any) -> None:
-    """Apply SOCKET_BUFFER_BYTES to a zmq socket (before bind/connect)."""
-    if SOCKET_BUFFER_BYTES > 0:
-        import zmq
-        sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
-
-
 def server_limits(max_message_bytes: int = 1 << 31, max_tensors: int = 4096) -> WireLimits:
     """What a shard accepts: only protocol ops, bounded sizes."""
     return WireLimits(max_header_bytes=1 << 20, max_tensors=max_tensors, max_tensor_bytes=max_message_bytes,

@@ -6,8 +6,9 @@ Workload: MLP 784-512-512-10 (ReLU), batch 64 per rank, 2 ranks, SGD, synthetic 
   ddp    torch.nn.parallel.DistributedDataParallel on gloo (default 25 MB buckets)
 Both run in the same two processes (torch.set_num_threads(1) each), alternating per repetition; each repetition
 times `--steps` steps after `--warmup` untimed ones. On 2 shared cores overlap cannot buy much (communication needs
-CPU too), so the default bucket is DDP's 25 MB; try --bucket-mb 1 for overlapped buckets. samples/s = ranks × batch × steps / wall time of rank 0 (the
-step is synchronous, so every rank takes the same time); we print the median over `--reps` and pslab ÷ DDP.
+CPU too), so the default bucket is DDP's 25 MB; try --bucket-mb 1 for overlapped buckets. samples/s = ranks × batch
+× steps / wall time of rank 0 (the step is synchronous, so every rank takes the same time); we print the median over
+`--reps` and pslab ÷ DDP.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ One "update" = a worker sends one gradient for every parameter and gets the fres
          returning the parameter tensors rather than the pickled module).
 No compute: gradients are fixed random tensors, so the figure is the PS's transport + apply cost. Each worker is a
 process with torch.set_num_threads(1). For one worker count, every system (pslab with each shard count, torch rpc)
-is started once and kept idle between timed windows; the windows of the systems alternate round by round (order
+is started once and stopped (SIGSTOP) outside its own timed windows -- idle torch-rpc processes busy-poll and would
+otherwise eat the CPU of the system being timed; the windows of the systems alternate round by round (order
 reversed every other round), so a load change on a shared machine hits all of them alike. Reported: the median
 updates/s over `--reps` windows of `--updates` updates per worker (all workers counted; MB/s = updates/s x 2 x
 model bytes), and the median over rounds of the per-round pslab / rpc ratio.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import signal
 import socket
 import statistics
 import sys
@@ -96,7 +99,11 @@ class PslabSystem:
         self.barrier.wait(600)
         return _collect(self.out, r, self.workers, self.updates)
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs] + [p.pid for p in self.servers.processes if p is not None]
+
     def stop(self) -> None:
+        _signal(self.pids(), signal.SIGCONT)
         _stop(self.procs)
         self.servers.stop()
 
@@ -184,7 +191,11 @@ class RpcSystem:
         self.barrier.wait(600)
         return _collect(self.out, r, self.workers, self.updates)
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
     def stop(self) -> None:
+        _signal(self.pids(), signal.SIGCONT)
         _stop(self.procs)
 
 
@@ -204,6 +215,14 @@ def _collect(out: Any, r: int, workers: int, updates: int, timeout: float = 600)
             raise RuntimeError(f"benchmark worker {rank} reported window {rr} during window {r}")
         rows.append((t0, t1))
     return workers * updates / (max(b for _, b in rows) - min(a for a, _ in rows))
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _stop(procs: list) -> None:
@@ -245,10 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             if not a.no_rpc:
                 systems.append(RpcSystem(w, shapes, a.updates, a.reps))
             rates: dict[str, list[float]] = {sys_.label: [] for sys_ in systems}
+            for sys_ in systems:      # a system runs only during its own windows (idle torch-rpc processes spin)
+                _signal(sys_.pids(), signal.SIGSTOP)
             for r in range(a.reps):
                 order = systems if r % 2 == 0 else systems[::-1]
                 for sys_ in order:
+                    _signal(sys_.pids(), signal.SIGCONT)
                     rates[sys_.label].append(sys_.window(r))
+                    _signal(sys_.pids(), signal.SIGSTOP)
         finally:
             for sys_ in systems:
                 sys_.stop()

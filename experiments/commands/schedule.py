@@ -63,7 +63,7 @@ def _run_measured(args: argparse.Namespace, sched) -> int:
     spans = gather_spans(results)
     measured = bubble_fraction(spans)
     out = draw_timeline(spans, args.output, title=f"{sched.name} measured: p={sched.stages}, m={sched.micro_batches}",
-                        theoretical_bubble=sched.theoretical_bubble())
+                        theoretical_bubble=sched.theoretical_bubble(), xlabel="seconds")
     peaks = [r["peak_in_flight"] for r in results]
     print(f"{sched.name}: p={sched.stages} m={sched.micro_batches} measured bubble={measured:.4f} "
           f"(theory (p-1)/(m+p-1)={sched.theoretical_bubble():.4f}) measured peak in-flight per stage={peaks} "

@@ -70,7 +70,10 @@ def _staleness(args: argparse.Namespace, out: Path, seeds: list[int], t0: float)
     (out / "report.md").write_text(
         "# Staleness sweep (Dai et al. 2019 emulation)\n\n"
         f"Steps to reach {100 * spec.target_acc:.0f}% test accuracy on digits, learning rate picked per cell from "
-        f"a small grid, seeds {list(spec.seeds)}, at most {spec.max_steps} steps.\n\n"
+        f"a small grid, seeds {list(spec.seeds)}, at most {spec.max_steps} steps. Optimizer options: "
+        f"momentum {base.momentum}, betas {list(base.betas)}, staleness-aware lr {base.staleness_lr}, "
+        f"DC-ASGD {base.dc_asgd}" + (f" (lambda {base.dc_lambda}, adaptive {base.dc_adaptive})" if base.dc_asgd else "")
+        + ".\n\n"
         f"![staleness curve]({png.name})\n\n{note}\n\nData: `{data.name}`, `staleness_sweep.csv`.\n")
     print(note)
     print(f"\nreport: {out / 'report.md'}   data: {data}   ({time.perf_counter() - t0:.0f} s)")

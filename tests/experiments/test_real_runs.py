@@ -66,3 +66,14 @@ def test_measurements_are_recorded(runs):
         assert all(u["bytes_sent"] > 0 and u["bytes_recv"] > 0 and u["wait_s"] >= 0 for u in ups)
     assert all(u["bytes_sent"] > 0 for u in runs["allreduce"][1])
     assert runs["ps-asp"][2]["updates"] == 36 and runs["ps-asp"][2]["final_test_acc"] is not None
+
+
+def test_recorded_staleness_matches_the_shards_own_statistics(runs):
+    """The per-update staleness reassembled from push acks has the same mean and max as the shard's own
+    StalenessStats, and the shard's gate-wait total is recorded (0 under ASP)."""
+    for s in ("ps-ssp:1", "ps-asp", "ps-bsp"):
+        ups, summary = runs[s][1], runs[s][2]
+        taus = [u["staleness"] for u in ups]
+        assert summary["shard_staleness_mean"] == pytest.approx(sum(taus) / len(taus))
+        assert summary["shard_staleness_max"] == max(taus)
+    assert runs["ps-asp"][2]["gate_wait_s_total"] == 0.0

@@ -3,14 +3,13 @@ and the engine option keeps multi-process parity."""
 
 from __future__ import annotations
 
-import functools
-
+import pytest
 import torch
 
 import collectives
 from parallelism.checkpointing import ActivationMeter, measure, wrap_children
 from parallelism.data import DataParallelEngine
-from parallelism.models import lm_loss, mlp
+from parallelism.models import lm_loss
 from parallelism.pipeline import PipelineEngine
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, TF_FACTORY, assert_close, mlp_batches, reference,
@@ -65,9 +64,10 @@ def _ck_worker(group):
     return dp, pp
 
 
-def test_checkpointing_engine_option_keeps_parity():
+@pytest.mark.parametrize("backend", ["zmq", "torch"])
+def test_checkpointing_engine_option_keeps_parity(backend):
     """Data parallel and pipeline engines with checkpoint_activations=True still match single-process training."""
-    out = collectives.launch(_ck_worker, 2, backend="zmq", timeout=120)
+    out = collectives.launch(_ck_worker, 2, backend=backend, timeout=120)
     ref = {"dp": reference(MLP_FACTORY, mlp_batches()), "pp": reference(TF_FACTORY, tf_batches(), loss_fn=lm_loss)}
     for dp, pp in out:
         for r, (losses, w) in ((dp, ref["dp"]), (pp, ref["pp"])):

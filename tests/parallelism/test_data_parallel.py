@@ -8,7 +8,6 @@ import torch
 import collectives
 from parallelism.comm import Comm
 from parallelism.data import DataParallel, DataParallelEngine, GradReducer
-from parallelism.engine import AllReduceStrategy
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, assert_close, dp_shard, mlp_batches, plain, reference,
                                           sgd, train_engine)

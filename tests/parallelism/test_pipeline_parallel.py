@@ -3,15 +3,12 @@ and communication only at stage boundaries."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import collectives
-from parallelism.mesh import DeviceMesh
 from parallelism.models import lm_loss
-from parallelism.pipeline import PipelineEngine, bubble_fraction
+from parallelism.pipeline import PipelineEngine, bubble_fraction, gather_spans, measure_step
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, TF_FACTORY, assert_close, mlp_batches, plain,
                                           reference, tf_batches, train_engine)
@@ -86,44 +83,27 @@ def check_boundary_traffic(out, mesh_shape, factory, batches) -> None:
 
 
 def _bubble_worker(group, micro_list, t_f, t_b):
-    """For each schedule and m: one warm-up step, then one measured step with padded (equal) stage times."""
-    mesh = DeviceMesh(group, pp=group.world_size)
-    x, y = mlp_batches(1, batch=8)[0]
-    res = {}
-    for schedule in ("gpipe", "1f1b"):
-        for m in micro_list:
-            rep = PipelineEngine(schedule, m, stage_time=(t_f, t_b), measure=True,
-                                 report_loss=False).build(MLP_FACTORY, mesh)
-            rep.stage_time = None
-            rep.forward_backward(x, y)  # unpadded warm-up: shape inference, first-message set-up
-            rep.stage_time = (t_f, t_b)
-            rep.forward_backward(x, y)
-            t0 = rep.step_start          # perf_counter is CLOCK_MONOTONIC: one clock for all local processes
-            res[(schedule, m)] = ([(a.micro, a.phase, t0 + b, t0 + e) for a, b, e in rep.spans], rep.peak_in_flight,
-                                  t0)
-    return res
+    """For each schedule and m: one unpadded warm-up step, then one measured step with equal (padded) stage times."""
+    return {(schedule, m): measure_step(group, schedule, m, (t_f, t_b))
+            for schedule in ("gpipe", "1f1b") for m in micro_list}
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_bubble_and_in_flight(p):
     """With equal stage times the measured bubble is within 0.05 of (p−1)/(m+p−1) for m in {1, 4, 8}, for GPipe and
     1F1B; GPipe holds m micro-batches' activations per stage, 1F1B at most p (exactly min(p−s, m) on stage s)."""
-    from parallelism.schedule import Action
     micro = (1, 4, 8)
     # the formula ignores message latency; each of the ~2(m+p−1) critical-path hops adds a wake-up delay (a few ms
-    # on this shared 2-core machine), so the error is ≈ 2·latency/(t_f+t_b): longer stage times for 4 processes
-    t_f = 0.05 if p == 2 else 0.1
+    # on this shared 2-core machine), so the error is ≈ 2·latency/(t_f+t_b): stage times of 80 + 160 ms
+    t_f = 0.08
     out = collectives.launch(_bubble_worker, p, backend="zmq", args=(micro, t_f, 2 * t_f), timeout=120)
     for schedule in ("gpipe", "1f1b"):
         for m in micro:
-            start = min(out[s][(schedule, m)][2] for s in range(p))
-            spans = [[(Action(s, i, ph), b - start, e - start) for i, ph, b, e in out[s][(schedule, m)][0]]
-                     for s in range(p)]
-            measured = bubble_fraction(spans)
+            measured = bubble_fraction(gather_spans([out[s][(schedule, m)] for s in range(p)]))
             theory = (p - 1) / (m + p - 1)
             print(f"bubble {schedule} p={p} m={m}: measured {measured:.4f} theory {theory:.4f}")
             assert abs(measured - theory) <= 0.05, (schedule, p, m, measured, theory)
-            peaks = [out[s][(schedule, m)][1] for s in range(p)]
+            peaks = [out[s][(schedule, m)]["peak_in_flight"] for s in range(p)]
             if schedule == "gpipe":
                 assert peaks == [m] * p
             else:

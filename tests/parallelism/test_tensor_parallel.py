@@ -10,7 +10,7 @@ from parallelism.comm import Comm
 from parallelism.models import lm_loss
 from parallelism.tensor import SHARD_ATTR, TensorParallelEngine, f, g, tensor_parallelize
 
-from tests.parallelism.par_helpers import (STEPS, TF_FACTORY, assert_close, plain, reference, sgd, tf_batches,
+from tests.parallelism.par_helpers import (STEPS, TF_FACTORY, assert_close, plain, reference, tf_batches,
                                           train_engine)
 
 
