@@ -22,6 +22,7 @@ Clocks. Worker w's clock c_w is the number of pushes it has made; its push for c
                waits until clock c-1 is committed; a worker that fell behind is moved up to the committed clock.
 
 Staleness of an update: tau = (shard version when applied) - (version the gradient was computed on).
+Averaged gradients are summed in worker order, not arrival order, so a run's floats do not depend on timing.
 """
 
 from __future__ import annotations

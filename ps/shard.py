@@ -192,7 +192,8 @@ class ShardState:
         applied: list[tuple[int, int]] = []
         while len(self.pending.get(self._committed, ())) >= needed:
             contribs = self.pending.pop(self._committed)
-            chosen = list(contribs.items())[:needed]     # arrival order: the first N
+            chosen = sorted(list(contribs.items())[:needed])   # the first N to arrive, summed in worker order so
+                                                               # the float result does not depend on arrival order
             steps = []
             for w, (g, read_version, backup) in chosen:
                 tau = self.version - read_version

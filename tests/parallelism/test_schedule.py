@@ -65,3 +65,15 @@ def test_schedule_command_draws_picture(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "bubble=0.2727" in text and "peak in-flight per stage=[4, 3, 2, 1]" in text
     assert main(["schedule", "--stages", "0", "-o", str(tmp_path / "x.png")]) == 1
+
+
+def test_schedule_command_run_measures(tmp_path, capsys):
+    """`pslab schedule --run` executes the schedule on p processes and draws the measured timeline; it reports the
+    measured peak in-flight activations of 1F1B (min(p−s, m) per stage)."""
+    from experiments.cli import main
+    out = tmp_path / "run.png"
+    assert main(["schedule", "--stages", "2", "--micro-batches", "3", "--schedule", "1f1b", "--run",
+                 "--forward-ms", "5", "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    text = capsys.readouterr().out
+    assert "measured bubble=" in text and "measured peak in-flight per stage=[2, 1]" in text

@@ -66,3 +66,41 @@ def test_asp_never_waits_over_sockets(thread_servers):
     assert stats["stats"]["waits"] == {"0": 0, "1": 0, "2": 0}
     assert all(v == 0 for v in stats["stats"]["wait_seconds"].values())
     assert stats["version"] == K * CLOCKS
+
+
+def test_backup_workers_over_sockets(thread_servers):
+    """bsp-backup:1 with 3 workers, worker 2 slow: every clock commits without waiting for it, its late gradients
+    are dropped and counted, its reads move it to the current clock, and tau is always 0."""
+    servers = thread_servers(1, num_workers=K, policy="bsp-backup:1", optimizer="sgd:lr=0.1")
+    errors: list = []
+    statuses: list = [[] for _ in range(K)]
+    ready = threading.Event()
+
+    def worker(w: int) -> None:
+        try:
+            with connect(servers.addresses, w, INIT, timeout=30) as c:
+                if w == 0:
+                    c.init(INIT).result(30)
+                    ready.set()
+                ready.wait(30)
+                while c.clocks[0] < CLOCKS:
+                    r = c.pull().result(30)
+                    if r.clocks[0] >= CLOCKS:
+                        break
+                    if w == K - 1:
+                        time.sleep(0.05)
+                    statuses[w].append(c.push({"w": np.full(16, 1.0, np.float32)}).result(30)[0]["status"])
+        except BaseException as e:
+            errors.append(e)
+    ts = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(K)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    with connect(servers.addresses, 0, INIT, timeout=30) as c:
+        st = c.stats().result(30)[0]
+    assert st["version"] == CLOCKS and st["committed"] == CLOCKS
+    assert st["stats"]["dropped"]["2"] >= 1 and "dropped" in statuses[2]
+    assert st["stats"]["histogram"] == {"0": 2 * CLOCKS}          # N = 2 gradients per clock, all fresh
+    assert len(statuses[2]) < CLOCKS                               # the straggler skipped clocks
