@@ -37,7 +37,7 @@ class RankFailure:
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, q: Any,
-           options: dict) -> None:
+           options: dict, release: Any) -> None:
     import torch
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -47,10 +47,14 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
         import torch.distributed as dist
         from .init import init_process_group
         gt = options.pop("group_timeout")
+        launch_timeout = options.pop("launch_timeout")
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=gt))
         group = init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=gt, **options)
         result = fn(group, *args)
         q.put((rank, "ok", result, ""))
+        # torch tensors in `result` travel as shared storage that the parent maps from this process:
+        # stay alive until the parent has taken every result
+        release.wait(launch_timeout)
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit non-zero
         q.put((rank, "err", f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1)
@@ -76,10 +80,13 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
                           wait_for_workers=False)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
-        ctx.set_forkserver_preload(["torch", "numpy", "zmq", "collectives.init", "collectives.zmq_group"])
+        ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "collectives.init",
+                                    "collectives.zmq_group"])
     q = ctx.Queue()
     options = dict(group_options, group_timeout=group_timeout or timeout)
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, fn, args, q, dict(options)),
+    release = ctx.Event()
+    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, fn, args, q,
+                                              dict(options, launch_timeout=timeout), release),
                          daemon=True, name=f"pslab-rank{r}") for r in range(world_size)]
     for p in procs:
         p.start()
@@ -109,9 +116,11 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
                 results[rank] = RankFailure(rank, value, tb, procs[rank].exitcode)
             else:
                 raise LaunchError(f"rank {rank} failed: {value}\n--- traceback of rank {rank} ---\n{tb}")
+        release.set()
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
     finally:
+        release.set()
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -18,10 +18,9 @@ class MissingDependencyError(ExperimentError, ImportError):
 def is_user_error(e: BaseException) -> bool:
     """True for errors caused by input (config, environment) rather than bugs."""
     from collectives.errors import CollectivesError
-    user = [ExperimentError, CollectivesError, FileNotFoundError]
-    try:
-        from ps.errors import PSError  # type: ignore[import-not-found]
-        user.append(PSError)
-    except ImportError:
-        pass
-    return isinstance(e, tuple(user))
+    from parallelism.engine import EngineError
+    from parallelism.mesh import MeshError
+    from parallelism.schedule import ScheduleError
+    from ps.errors import PSError
+    user = (ExperimentError, CollectivesError, PSError, EngineError, MeshError, ScheduleError, FileNotFoundError)
+    return isinstance(e, user)

@@ -96,6 +96,13 @@ class PSClient:
             raise
         for i, (r, _) in enumerate(self.registration):
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+            mine = {s.key: s.numel for s in self._keys_of[i]}
+            theirs = {k: int(np.prod(v)) for k, v in r.get("keys", {}).items()}
+            if r.get("initialized") and theirs != mine:
+                self.close()
+                raise ConfigError(f"shard {i} ({self.addresses[i]}) holds parameters {sorted(theirs)[:6]}, but this "
+                                  f"model's partition puts {sorted(mine)[:6]} there: same model and shard order "
+                                  "on every worker, and the servers listed in shard order?")
 
     # ------------------------------------------------------------------ requests
     def _request(self, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,

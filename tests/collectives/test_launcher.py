@@ -160,3 +160,13 @@ def test_without_curve_the_same_injection_arrives():
     """Control for the test above: without CURVE the stranger's message is delivered (so the test can fail)."""
     res = collectives.launch(curve_rejects_strangers, 2, timeout=30)
     assert res[1] == "evil"
+
+
+def tensor_result(group):
+    return {"t": torch.full((1000,), float(group.rank)), "n": np.arange(3)}
+
+
+def test_torch_tensors_come_back_as_results():
+    """Results holding torch tensors (shared-storage pickling) arrive intact: ranks outlive the hand-over."""
+    res = collectives.launch(tensor_result, 3, timeout=30)
+    assert [float(r["t"].sum()) for r in res] == [0.0, 1000.0, 2000.0]

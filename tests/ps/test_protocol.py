@@ -120,3 +120,15 @@ def test_pipelined_pulls_see_consistent_snapshots(thread_servers):
     for p in pulls:
         v = p.versions[0]
         assert (p.params["w"] == -v).all() and (p.params["b"] == -v).all()
+
+
+def test_client_refuses_a_shard_holding_another_model(thread_servers):
+    """Connecting with a model whose partition does not match what an initialised shard holds is a clear error."""
+    from ps.client import connect
+    from ps.errors import ConfigError
+    servers = thread_servers(1, num_workers=2)
+    with connect(servers.addresses, 0, {"w": W, "b": B}, timeout=10) as c:
+        c.init({"w": W, "b": B}).result(10)
+    with pytest.raises(ConfigError, match="shard order"):
+        connect(servers.addresses, 1, {"w": W, "other": B}, timeout=10)
+    connect(servers.addresses, 1, {"w": W, "b": B}, timeout=10).close()
