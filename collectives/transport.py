@@ -52,7 +52,6 @@ class Transport:
         self.last_drop_reason = ""
         self._pending: dict[tuple[int, Key], wire.Message] = {}
         self.max_pending = 1 << 16
-        self.spin_seconds = float(os.environ.get("PSLAB_SPIN_US", "0")) * 1e-6
         self._push: dict[int, zmq.Socket] = {}
         self._trackers: list[zmq.MessageTracker] = []
         self._auth = None
@@ -141,17 +140,6 @@ class Transport:
         if tracker is not None and not tracker.done:
             self._trackers.append(tracker)
 
-    def _spin(self) -> bool:
-        """Busy-poll for up to `spin_seconds` before sleeping: a message that is about to arrive is picked up
-        without the sleep/wake-up round trip of a blocking poll (worth it for small, latency-bound collectives)."""
-        if self.spin_seconds <= 0:
-            return False
-        end = time.perf_counter() + self.spin_seconds
-        while time.perf_counter() < end:
-            if self.pull.poll(0):
-                return True
-        return False
-
     def shm_reserve(self, dst: int, nbytes: int) -> bool:
         """Between collectives: make `dst`'s outbox hold `nbytes`. False when `dst` is not reachable by shm."""
         if not self.use_shm:
@@ -188,7 +176,7 @@ class Transport:
         deadline = time.monotonic() + self.timeout
         while True:
             remaining = deadline - time.monotonic()
-            if not self._spin() and (remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1)):
+            if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
                 if time.monotonic() >= deadline:
                     raise PeerTimeoutError(op, seq, src, self.timeout)
                 continue
