@@ -99,7 +99,7 @@ class PSSyncStrategy:
         self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         zero_grads(slots)
-        self._adopt(replica)
+        self.client.pull().result(self.timeout)
 
     def _adopt(self, replica: Replica) -> None:
         """Pull at this worker's clock (waits at the consistency gate) and copy the values into the slots."""
