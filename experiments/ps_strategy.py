@@ -65,11 +65,12 @@ class PSSyncStrategy:
 
     addresses: Sequence[str]
     timeout: float = 60.0
-    client: Any = None
-    history: list[PSStep] = field(default_factory=list)
+    client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
+    history: list[PSStep] = field(default_factory=list, init=False)
 
     def attach(self, replica: Replica) -> None:
         import ps
+        from ps.errors import ProtocolError
         slots = replica.slots()
         names = [s.name for s in slots]
         if not slots or len(set(names)) != len(names):
@@ -77,13 +78,18 @@ class PSSyncStrategy:
         self.close()
         worker, workers = replica.dp.rank, replica.dp.size
         params = {s.name: s.param.detach() for s in slots}
-        self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout)
+        fix = ("start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size "
+               "(start_slot_group_servers)")
+        try:
+            self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout)
+        except ProtocolError as e:            # e.g. this dp rank is not a worker id the shards know
+            raise PSStrategyError(f"dp rank {worker} of {workers} cannot register with {list(self.addresses)}: {e}; "
+                                  f"{fix}") from e
         served = {int(meta["num_workers"]) for meta, _ in self.client.registration}
         if served != {workers}:
             self.close()
             raise PSStrategyError(f"the shards at {list(self.addresses)} serve {sorted(served)} workers, but this "
-                                  f"replica's data-parallel group has {workers} ranks: start one shard set per slot "
-                                  "group (pipeline stage x tp coordinate) with num_workers = dp size")
+                                  f"replica's data-parallel group has {workers} ranks: {fix}")
         if worker == 0:                       # the group's owner; the others' first pull waits for its init
             self.client.init(params).result(self.timeout)
         self._adopt(replica)
@@ -99,7 +105,7 @@ class PSSyncStrategy:
         self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         zero_grads(slots)
-        self.client.pull().result(self.timeout)
+        self._adopt(replica)
 
     def _adopt(self, replica: Replica) -> None:
         """Pull at this worker's clock (waits at the consistency gate) and copy the values into the slots."""

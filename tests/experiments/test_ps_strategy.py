@@ -9,7 +9,7 @@ import torch
 
 import collectives
 import ps
-from experiments.ps_strategy import PSSyncStrategy, slot_group, start_slot_group_servers
+from experiments.ps_strategy import PSStrategyError, PSSyncStrategy, slot_group, start_slot_group_servers
 from parallelism.data import DataParallelEngine
 from parallelism.engine import train_step
 from parallelism.mesh import DeviceMesh
@@ -166,3 +166,24 @@ def test_dp_under_ps_asp_records_exact_staleness():
             assert_close(w, ref_read[k][n], n)
     for n, w in held[0].items():
         assert_close(w, ref_w[n], f"shard value {n}")
+
+
+def _mismatch_worker(group, addresses):
+    torch.set_num_threads(1)
+    replica = DataParallelEngine().build(MLP_FACTORY, DeviceMesh(group, dp=2))
+    strategy = PSSyncStrategy(addresses, timeout=TIMEOUT)
+    try:
+        strategy.attach(replica)
+    except PSStrategyError as e:
+        return str(e)
+    finally:
+        strategy.close()
+    return None
+
+
+def test_attach_rejects_shards_sized_for_another_dp_group():
+    """Shards started for 1 worker cannot serve a dp=2 group: attach raises PSStrategyError saying to start one
+    shard set per slot group with num_workers = dp size (instead of hanging at the BSP gate or mis-averaging)."""
+    with start_slot_group_servers(1, 1, "bsp", SERVER_OPT["sgd"], timeout=TIMEOUT) as servers:
+        out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, args=(servers.addresses[0],))
+    assert all(msg is not None and "num_workers = dp size" in msg for msg in out), out
