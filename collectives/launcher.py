@@ -7,15 +7,20 @@ so a launch costs a fork, not a fresh interpreter. The parent hosts a TCPStore o
 `torch.set_num_threads(1)` and the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), builds the group
 and calls `fn(group, *args)`. Results come back through a multiprocessing queue between these trusted local
 processes only. If any rank raises, the others are killed and `LaunchError` carries that rank's traceback;
-if the whole launch outlives `timeout`, every child is killed and `LaunchError` says which ranks were still running.
+if the whole launch outlives `timeout`, every child is killed and `LaunchError` says which ranks were still running
+and where: each hung rank's Python stacks (faulthandler, asked for with SIGUSR1) are appended to the message.
 With `return_exceptions=True` a failed or killed rank yields a `RankFailure` instead and the others run on.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -40,6 +45,8 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
            options: dict, release: Any) -> None:
     import torch
     torch.set_num_threads(1)
+    stacks = open(options.pop("stacks_path"), "w")            # launch() asks a hung rank for its stacks
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     group = None
@@ -66,6 +73,25 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
                 pass
 
 
+def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
+    """Ask hung ranks for every thread's Python stack (faulthandler on SIGUSR1) and return them as text."""
+    for p in procs.values():
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    out = []
+    for r in procs:
+        try:
+            text = open(os.path.join(stacks_dir, f"rank{r}.txt")).read().strip()
+        except OSError:
+            text = ""
+        out.append(f"--- stacks of rank {r} ---\n{text or '(none: the rank did not answer)'}")
+    return "\n".join(out)
+
+
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (), timeout: float = 60.0,
            *, group_timeout: float | None = None, return_exceptions: bool = False, start_method: str = "forkserver",
            **group_options: Any) -> list[Any]:
@@ -85,8 +111,10 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
     q = ctx.Queue()
     options = dict(group_options, group_timeout=group_timeout or timeout)
     release = ctx.Event()
+    stacks_dir = tempfile.mkdtemp(prefix="pslab-stacks-")
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, fn, args, q,
-                                              dict(options, launch_timeout=timeout), release),
+                                              dict(options, launch_timeout=timeout,
+                                                   stacks_path=os.path.join(stacks_dir, f"rank{r}.txt")), release),
                          daemon=True, name=f"pslab-rank{r}") for r in range(world_size)]
     for p in procs:
         p.start()
@@ -108,7 +136,9 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
                         results[r] = fail
                 if time.monotonic() > deadline:
                     running = [r for r in range(world_size) if r not in results]
-                    raise LaunchError(f"launch timed out after {timeout:g}s; ranks {running} had not finished")
+                    stacks = _hung_stacks({r: procs[r] for r in running}, stacks_dir)
+                    raise LaunchError(f"launch timed out after {timeout:g}s; ranks {running} had not finished\n"
+                                      f"{stacks}")
                 continue
             if status == "ok":
                 results[rank] = value
@@ -130,5 +160,6 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
                 p.kill()
                 p.join(timeout=2)
         q.close()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
         del store
     return [results[r] for r in range(world_size)]

@@ -49,11 +49,14 @@ def sleep_forever(group):
 
 
 def test_launch_timeout_kills_all():
-    """A launch that outlives its timeout raises LaunchError listing the unfinished ranks."""
+    """A launch that outlives its timeout raises LaunchError listing the unfinished ranks, with each hung rank's
+    Python stack (faulthandler) showing where it was."""
     t0 = time.monotonic()
-    with pytest.raises(LaunchError, match=r"timed out after 2s; ranks \[0, 1\]"):
+    with pytest.raises(LaunchError, match=r"timed out after 2s; ranks \[0, 1\]") as e:
         collectives.launch(sleep_forever, 2, timeout=2)
     assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert msg.count("in sleep_forever") == 2 and "--- stacks of rank 1 ---" in msg, msg
 
 
 SCRIPT = textwrap.dedent("""
