@@ -41,12 +41,16 @@ class RankFailure:
     exitcode: int | None = None
 
 
-def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, q: Any,
+def _child(rank: int, world_size: int, port: Any, backend: str, fn: Callable, args: tuple, q: Any,
            options: dict, release: Any) -> None:
     import torch
     torch.set_num_threads(1)
     stacks = open(options.pop("stacks_path"), "w")            # launch() asks a hung rank for its stacks
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    if not isinstance(port, int):                             # "fork": the store's port comes after the fork
+        if not port.poll(options["launch_timeout"]):
+            raise SystemExit(1)
+        port = int(port.recv())
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     group = None
@@ -102,8 +106,14 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
     import torch.distributed as dist
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
+
+    def make_store() -> Any:
+        return dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    # With "fork" the children are copies of this process: fork them BEFORE the store's server thread exists,
+    # since a child forked while that thread holds one of torch's locks blocks forever on its own TCPStore.
+    forking = start_method == "fork"
+    store = None if forking else make_store()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
         ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "collectives.init",
@@ -112,15 +122,23 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
     options = dict(group_options, group_timeout=group_timeout or timeout)
     release = ctx.Event()
     stacks_dir = tempfile.mkdtemp(prefix="pslab-stacks-")
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, backend, fn, args, q,
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)] if forking else []
+    procs = [ctx.Process(target=_child, args=(r, world_size, pipes[r][0] if forking else store.port, backend, fn,
+                                              args, q,
                                               dict(options, launch_timeout=timeout,
                                                    stacks_path=os.path.join(stacks_dir, f"rank{r}.txt")), release),
                          daemon=True, name=f"pslab-rank{r}") for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
+        for p in procs:
+            p.start()
+        if forking:
+            store = make_store()
+            for recv_end, send_end in pipes:
+                send_end.send(store.port)
+                send_end.close()
+                recv_end.close()
         while len(results) < world_size:
             try:
                 rank, status, value, tb = q.get(timeout=0.05)
@@ -155,6 +173,8 @@ def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: 
             if p.is_alive():
                 p.terminate()
         for p in procs:
+            if p.pid is None:                  # never started
+                continue
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()

@@ -35,7 +35,9 @@ from collectives.wire import decode, encode
 
 from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
 from .partition import Partition, make_partition
+from . import shm_path
 from .protocol import CLIENT_LIMITS
+from .shm_path import ClientLink
 
 
 @dataclass
@@ -63,7 +65,7 @@ class PSClient:
     """A worker's connection to all shards (see the module docstring for how progress is made)."""
 
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
-                 timeout: float = 60.0, context: zmq.Context | None = None) -> None:
+                 timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
         self.addresses = list(addresses)
@@ -89,13 +91,14 @@ class PSClient:
         self._poller = zmq.Poller()
         for sock in self._socks:
             self._poller.register(sock, zmq.POLLIN)
+        self._links = [ClientLink(self.worker, i, shm_path.wanted(a) if shm is None else bool(shm))
+                       for i, a in enumerate(self.addresses)]
         try:
-            self.registration = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
+            self.registration = self._register()
         except BaseException:
             self.close()
             raise
         for i, (r, _) in enumerate(self.registration):
-            self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             mine = {s.key: s.numel for s in self._keys_of[i]}
             theirs = {k: int(np.prod(v)) for k, v in r.get("keys", {}).items()}
             if r.get("initialized") and theirs != mine:
@@ -105,6 +108,20 @@ class PSClient:
                                   "on every worker, and the servers listed in shard order?")
 
     # ------------------------------------------------------------------ requests
+    def _register(self) -> list[tuple[dict[str, Any], Any]]:
+        """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
+        per = [(dict({"worker": self.worker}, **link.probe()), None) for link in self._links]
+        regs = self._all("register", per_shard=per).result(self.timeout + 1)
+        for i, (r, _) in enumerate(regs):
+            self._links[i].accept(r)
+            self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+        return regs
+
+    @property
+    def shm(self) -> list[bool]:
+        """Per shard: whether pushes and pulls travel through shared memory (negotiated at register)."""
+        return [link.push_ok and link.pull_ok for link in self._links]
+
     def _request(self, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
                  timeout: float | None = None) -> Future:
         if self._closed:
@@ -113,12 +130,20 @@ class PSClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             seq = next(self._seq)
+            link = self._links[shard]
+            if op == "push" and tensors:
+                entries = link.take_push(seq, tensors)        # one memcpy instead of frames, if the path is free
+                if entries is not None:
+                    meta, tensors = dict(meta, shm=entries), None
+            if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq):
+                meta = dict(meta, shm_reply=True)
             frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
             self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
             try:
                 self._socks[shard].send_multipart(frames, copy=False)
             except zmq.ZMQError as e:
                 self._pending.pop((shard, seq))
+                link.on_timeout(seq)
                 fut.set_exception(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
         return fut
 
@@ -165,6 +190,32 @@ class PSClient:
             self.clocks[i] += 1
         return _metas(self._all("push", per_shard=per, timeout=timeout))
 
+    def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
+        """Push, then read at the new clock, in one round trip per shard (the shard answers once its gate lets
+        the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull()`."""
+        pieces = [self._split(grads, i) for i in range(len(self.addresses))]
+        per = [({"clock": self.clocks[i], "version": self.versions[i], "pull": True}, pieces[i])
+               for i in range(len(pieces))]
+        for i in range(len(self.addresses)):
+            self.clocks[i] += 1
+        fut = self._all("push", per_shard=per, timeout=timeout)
+        out: Future = _derived(fut)
+
+        def done(f: Future) -> None:
+            try:
+                replies = f.result()
+                reads = [m["read"] for m, _ in replies]
+                for i, r in enumerate(reads):
+                    self.versions[i] = int(r["version"])
+                    self.clocks[i] = max(self.clocks[i], int(r["clock"]))
+                out.set_result(([m for m, _ in replies],
+                                PullResult(self._assemble([t for _, t in replies]), [int(r["version"]) for r in reads],
+                                           [int(r["clock"]) for r in reads])))
+            except BaseException as e:
+                out.set_exception(e)
+        fut.add_done_callback(done)
+        return out
+
     def stats(self, series: bool = False) -> Future:
         """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters];
         `series=True` adds the per-update time series [[now, worker, tau, version], ...]."""
@@ -173,9 +224,7 @@ class PSClient:
     def resync(self) -> list[int]:
         """Re-register and adopt each shard's clock and version for this worker (after an error or a shard
         restart); returns the clocks."""
-        regs = self._all("register", {"worker": self.worker}).result(self.timeout + 1)
-        for i, (r, _) in enumerate(regs):
-            self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+        self._register()
         return list(self.clocks)
 
     def checkpoint(self) -> Future:
@@ -205,7 +254,8 @@ class PSClient:
         out: dict[str, np.ndarray] = {}
         for name, pieces in self._slices_of.items():
             if len(pieces) == 1:
-                out[name] = np.array(per_shard[pieces[0].shard][pieces[0].key]).reshape(pieces[0].shape)
+                a = per_shard[pieces[0].shard][pieces[0].key]    # frames are read-only views: copy; shm: a copy
+                out[name] = (a if a.flags.writeable else np.array(a)).reshape(pieces[0].shape)
                 continue
             first = per_shard[pieces[0].shard][pieces[0].key]
             flat = np.empty(sum(p.numel for p in pieces), dtype=first.dtype)
@@ -239,6 +289,7 @@ class PSClient:
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
             p = self._pending.pop(key)
+            self._links[key[0]].on_timeout(key[1])
             p.future.set_exception(RequestTimeoutError(
                 f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
                 f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
@@ -251,10 +302,15 @@ class PSClient:
         pend = self._pending.pop((shard, msg.seq), None)
         if pend is None:
             return
+        try:
+            copied = self._links[shard].on_reply(msg.seq, msg.meta)
+        except WireError as e:
+            pend.future.set_exception(PSError(f"shard {shard} answered through shared memory, unreadably: {e}"))
+            return
         if msg.op == "error":
             pend.future.set_exception(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard))
         else:
-            pend.future.set_result((msg.meta, msg.tensors))
+            pend.future.set_result((msg.meta, msg.tensors if copied is None else copied))
 
     def _fail_all(self, exc: Exception) -> None:
         for p in self._pending.values():
@@ -270,6 +326,8 @@ class PSClient:
             self._fail_all(PSError("client closed with requests in flight"))
             for sock in self._socks:
                 sock.close(0)
+            for link in getattr(self, "_links", []):
+                link.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -356,6 +414,10 @@ def _gather(futs: list[Future]) -> Future:
     return out
 
 
-def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0) -> PSClient:
-    """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each."""
-    return PSClient(addresses, worker, params, timeout=timeout)
+def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
+            shm: bool | None = None) -> PSClient:
+    """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
+
+    `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
+    loopback or ipc:// and the shard accepts; see `ps.shm_path`)."""
+    return PSClient(addresses, worker, params, timeout=timeout, shm=shm)

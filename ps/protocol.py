@@ -6,6 +6,11 @@ Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connectio
     init       meta {worker} + the shard's tensors (flat)     -> ok {initialized: bool (False: already initialised)}
     pull       meta {clock}                                   -> ok {version, clock, committed} + tensors
     push       meta {clock, version} + one gradient per key   -> ok {status, version, clock, staleness}
+               with pull: true (push_pull) the shard then reads at the new clock (waiting at the gate like a
+               pull) and answers once: ok {status, ..., read: {version, clock, committed}} + tensors
+    Same-host shared-memory path (shm_path.py): register may carry {shm_probe, shm_token} (-> ok {shm: bool});
+    a push may carry meta {shm: [[key, descriptor], ...]} instead of frames; pull/push_pull with shm_reply: true
+    are answered with meta {shm: [[key, descriptor], ...]} instead of frames.
     stats      meta {}                                        -> ok {version, clocks, stats, counters}
     checkpoint meta {}                                        -> ok {path}
     ping       meta {}                                        -> ok {}
@@ -13,7 +18,8 @@ Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connectio
 
 Every reply echoes the request's seq; an error reply is op "error" with meta {kind, error} where kind is a
 `ps.errors` class name. A malformed message gets an error reply (seq 0 if even the header was unreadable) and
-changes nothing. Only pull can wait (parked on the consistency gate or until init); everything else answers at once.
+changes nothing. Only pull (and push_pull's read) can wait (parked on the consistency gate or until init);
+everything else answers at once.
 """
 
 from __future__ import annotations

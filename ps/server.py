@@ -25,6 +25,7 @@ from .errors import (CheckpointError, ConfigError, DuplicateRequestError, GateTi
 from .optim import OptimizerSpec, optimizer_from_string
 from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
 from .shard import ShardState
+from .shm_path import ServerLink
 
 log = logging.getLogger("ps.server")
 
@@ -43,6 +44,7 @@ class ServerConfig:
     request_timeout: float = 120.0        # longest a pull may wait on the gate (0: forever)
     idle_timeout: float = 0.0             # exit after this many seconds without any message (0: never)
     max_message_bytes: int = 1 << 31
+    shm: bool = True                      # offer same-host clients the shared-memory payload path (shm_path.py)
 
     def validate(self) -> None:
         policy_from_string(self.policy)
@@ -62,6 +64,8 @@ class _Parked:
     worker: int
     clock: int
     since: float
+    shm: bool = False                     # answer through the connection's shared-memory segment
+    ack: dict[str, Any] | None = None     # push_pull: the push's ack, sent with the read
 
 
 class ShardServer:
@@ -76,6 +80,7 @@ class ShardServer:
         self.registered: dict[bytes, int] = {}
         self.last_seq: dict[bytes, int] = {}
         self.parked: list[_Parked] = []
+        self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
                          "internal_errors": 0}
         self.address = ""
@@ -147,6 +152,8 @@ class ShardServer:
         finally:
             if self.state is not None and self.config.checkpoint_dir and self._stop:
                 self._checkpoint()
+            for link in self.links.values():
+                link.close()
             self.sock.close(0)
 
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
@@ -212,8 +219,14 @@ class ShardServer:
         if msg.tensors:
             raise ProtocolError("register carries no tensors")
         self.registered[identity] = worker
+        old = self.links.pop(identity, None)
+        if old is not None:
+            old.close()
+        link = ServerLink.accept_probe(self.config.shard_id, worker, msg.meta) if self.config.shm else None
+        if link is not None:
+            self.links[identity] = link
         st = self.state
-        self._send(identity, "ok", msg.seq, {
+        self._send(identity, "ok", msg.seq, {"shm": link is not None,
             "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
             "initialized": st is not None, "version": st.version if st else 0,
             "clock": st.clocks[worker] if st else 0,
@@ -237,7 +250,7 @@ class ShardServer:
             raise ProtocolError("pull carries no tensors")
         if self.state is not None:
             self.state._check_clock(worker, clock, "pull")
-        p = _Parked(identity, msg.seq, worker, clock, now)
+        p = _Parked(identity, msg.seq, worker, clock, now, msg.meta.get("shm_reply") is True and identity in self.links)
         if not self._try_pull(p, now):
             self.parked.append(p)
 
@@ -247,8 +260,16 @@ class ShardServer:
             return False
         r = st.read(p.worker, p.clock, now, copy=False)   # zero-copy; _before_update protects it (copy-on-write)
         self.counters["pulls"] += 1
-        self._send(p.identity, "ok", p.seq, {"version": r.version, "clock": r.clock, "committed": r.committed_clock},
-                   {k: t.reshape(-1) for k, t in r.params.items()}, track=True)
+        meta = {"version": r.version, "clock": r.clock, "committed": r.committed_clock}
+        if p.ack is not None:                              # push_pull: the ack, with the read under "read"
+            meta = dict(p.ack, read=meta)
+        flat = {k: t.reshape(-1) for k, t in r.params.items()}
+        link = self.links.get(p.identity) if p.shm else None
+        if link is not None:                               # one memcpy into the client's view; nothing to track
+            meta["shm"] = link.reply(flat)
+            self._send(p.identity, "ok", p.seq, meta)
+        else:
+            self._send(p.identity, "ok", p.seq, meta, flat, track=True)
         return True
 
     def _retry_parked(self, now: float) -> None:
@@ -281,12 +302,28 @@ class ShardServer:
             raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
                                       "init before anyone pushes")
         worker = self.registered[identity]
+        grads = msg.tensors
+        if "shm" in msg.meta:                              # the gradients lie in the client's segment
+            link = self.links.get(identity)
+            if link is None or msg.tensors:
+                raise ProtocolError("push names shared-memory gradients but this connection did not negotiate "
+                                    "the shm path at register (or also sent frames)")
+            try:
+                grads = link.grads(msg.meta["shm"])
+            except WireError as e:
+                raise ProtocolError(f"bad shared-memory push: {e}") from None
         self._before_update()
-        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"),
-                              msg.tensors, now)
+        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now)
         self.counters["pushes"] += 1
-        self._send(identity, "ok", msg.seq, {"status": res.status, "version": res.version, "clock": res.clock,
-                                             "staleness": [list(x) for x in res.staleness]})
+        ack = {"status": res.status, "version": res.version, "clock": res.clock,
+               "staleness": [list(x) for x in res.staleness]}
+        if msg.meta.get("pull") is True:                   # push_pull: read at the new clock, then answer once
+            p = _Parked(identity, msg.seq, worker, self.state.clocks[worker], now,
+                        msg.meta.get("shm_reply") is True and identity in self.links, ack)
+            if not self._try_pull(p, now):
+                self.parked.append(p)
+        else:
+            self._send(identity, "ok", msg.seq, ack)
         every = self.config.checkpoint_every
         if every and self.state.version // every > max(self._last_ckpt_version, 0) // every:
             self._checkpoint()

@@ -2,7 +2,8 @@
 parameter-server pattern of PyTorch's tutorials, on the same ~1M-parameter model, in the same run.
 
 One "update" = a worker sends one gradient for every parameter and gets the fresh weights back:
-  pslab  client.push(grads) and client.pull() issued together (both in flight), ASP, server-side SGD, 1 or 2 shards;
+  pslab  client.push_pull(grads): one request per shard that applies the gradient and answers with the new weights
+         (payloads through shared memory, the client being on the shard's host), ASP, server-side SGD, 1 or 2 shards;
   rpc    rpc_sync(ps, update_and_fetch_model, grads): the PS applies SGD under a lock and returns the parameters
          (the pattern of "Implementing Batch RPC Processing Using Asynchronous Executions", without batching, and
          returning the parameter tensors rather than the pickled module).
@@ -61,10 +62,7 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
             c.pull().result(120)
 
             def update() -> None:
-                fp = c.push(grads)
-                fl = c.pull()
-                fp.result(120)
-                fl.result(120)
+                c.push_pull(grads).result(120)
             for _ in range(3):
                 update()
             for r in range(reps):

@@ -1,0 +1,205 @@
+"""Same-host fast path: push and pull payloads through shared memory, ZeroMQ carrying only the headers.
+
+Through a socket a 4 MB gradient is copied by the kernel twice (client -> socket buffer -> server) in pieces, with a
+wake-up per piece, and the weights come back the same way; for a small model on one host that, not the optimizer
+step, is the cost of an update. When client and shard are on one host the payload instead takes one memcpy into a
+segment the other side has mapped (`collectives.shm`, the segments the ring uses):
+
+    push   client:  outbox[off_k : off_k + n_k] = grad_k          meta {"shm": [[key, descriptor], ...]}, no frames
+           shard:   grads = views into the client's segment        the optimizer reads them in place
+    pull   client:  meta {"shm_reply": true}                       "answer through your segment" (also push_pull)
+           shard:   outbox[off_k : ...] = param_k                  reply meta {"shm": [[key, descriptor], ...]}
+           client:  copies the values out before anything else can be written there
+
+Negotiation. `register` carries a probe: the descriptor of a random token the client wrote into its new segment.
+The shard answers {"shm": true} only if it could map that segment and read the same token, so two processes that do
+not share /dev/shm (other hosts, other containers) fall back to frames without an error.
+
+Reuse rule. Each side rewrites a segment only when the other has consumed it: a client has at most one shm push and
+one shm pull in flight per shard (more go as frames); a shard consumes a push while handling it (aggregating
+policies copy the gradient), and a client copies a pull reply out as soon as it arrives. A request that times out
+turns the path off for that shard and direction, since a late answer could still write into the segment.
+
+Validation. A shard maps only names of the `collectives.shm` form that carry the registered worker's id, checks
+every descriptor against the segment's size and the gradient against the shard's keys, shapes and dtypes (as for
+frames), and maps client segments read-only. As with every pslab socket, peers are trusted local processes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from collectives import shm
+from collectives.errors import WireError
+
+ALIGN = 64                      # every tensor starts on a cache line
+MAX_TENSORS = 4096
+
+
+def wanted(address: str) -> bool:
+    """Whether the shard at `address` may share this host's memory (loopback tcp or ipc) and /dev/shm is usable."""
+    local = address.startswith("ipc://") or address.startswith(("tcp://127.", "tcp://localhost:", "tcp://[::1]:"))
+    return local and shm.available()
+
+
+def _layout(tensors: Mapping[str, Any]) -> tuple[list[tuple[str, int]], int]:
+    offs, pos = [], 0
+    for k, t in tensors.items():
+        offs.append((k, pos))
+        pos += -(-(int(t.nbytes)) // ALIGN) * ALIGN
+    return offs, pos
+
+
+def _as_torch(a: Any) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a
+    with warnings.catch_warnings():              # a read-only array is only read here (the copy's source)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def write(box: shm.Outbox, tensors: Mapping[str, Any]) -> list[list[Any]]:
+    """Copy `tensors` into `box` (growing it if needed) and return their [key, descriptor] list for the header."""
+    offs, total = _layout(tensors)
+    box.reserve(max(total, 1))
+    return [[k, box.write(off, _as_torch(tensors[k]).reshape(-1))] for k, off in offs]
+
+
+def read(box: shm.Inbox, src: int, entries: Any) -> dict[str, torch.Tensor]:
+    """Validate a header's [key, descriptor] list and return read-only views (no copy) by key."""
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise WireError(f"shm entries must be a list of at most {MAX_TENSORS} [key, descriptor] pairs")
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and len(e[0]) <= 1024):
+            raise WireError("each shm entry must be [key, descriptor] with a string key")
+        if e[0] in out:
+            raise WireError(f"shm entries name tensor {e[0]!r:.60} twice")
+        out[e[0]] = box.view(src, e[1])
+    return out
+
+
+class ClientLink:
+    """A client's shared-memory path to one shard: its push segment, its view of the shard's reply segment."""
+
+    def __init__(self, worker: int, shard: int, enabled: bool) -> None:
+        self.worker, self.shard, self.enabled = worker, shard, enabled
+        self.job = secrets.token_hex(6)
+        self.outbox: shm.Outbox | None = None
+        self.inbox = shm.Inbox()
+        self.push_ok = self.pull_ok = False
+        self.peer = shard
+        self.push_seq: int | None = None          # the shm push / pull in flight, if any
+        self.pull_seq: int | None = None
+        self._token = b""
+
+    def probe(self) -> dict[str, Any]:
+        """Register-meta entries offering the path: a fresh segment holding a random token (empty if disabled)."""
+        self.close()
+        self.push_ok = self.pull_ok = False
+        if not self.enabled:
+            return {}
+        try:
+            self.outbox = shm.Outbox(self.job, self.worker, self.shard)
+            self._token = secrets.token_bytes(16)
+            desc = write(self.outbox, {"token": np.frombuffer(self._token, dtype=np.uint8)})[0][1]
+        except OSError:
+            self.enabled = False
+            return {}
+        return {"shm_probe": desc, "shm_token": self._token.hex()}
+
+    def accept(self, reply: Mapping[str, Any]) -> None:
+        self.push_ok = self.pull_ok = bool(self.outbox is not None and reply.get("shm") is True)
+        self.peer = int(reply.get("shard", self.shard))   # the shard's id, as its segment names carry it
+        self.push_seq = self.pull_seq = None
+        if not self.push_ok:
+            self.close()
+
+    def take_push(self, seq: int, tensors: Mapping[str, Any]) -> list[list[Any]] | None:
+        """Write a push's tensors into the segment if the path is free; returns the header entries or None."""
+        if not self.push_ok or self.push_seq is not None or self.outbox is None:
+            return None
+        self.push_seq = seq
+        return write(self.outbox, tensors)
+
+    def take_pull(self, seq: int) -> bool:
+        if not self.pull_ok or self.pull_seq is not None:
+            return False
+        self.pull_seq = seq
+        return True
+
+    def on_reply(self, seq: int, meta: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+        """Free the path the request `seq` held; for an shm pull reply, return copies of the values."""
+        if seq == self.push_seq:
+            self.push_seq = None
+        if seq == self.pull_seq:
+            self.pull_seq = None
+            entries = meta.get("shm")
+            if entries is not None:
+                return {k: v.numpy().copy() for k, v in read(self.inbox, self.peer, entries).items()}
+        return None
+
+    def on_timeout(self, seq: int) -> None:
+        if seq == self.push_seq:
+            self.push_ok, self.push_seq = False, None
+        if seq == self.pull_seq:
+            self.pull_ok, self.pull_seq = False, None
+
+    def close(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+            self.outbox = None
+        self.inbox.close()
+
+
+class ServerLink:
+    """A shard's shared-memory path to one registered client connection."""
+
+    def __init__(self, shard: int, worker: int) -> None:
+        self.shard, self.worker = shard, worker
+        self.inbox = shm.Inbox()
+        self.outbox = shm.Outbox(secrets.token_hex(6), shard, worker)
+
+    @classmethod
+    def accept_probe(cls, shard: int, worker: int, meta: Mapping[str, Any]) -> "ServerLink | None":
+        """The link if the client's probe segment maps and holds the announced token, else None."""
+        desc, token = meta.get("shm_probe"), meta.get("shm_token")
+        if desc is None or not isinstance(token, str) or len(token) != 32:
+            return None
+        link = cls(shard, worker)
+        try:
+            seen = link.inbox.view(worker, desc)
+            ok = seen.numel() == 16 and bytes(seen.numpy().tobytes()).hex() == token
+        except (WireError, OSError, ValueError):
+            ok = False
+        if not ok:
+            link.close()
+            return None
+        return link
+
+    def grads(self, entries: Any) -> dict[str, torch.Tensor]:
+        return read(self.inbox, self.worker, entries)
+
+    def reply(self, tensors: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+        return write(self.outbox, tensors)
+
+    def close(self) -> None:
+        self.outbox.close()
+        self.inbox.close()
+
+
+def segment_count() -> int:
+    """pslab segments currently in /dev/shm (tests check that nothing is left behind)."""
+    try:
+        return sum(1 for n in os.listdir(shm.SHM_DIR) if n.startswith("pslab-"))
+    except OSError:
+        return 0
+
+
+__all__ = ["ALIGN", "ClientLink", "ServerLink", "read", "segment_count", "wanted", "write"]

@@ -1,0 +1,161 @@
+"""The same-host shared-memory payload path and push_pull: negotiated only where both sides share /dev/shm, bitwise
+the same trajectory as frames, robust to bad descriptors, and leaving no segment behind."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+
+from ps import shm_path
+from ps.client import connect
+from tests.ps.rawsock import Raw
+
+pytestmark = pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
+
+SHAPES = {"w": (64, 33), "b": (33,), "v": (1000,)}
+
+
+def tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def train(addresses, *, shm: bool, fused: bool, steps: int = 20, worker: int = 0, init: bool = True):
+    """Deterministic pushes (gradient = f(step)); returns the final params and whether shm was used."""
+    with connect(addresses, worker, SHAPES, timeout=30, shm=shm) as c:
+        if init:
+            c.init(tensors(0)).result(30)
+        c.pull().result(30)
+        for step in range(steps):
+            g = tensors(100 + step + 1000 * worker)
+            if fused:
+                acks, pr = c.push_pull(g).result(30)
+                assert len(acks) == len(addresses) and pr.clocks == [step + 1] * len(addresses)
+            else:
+                c.push(g).result(30)
+                c.pull().result(30)
+        return c.pull().result(30).params, c.shm
+
+
+def test_negotiated_on_loopback_refused_when_either_side_declines(thread_servers):
+    """A loopback client and shard agree on shm; shm=False on the client, or shm=False on the shard, gives frames."""
+    on = thread_servers(2, num_workers=1)
+    off = thread_servers(1, num_workers=1, shm=False)
+    with connect(on.addresses, 0, SHAPES) as c:
+        assert c.shm == [True, True]
+    with connect(on.addresses, 0, SHAPES, shm=False) as c:
+        assert c.shm == [False, False]
+    with connect(off.addresses, 0, SHAPES) as c:
+        assert c.shm == [False]
+    assert not shm_path.wanted("tcp://10.1.2.3:5555")
+
+
+@pytest.mark.parametrize("policy", ["asp", "bsp"])
+def test_shm_push_pull_and_frames_give_bitwise_equal_weights(thread_servers, policy):
+    """The same pushes through frames, through shm, and fused as push_pull end at bitwise the same weights
+    (adam on 2 shards: any lost, duplicated or misplaced byte would show)."""
+    finals = {}
+    for shm in (False, True):
+        for fused in (False, True):
+            servers = thread_servers(2, num_workers=1, policy=policy, optimizer="adam:lr=0.01")
+            params, used = train(servers.addresses, shm=shm, fused=fused)
+            assert used == [shm, shm]
+            finals[(shm, fused)] = params
+            servers.stop()
+    ref = finals[(False, False)]
+    assert not np.allclose(ref["w"], tensors(0)["w"])          # training moved the weights
+    for key, got in finals.items():
+        for n in SHAPES:
+            np.testing.assert_array_equal(got[n], ref[n], err_msg=f"{key} {n}")
+
+
+def test_push_pull_waits_at_the_bsp_gate(thread_servers):
+    """Under BSP a push_pull's read is answered only once every worker has pushed that clock: two workers, one
+    slower, every read is at the clock both completed and every staleness is 0."""
+    servers = thread_servers(1, num_workers=2, policy="bsp", optimizer="sgd:lr=0.1")
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    errors: list = []
+    ready = threading.Event()
+
+    def work(w: int) -> None:
+        try:
+            with connect(servers.addresses, w, SHAPES, timeout=30) as c:
+                if w == 0:
+                    c.init(tensors(0)).result(30)
+                    ready.set()
+                ready.wait(30)
+                c.pull().result(30)
+                for step in range(8):
+                    if w == 1:
+                        threading.Event().wait(0.01)
+                    acks, pr = c.push_pull(tensors(10 * step + w)).result(30)
+                    seen[w].append(pr.versions[0])
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert seen[0] == seen[1] == list(range(1, 9))              # read version = completed clocks
+    with connect(servers.addresses, 0, SHAPES) as c:
+        assert c.stats().result(30)[0]["stats"]["histogram"] == {"0": 16}
+
+
+def test_bad_shared_memory_requests_get_errors_and_change_nothing(thread_servers):
+    """Pushes naming segments they did not negotiate, bogus probes, and descriptors outside the segment are answered
+    with errors; the weights stay bitwise unchanged and the shard keeps serving a valid client."""
+    servers = thread_servers(1, num_workers=2)
+    addr = servers.addresses[0]
+    with connect([addr], 0, SHAPES) as good:
+        good.init(tensors(0)).result(30)
+        before = good.pull().result(30).params
+        raw = Raw(addr)
+        try:
+            r = raw.request("register", seq=1, meta={"worker": 1, "shm_probe": ["pslab-000000000000-1-0-1", 16, 0,
+                                                                              "uint8", [16]], "shm_token": "0" * 32})
+            assert r.op == "ok" and r.meta["shm"] is False       # no such segment: frames, no error
+            link = shm_path.ClientLink(1, 0, True)               # a real segment, negotiated properly
+            r = raw.request("register", seq=2, meta=dict({"worker": 1}, **link.probe()))
+            assert r.op == "ok" and r.meta["shm"] is True
+            link.accept(r.meta)
+            entries = link.take_push(3, {k: v for k, v in tensors(5).items()})
+            name, size, shape = entries[0][1][0], entries[0][1][1], entries[0][1][4]
+            bad = [
+                [["w", [name, size, size - 4, "float32", shape]]] + entries[1:],   # runs past the end
+                [["w", ["/etc/passwd", size, 0, "float32", shape]]] + entries[1:],  # not a segment name
+                [["w", [name.replace("-1-0-", "-0-0-"), size, 0, "float32", shape]]] + entries[1:],  # not its own
+                entries[:1] + entries[:1] + entries[2:],                                  # a key twice
+                [["w", [name, size, 0, "float64", shape]]] + entries[1:],              # wrong dtype
+                "not a list",
+            ]
+            for i, e in enumerate(bad):
+                r = raw.request("push", seq=10 + i, meta={"clock": 0, "version": 0, "shm": e})
+                assert r.op == "error" and ("shared-memory" in r.meta["error"] or "dtype" in r.meta["error"]), \
+                    (i, r.meta)
+            r = raw.request("push", seq=30, meta={"clock": 0, "version": 0, "shm": entries},
+                            tensors={"w": np.zeros((64, 33), np.float32)})
+            assert r.op == "error" and "also sent frames" in r.meta["error"]
+            after = good.pull().result(30).params
+            for n in SHAPES:
+                np.testing.assert_array_equal(after[n], before[n])
+            r = raw.request("push", seq=31, meta={"clock": 0, "version": 0, "shm": entries})
+            assert r.op == "ok" and r.meta["status"] == "applied", r.meta  # the valid request still goes through
+            link.close()
+        finally:
+            raw.close()
+        assert not np.array_equal(good.pull().result(30).params["w"], before["w"])
+
+
+def test_no_segment_outlives_client_and_shard(thread_servers):
+    """Every /dev/shm segment the path created is gone once the client is closed and the shard stopped."""
+    base = shm_path.segment_count()
+    servers = thread_servers(2, num_workers=1)
+    train(servers.addresses, shm=True, fused=True, steps=3)
+    servers.stop()
+    assert shm_path.segment_count() == base
+
