@@ -4,7 +4,7 @@ and batch schedule are identical.
 
 The default is sized for a 2-core laptop (≤ 3 minutes): digits-MLP, 4 workers x 100 steps; each step's compute is
 padded to 20 ms (sleep) so that a 4x straggler is a real, visible effect rather than noise on a shared CPU.
-`local` runs once (a single process has no straggler to wait for).
+`local` runs once (a single process has no straggler to wait for), and not at all under --simulate.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RunConfig, load_config
+from experiments.errors import ExperimentError
 from experiments.metrics import RunDir
 from experiments.report import write_report
 from experiments.runner import execute
@@ -39,6 +40,10 @@ def with_straggler(cfg: RunConfig, factor: float = STRAGGLER_FACTOR) -> RunConfi
 def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
                 straggler: bool = True, simulate: bool = False, quiet: bool = False) -> tuple[Path, list[dict]]:
     out = Path(out)
+    planned = [s for s in strategies if not (s == "local" and simulate)]
+    if not planned:
+        raise ExperimentError("nothing to run: the simulator has no `local` strategy (it simulates workers and "
+                              "shards); add a strategy such as ps-asp or allreduce")
     t0 = time.perf_counter()
     cfg.stragglers.factors = {}
     conditions = [(False, cfg)] + ([(True, with_straggler(cfg))] if straggler else [])
@@ -60,8 +65,10 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
              f"{STRAGGLER_FACTOR:g}x slower. " if straggler else "") +
              ("Simulated in virtual time. " if simulate else
               f"Real processes on this machine; each step's compute padded to {cfg.train.base_step_s * 1e3:g} ms. ") +
-             "`local` is one process doing the same updates with no communication (its steps are padded like the "
-             "workers', so it is ideal BSP). Throughput counts updates while all workers are still running. "
+             ("`local` is one process doing the same updates with no communication (its steps are padded like the "
+              "workers', so it is ideal BSP; it runs once, having no straggler to wait for). "
+              if "local" in planned else "") +
+             "Throughput counts updates while all workers are still running. "
              f"Total time {elapsed:.0f} s.")
     report = write_report(runs, out, "pslab compare: synchronous vs asynchronous training", intro)
     return report, runs

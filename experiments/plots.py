@@ -118,7 +118,8 @@ def _bars(runs: list[dict[str, Any]], values: list[float], ylabel: str, title: s
 def plot_throughput(runs: list[dict[str, Any]], out: Path) -> Path:
     v = [float((r.get("summary") or {}).get("updates_per_s") or 0.0) for r in runs]
     unit = "virtual s" if all((r.get("summary") or {}).get("simulated") for r in runs) else "s"
-    return _bars(runs, v, f"throughput (gradients applied per {unit})", "Throughput", out / "throughput.png")
+    return _bars(runs, v, f"gradients applied per {unit}\n(while all workers run)", "Throughput",
+                 out / "throughput.png")
 
 
 def plot_wait(runs: list[dict[str, Any]], out: Path) -> Path:
@@ -126,7 +127,7 @@ def plot_wait(runs: list[dict[str, Any]], out: Path) -> Path:
     for r in runs:
         s = r.get("summary") or {}
         v.append(float(s.get("wait_s_total") or 0.0) / max(1, s.get("workers") or 1))
-    return _bars(runs, v, "time blocked per worker (s): PS pull / gate, all-reduce", "Time waiting at the gate",
+    return _bars(runs, v, "time blocked, mean per worker (s)\nPS pull + gate, or all-reduce", "Time waiting",
                  out / "wait_time.png")
 
 
@@ -137,9 +138,11 @@ def plot_bytes(runs: list[dict[str, Any]], out: Path) -> Path:
 
 def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
     n = len(runs)
+    if n == 0:
+        raise ValueError("no runs to plot")
     cols = min(4, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.4, 3.2 * cols), 2.6 * rows + 0.4), squeeze=False)
     for ax, r in zip(axes.flat, runs):
         taus = np.array([u["staleness"] for u in r["updates"] if u.get("staleness") is not None], int)
         if len(taus):
@@ -154,7 +157,8 @@ def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("Staleness per update (τ = shard version when applied − version read)")
+    fig.suptitle("Staleness per update\n(τ = shard version when applied − version read)" if cols < 3 else
+                 "Staleness per update (τ = shard version when applied − version read)", fontsize=10)
     fig.tight_layout()
     path = out / "staleness_hist.png"
     fig.savefig(path, dpi=110)

@@ -8,21 +8,29 @@ from typing import Any
 from experiments.plots import plot_all, run_label
 
 EXPLAIN = {
-    "loss_vs_time": "Training loss against time. Asynchronous strategies do not wait for the slowest worker, so "
-                    "with a straggler their curve falls faster in time; synchronous ones (allreduce, ps-bsp) move "
-                    "at the pace of the slowest worker.",
-    "loss_vs_updates": "Training loss against the number of gradients applied. Here synchronous training is at "
-                       "its best: every update uses fresh parameters. Stale gradients (ASP, SSP) make each update "
-                       "count for a little less.",
+    "loss_vs_time": "Training loss against wall-clock time. Asynchronous strategies do not wait for the slowest "
+                    "worker, so with a straggler their curve falls faster in time; synchronous ones (allreduce, "
+                    "ps-bsp, and SSP once the bound is reached) move at the pace of the slowest worker.",
+    "loss_vs_updates": "Training loss against the number of gradients applied. BSP (allreduce, ps-bsp, and SSP in "
+                       "pslab's aggregate mode) averages the K workers' gradients of a clock into ONE optimizer "
+                       "step -- large-batch SGD -- while ASP takes one step per gradient, so at the same learning "
+                       "rate ASP makes K times as many steps per gradient and can fall faster per gradient here; "
+                       "its price is staleness (next plot), which grows with K and hurts more for deeper models "
+                       "and larger learning rates (see `pslab sweep --preset staleness`).",
     "test_accuracy": "Test accuracy on held-out data, evaluated periodically during training.",
-    "throughput": "Gradients applied per second over the whole run. BSP's throughput is capped by the slowest "
-                  "worker; ASP's is not.",
+    "throughput": "Gradients applied per second while all workers are still running (the straggler's solo tail "
+                  "after the others have finished is left out). BSP's throughput is capped by the slowest worker; "
+                  "ASP's is not.",
     "staleness_hist": "For each update, how many versions the shard had advanced between the worker's read and the "
                       "update being applied. BSP: always 0. ASP with K equal workers: about K − 1. SSP(s): bounded.",
-    "wait_time": "Time each worker spent blocked at the consistency gate (BSP/SSP barrier or all-reduce wait) — the "
-                 "price of synchrony, paid mostly for the straggler.",
-    "bytes_per_worker": "Bytes each worker sent plus received. Ring all-reduce moves 2(N−1)/N × model size per step "
-                        "each way; a PS worker pushes one gradient and pulls one model per step.",
+    "wait_time": "Mean over workers of the time each spent blocked (at the PS consistency gate, or in the "
+                 "all-reduce waiting for its peers), transfers included -- the price of synchrony. With a straggler "
+                 "it is the fast workers that wait for the slow one.",
+    "bytes_per_worker": "Bytes each worker sent plus received over the whole run. A PS worker pushes one gradient "
+                        "and pulls one model per step (2 × model bytes). Ring all-reduce moves 2(N−1)/N × model "
+                        "bytes each way per step for large tensors; this small model's tensors (≤ 32 KiB each) take "
+                        "the one-step direct exchange instead, which sends every peer a copy (N−1 × bytes each "
+                        "way), so here all-reduce moves more than the PS.",
 }
 
 

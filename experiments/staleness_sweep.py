@@ -87,7 +87,7 @@ def trend_note(cells: list[dict[str, Any]], spec: SweepSpec) -> str:
     lines = []
     s_max = max(spec.staleness)
     for depth in spec.models:
-        for opt in spec.optimizers:
+        for k, opt in enumerate(spec.optimizers):
             row = {c["staleness"]: c for c in cells if c["depth"] == depth and c["optimizer"] == opt}
             pts = ", ".join(f"s={s}: {row[s]['steps']:.0f}" if row[s]["steps"] is not None else f"s={s}: not reached"
                             for s in spec.staleness)
@@ -125,28 +125,31 @@ def plot_curve(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
     depths = list(spec.models)
     fig, axes = plt.subplots(2, len(depths), figsize=(5.2 * len(depths), 7.5), squeeze=False)
     for j, depth in enumerate(depths):
-        for opt in spec.optimizers:
+        for k, opt in enumerate(spec.optimizers):
             row = sorted((c for c in cells if c["depth"] == depth and c["optimizer"] == opt),
                          key=lambda c: c["staleness"])
             xs = [c["staleness"] for c in row]
             for i, key in enumerate(("steps", "normalised")):
                 ys = [np.nan if c[key] is None else c[key] for c in row]
-                axes[i][j].plot(xs, ys, marker="o", label=opt)
+                (line,) = axes[i][j].plot(xs, ys, marker="o", label=opt)
                 missed = [x for x, c in zip(xs, row) if c["steps"] is None]
-                if missed and i == 0:
-                    axes[i][j].plot(missed, [spec.max_steps] * len(missed), "x", color="gray")
+                if missed and i == 0:       # not reached: an x in the optimizer's colour at the step cap,
+                    nudge = 1 + 0.12 * (k - 1)  # nudged sideways so that two optimizers' crosses both show
+                    axes[i][j].plot([x * nudge for x in missed], [spec.max_steps] * len(missed), "x",
+                                    color=line.get_color(), ms=9, mew=2)
         axes[0][j].set_title(f"{depth} model ({spec.models[depth]})")
         axes[0][j].set_ylabel(f"steps to {100 * spec.target_acc:.0f}% test accuracy")
         axes[1][j].set_ylabel("steps normalised to s = 0")
         axes[1][j].axhline(1.0, color="gray", lw=0.8, ls=":")
         for i in range(2):
-            axes[i][j].set_xlabel("staleness bound s (updates delayed by U{0..s} steps)")
+            axes[i][j].set_xlabel("staleness bound s (delay ~ U{0..s} steps; symlog axis)")
             axes[i][j].set_xscale("symlog", linthresh=1)
             axes[i][j].set_xticks(list(spec.staleness), [str(s) for s in spec.staleness])
+            axes[i][j].set_xlim(-0.3, max(spec.staleness) * 1.25 + 0.5)
             axes[i][j].grid(True, alpha=0.3)
             axes[i][j].legend(fontsize=8, title="optimizer", title_fontsize=8)
     fig.suptitle("Steps to target accuracy vs staleness (single-process emulation, Dai et al. 2019); "
-                 "x: not reached within max steps", fontsize=10)
+                 f"x: not reached within {spec.max_steps} steps", fontsize=10)
     fig.tight_layout()
     p = out / "staleness_curve.png"
     fig.savefig(p, dpi=110)

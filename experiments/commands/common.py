@@ -7,7 +7,7 @@ import argparse
 
 def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
     if config_required:
-        p.add_argument("config", help="TOML config file (see examples/*.toml)")
+        p.add_argument("config", help="TOML config file (examples: experiments/configs/*.toml)")
     else:
         p.add_argument("--config", default=None, help="TOML config file (default: the built-in default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

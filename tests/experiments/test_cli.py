@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
     (["run", "missing.toml"], "config file not found"),
     (["compare", "--strategies", "local,ps-nope"], "unknown strategy"),
     (["report", "no/such/dir"], "no such run directory"),
+    (["compare", "--simulate", "--no-straggler", "--strategies", "local"], "nothing to run"),
+    (["sweep", "--preset", "staleness", "--knob", "train.lr", "--values", "0.1"], "sweeps its own knob"),
+    (["sweep", "--quick", "--knob", "train.lr", "--values", "0.1"], "--preset staleness only"),
 ])
 def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, argv, fragment):
     """Each bad value makes `pslab` print exactly one 'pslab: error:' line naming the problem and return 1."""
