@@ -20,3 +20,42 @@ def generate_keys(keys_dir: str, name: str = "pslab") -> tuple[str, str]:
     public, secret = zmq.auth.create_certificates(keys_dir, name)
     os.chmod(secret, 0o600)
     return public, secret
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding to `host` keeps a socket on this machine (127.0.0.0/8, localhost, ::1)."""
+    return host in LOOPBACK or host.startswith("127.")
+
+
+def load_keys(keys_dir: str) -> tuple[bytes, bytes]:
+    """(public, secret) of `keys_dir/pslab.key_secret`, or a RendezvousError that says how to make one."""
+    from .errors import RendezvousError
+    path = os.path.join(keys_dir, "pslab.key_secret")
+    if not os.path.exists(path):
+        raise RendezvousError(f"CURVE key file {path} not found; create one with "
+                              f"collectives.curve.generate_keys({keys_dir!r})")
+    pub, sec = zmq.auth.load_certificate(path)
+    if sec is None:
+        raise RendezvousError(f"{path} holds no secret key")
+    return pub, sec
+
+
+def serve_curve(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> object:
+    """Make `sock` (before bind) a CURVE server that admits only clients whose public key is a `*.key` file in
+    `keys_dir`; returns the started authenticator (call `.stop()` when the socket closes)."""
+    from zmq.auth.thread import ThreadAuthenticator
+    pub, sec = load_keys(keys_dir)
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=keys_dir)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_server = sec, pub, True
+    return auth
+
+
+def connect_curve(sock: zmq.Socket, keys_dir: str) -> None:
+    """Make `sock` (before connect) a CURVE client of a server holding the same cluster key pair."""
+    pub, sec = load_keys(keys_dir)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, pub

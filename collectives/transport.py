@@ -225,15 +225,8 @@ class Transport:
 
 
 def _load_curve(curve: CurveKeys) -> tuple[bytes, bytes]:
-    import zmq.auth
-    path = os.path.join(curve.keys_dir, "pslab.key_secret")
-    if not os.path.exists(path):
-        raise RendezvousError(f"CURVE key file {path} not found; create one with "
-                              f"collectives.curve.generate_keys({curve.keys_dir!r})")
-    pub, sec = zmq.auth.load_certificate(path)
-    if sec is None:
-        raise RendezvousError(f"{path} holds no secret key")
-    return pub, sec
+    from .curve import load_keys
+    return load_keys(curve.keys_dir)
 
 
 def unique_prefix() -> str:

@@ -39,14 +39,16 @@ def _server_child(cfg: Any, conn: Any) -> None:
 class Servers:
     """Shard server processes (forked: they start in milliseconds); always stopped on exit."""
 
-    def __init__(self, cfg: RunConfig, start_method: str):
+    def __init__(self, cfg: RunConfig, start_method: str, bind_host: str = "127.0.0.1",
+                 curve_keys_dir: str | None = None):
         from ps import ServerConfig
         self.procs: list[Any] = []
         self.addresses: list[str] = []
         ctx = mp.get_context(start_method)
         try:
             for i in range(cfg.train.shards):
-                sc = ServerConfig(bind="tcp://127.0.0.1:0", shard_id=i, num_workers=cfg.train.workers,
+                sc = ServerConfig(bind=f"tcp://{bind_host}:0", shard_id=i, num_workers=cfg.train.workers,
+                                  curve_keys_dir=curve_keys_dir,
                                   policy=policy_string(cfg.strategy), optimizer=optimizer_string(cfg.train),
                                   request_timeout=cfg.train.timeout_s, idle_timeout=cfg.train.timeout_s)
                 parent, child = ctx.Pipe(duplex=False)
@@ -81,13 +83,15 @@ class Servers:
         self.stop()
 
 
-def ps_worker(group: Any, cfg_dict: dict[str, Any], run_path: str, addresses: list[str]) -> dict[str, Any]:
+def ps_worker(group: Any, cfg_dict: dict[str, Any], run_path: str, addresses: list[str],
+              curve_keys_dir: str | None = None) -> dict[str, Any]:
     import ps
     ctx = WorkerContext(cfg_dict, run_path, group.rank)
     cfg, rank = ctx.cfg, ctx.rank
     K, steps = cfg.train.workers, cfg.train.steps
     init = get_params(ctx.model)
-    client = ps.connect(addresses, worker=rank, params=init, timeout=cfg.train.timeout_s)
+    client = ps.connect(addresses, worker=rank, params=init, timeout=cfg.train.timeout_s,
+                        curve_keys_dir=curve_keys_dir)
     taus = JsonlWriter(ctx.rundir.part_path("tau", rank))
     try:
         if rank == 0:
@@ -172,6 +176,11 @@ def run_ps(cfg: RunConfig, rd: RunDir) -> dict[str, Any]:
     finally:
         rd.merge_parts("metrics")
         fill_staleness(rd)
+    return shard_summary(results)
+
+
+def shard_summary(results: list[Any]) -> dict[str, Any]:
+    """Summary fields from shard 0's own statistics, as rank 0's worker fetched them."""
     shard0 = ((results[0] or {}).get("shard_stats") or [{}])[0] if results else {}
     st = shard0.get("stats") or {}
     return {"shard_staleness_mean": st.get("mean"), "shard_staleness_max": st.get("max"),

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import zmq
 
+from collectives.curve import connect_curve
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
@@ -65,7 +66,8 @@ class PSClient:
     """A worker's connection to all shards (see the module docstring for how progress is made)."""
 
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
-                 timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None) -> None:
+                 timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None,
+                 curve_keys_dir: str | None = None) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
         self.addresses = list(addresses)
@@ -86,6 +88,8 @@ class PSClient:
         for a in self.addresses:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if curve_keys_dir:
+                connect_curve(sock, curve_keys_dir)
             sock.connect(a)
             self._socks.append(sock)
         self._poller = zmq.Poller()
@@ -415,9 +419,10 @@ def _gather(futs: list[Future]) -> Future:
 
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
-            shm: bool | None = None) -> PSClient:
+            shm: bool | None = None, curve_keys_dir: str | None = None) -> PSClient:
     """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
 
     `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
-    loopback or ipc:// and the shard accepts; see `ps.shm_path`)."""
-    return PSClient(addresses, worker, params, timeout=timeout, shm=shm)
+    loopback or ipc:// and the shard accepts; see `ps.shm_path`). `curve_keys_dir`: the cluster's CURVE keys, for
+    shards started with them (encrypted, authenticated; required for shards bound beyond loopback)."""
+    return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir)

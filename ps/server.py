@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import zmq
 
+from collectives.curve import is_loopback, serve_curve
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
@@ -45,6 +46,7 @@ class ServerConfig:
     idle_timeout: float = 0.0             # exit after this many seconds without any message (0: never)
     max_message_bytes: int = 1 << 31
     shm: bool = True                      # offer same-host clients the shared-memory payload path (shm_path.py)
+    curve_keys_dir: str | None = None     # CURVE encryption + authentication (required to bind beyond loopback)
 
     def validate(self) -> None:
         policy_from_string(self.policy)
@@ -55,6 +57,11 @@ class ServerConfig:
             raise ConfigError("num_workers must be >= 1, shard_id >= 0 and checkpoint_every >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("checkpoint_every needs checkpoint_dir")
+        host = self.bind[len("tcp://"):].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
+        if not is_loopback(host) and not self.curve_keys_dir:
+            raise ConfigError(f"binding to {self.bind} exposes the shard beyond this host: give curve_keys_dir "
+                              "(--curve-keys DIR; make one with collectives.curve.generate_keys and copy it to every "
+                              "host), or bind to 127.0.0.1")
 
 
 @dataclass
@@ -88,6 +95,7 @@ class ShardServer:
         self._last_ckpt_version = -1
         self._stop = False
         self._inflight: list[Any] = []      # trackers of zero-copy pull replies that still reference the params
+        self._auth: Any = None              # CURVE authenticator, if configured
         self.sock: zmq.Socket | None = None
         if config.checkpoint_dir:
             found = latest_checkpoint(config.checkpoint_dir)
@@ -114,6 +122,8 @@ class ShardServer:
     def bind(self) -> str:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.config.curve_keys_dir:
+            self._auth = serve_curve(self.ctx, self.sock, self.config.curve_keys_dir)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
         b = self.config.bind
         if b.startswith("tcp://") and b.endswith(":0"):
@@ -155,6 +165,8 @@ class ShardServer:
             for link in self.links.values():
                 link.close()
             self.sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
 
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
               tensors: Any = None, track: bool = False) -> None:

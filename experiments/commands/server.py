@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a pull may wait on the consistency gate before an error reply (0: forever)")
     p.add_argument("--idle-timeout", type=float, default=0.0,
                    help="exit after this many seconds without any message (0: never)")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="CURVE keys (collectives.curve.generate_keys; the same folder on every host): encrypt and "
+                        "admit only clients holding them. Required to bind beyond 127.0.0.1")
     p.set_defaults(func=run)
 
 
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
                        optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, request_timeout=args.request_timeout,
-                       idle_timeout=args.idle_timeout)
+                       idle_timeout=args.idle_timeout, curve_keys_dir=args.curve_keys)
     server = ShardServer(cfg)
     address = server.bind()
     restored = f", resumed from {server.restored_from} (version {server.state.version})" if server.restored_from else ""

@@ -4,6 +4,7 @@ write their reports; Ctrl-C stops every process and keeps what was written."""
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import signal
 import socket
@@ -163,3 +164,38 @@ def test_torchrun_gives_each_process_its_role(tmp_path):
     from experiments.metrics import read_jsonl
     ups = read_jsonl(tmp_path / "runs" / "allreduce" / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]
+
+
+def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
+    """Under torchrun a ps-* run needs no spawning either: rank 0 starts the 2 shards and every torchrun process is a
+    PS worker; rank 0 writes one run directory with all 3 workers' updates, BSP staleness 0 throughout."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-bsp"\nworkers = 5\nsteps = 4\n'
+                   'shards = 2\neval_every = 100\ntimeout_s = 60\n')
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    r = subprocess.run([str(torchrun), "--nproc_per_node=3", f"--master_port={port}", "-m", "experiments.cli", "run",
+                        str(cfg), "--out", str(tmp_path / "runs"), "--label", "psrole", "-q"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from experiments.metrics import read_jsonl
+    ups = read_jsonl(tmp_path / "runs" / "psrole" / "metrics.jsonl")
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(3) for t in range(4)]
+    assert [u["staleness"] for u in ups] == [0] * 12
+    summary = json.loads((tmp_path / "runs" / "psrole" / "summary.json").read_text())
+    assert summary["role"] == "torchrun" and summary["shard_staleness_max"] == 0
+
+
+def test_torchrun_beyond_loopback_needs_curve_keys(tmp_path, capsys, monkeypatch):
+    """PSLAB_BIND_HOST beyond loopback without PSLAB_CURVE_KEYS: one error line, exit 1, nothing started."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[train]\nstrategy = "ps-asp"\n')
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("PSLAB_BIND_HOST", "10.1.2.3")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PSLAB_CURVE_KEYS" in err[0], err

@@ -132,3 +132,36 @@ def test_client_refuses_a_shard_holding_another_model(thread_servers):
     with pytest.raises(ConfigError, match="shard order"):
         connect(servers.addresses, 1, {"w": W, "other": B}, timeout=10)
     connect(servers.addresses, 1, {"w": W, "b": B}, timeout=10).close()
+
+
+def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
+    """A shard started with CURVE keys serves a client holding them and never answers one without them; a shard
+    cannot bind beyond loopback without keys."""
+    import threading
+
+    import numpy as np
+    import pytest as _pytest
+
+    from collectives.curve import generate_keys
+    from ps.client import connect
+    from ps.errors import ConfigError, RequestTimeoutError
+    from ps.server import ServerConfig, ShardServer
+    generate_keys(str(tmp_path))
+    with _pytest.raises(ConfigError, match="curve_keys_dir"):
+        ServerConfig(bind="tcp://10.1.2.3:0").validate()
+    server = ShardServer(ServerConfig(num_workers=2, curve_keys_dir=str(tmp_path)))
+    addr = server.bind()
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        shapes = {"w": (3,)}
+        with connect([addr], 0, shapes, timeout=10, curve_keys_dir=str(tmp_path)) as c:
+            c.init({"w": np.ones(3, np.float32)}).result(10)
+            c.push({"w": np.ones(3, np.float32)}).result(10)
+            assert c.pull().result(10).versions == [1]
+        with _pytest.raises(RequestTimeoutError):
+            connect([addr], 1, shapes, timeout=1.5)
+        assert server.counters["messages"] == 4          # the stranger's register never reached the shard
+    finally:
+        server._stop = True
+        t.join(5)
