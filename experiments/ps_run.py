@@ -102,7 +102,7 @@ def ps_worker(group: Any, cfg_dict: dict[str, Any], run_path: str, addresses: li
         done = 0
         while client.clocks[0] < steps:
             tw = time.perf_counter()
-            pr = client.pull().result(cfg.train.timeout_s)
+            pr = client.pull(copy=False).result(cfg.train.timeout_s)    # views: set_params copies them
             wait = time.perf_counter() - tw
             clock = pr.clocks[0]
             if clock >= steps:  # backup-BSP moved this worker past the last clock

@@ -75,6 +75,7 @@ class PSClient:
         self.timeout = float(timeout)
         self.partition: Partition = make_partition(params, len(self.addresses))
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
+        self.dtypes = {n: _np_dtype(v) for n, v in params.items()}   # None where numpy has no such dtype
         self._keys_of = [self.partition.keys_of(i) for i in range(len(self.addresses))]
         self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
@@ -135,11 +136,12 @@ class PSClient:
         with self._lock:
             seq = next(self._seq)
             link = self._links[shard]
+            copy = meta.pop("_copy", True)                # pull(copy=False): views of the shm reply
             if op == "push" and tensors:
                 entries = link.take_push(seq, tensors)        # one memcpy instead of frames, if the path is free
                 if entries is not None:
                     meta, tensors = dict(meta, shm=entries), None
-            if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq):
+            if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq, copy):
                 meta = dict(meta, shm_reply=True)
             frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
             self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
@@ -164,9 +166,13 @@ class PSClient:
         per = [({"worker": self.worker}, self._split(params, i)) for i in range(len(self.addresses))]
         return _metas(self._all("init", per_shard=per))
 
-    def pull(self, timeout: float | None = None) -> Future:
-        """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate)."""
-        per = [({"clock": self.clocks[i]}, None) for i in range(len(self.addresses))]
+    def pull(self, timeout: float | None = None, copy: bool = True) -> Future:
+        """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate).
+
+        copy=False: the arrays may be read-only views (of the received frames or, on the same-host path, of the
+        shard's reply segment for this client, which this client's NEXT pull or push_pull overwrites): copy what
+        you keep beyond that, e.g. straight into the model's parameters."""
+        per = [({"clock": self.clocks[i], "_copy": copy}, None) for i in range(len(self.addresses))]
         fut = self._all("pull", per_shard=per, timeout=timeout)
         out: Future = _derived(fut)
 
@@ -176,7 +182,7 @@ class PSClient:
                 for i, (meta, _) in enumerate(replies):
                     self.versions[i] = int(meta["version"])
                     self.clocks[i] = max(self.clocks[i], int(meta["clock"]))
-                out.set_result(PullResult(self._assemble([t for _, t in replies]),
+                out.set_result(PullResult(self._assemble([t for _, t in replies], copy),
                                           [int(m["version"]) for m, _ in replies],
                                           [int(m["clock"]) for m, _ in replies]))
             except BaseException as e:
@@ -194,11 +200,11 @@ class PSClient:
             self.clocks[i] += 1
         return _metas(self._all("push", per_shard=per, timeout=timeout))
 
-    def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
+    def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None, copy: bool = True) -> Future:
         """Push, then read at the new clock, in one round trip per shard (the shard answers once its gate lets
-        the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull()`."""
+        the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull(copy=copy)`."""
         pieces = [self._split(grads, i) for i in range(len(self.addresses))]
-        per = [({"clock": self.clocks[i], "version": self.versions[i], "pull": True}, pieces[i])
+        per = [({"clock": self.clocks[i], "version": self.versions[i], "pull": True, "_copy": copy}, pieces[i])
                for i in range(len(pieces))]
         for i in range(len(self.addresses)):
             self.clocks[i] += 1
@@ -213,11 +219,29 @@ class PSClient:
                     self.versions[i] = int(r["version"])
                     self.clocks[i] = max(self.clocks[i], int(r["clock"]))
                 out.set_result(([m for m, _ in replies],
-                                PullResult(self._assemble([t for _, t in replies]), [int(r["version"]) for r in reads],
+                                PullResult(self._assemble([t for _, t in replies], copy),
+                                           [int(r["version"]) for r in reads],
                                            [int(r["clock"]) for r in reads])))
             except BaseException as e:
                 out.set_exception(e)
         fut.add_done_callback(done)
+        return out
+
+    def grad_buffers(self) -> dict[str, np.ndarray]:
+        """Writable arrays shaped like the parameters to compute gradients into (e.g. `p.grad =
+        torch.from_numpy(buf[name])`, so backward accumulates in place): on the same-host path they are the push
+        segment itself, and a push of them copies nothing. Do not write them while a push is in flight. Tensors
+        split across shards, and shards without the path, get ordinary arrays (pushed with a copy)."""
+        out: dict[str, np.ndarray] = {}
+        for i, link in enumerate(self._links):
+            specs = {s.key: ((s.numel,), self.dtypes[s.name]) for s in self._keys_of[i]}
+            views = link.buffers(specs) if all(d is not None for _, d in specs.values()) else {}
+            for s in self._keys_of[i]:
+                if len(self._slices_of[s.name]) == 1 and s.key in views:
+                    out[s.name] = views[s.key].reshape(s.shape)
+        for name in self.partition.names:
+            if name not in out:
+                out[name] = np.zeros(self.shapes[name], self.dtypes[name] or np.float32)
         return out
 
     def stats(self, series: bool = False) -> Future:
@@ -254,12 +278,12 @@ class PSClient:
             out[s.key] = np.ascontiguousarray(a).reshape(-1)[s.start:s.stop]
         return out
 
-    def _assemble(self, per_shard: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    def _assemble(self, per_shard: list[dict[str, Any]], copy: bool = True) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for name, pieces in self._slices_of.items():
             if len(pieces) == 1:
-                a = per_shard[pieces[0].shard][pieces[0].key]    # frames are read-only views: copy; shm: a copy
-                out[name] = (a if a.flags.writeable else np.array(a)).reshape(pieces[0].shape)
+                a = per_shard[pieces[0].shard][pieces[0].key]    # read-only views (frames, shm) are copied
+                out[name] = (a if a.flags.writeable or not copy else np.array(a)).reshape(pieces[0].shape)
                 continue
             first = per_shard[pieces[0].shard][pieces[0].key]
             flat = np.empty(sum(p.numel for p in pieces), dtype=first.dtype)
@@ -361,6 +385,17 @@ class _LazyFuture(Future):
 def _derived(fut: Future) -> Future:
     """A new lazy future driven by the same client as `fut`."""
     return _LazyFuture(lambda f, timeout: fut.exception(timeout) and None)
+
+
+def _np_dtype(v: Any) -> np.dtype | None:
+    """The numpy dtype of a tensor/array (float32 for a bare shape); None for dtypes numpy lacks (bfloat16)."""
+    dt = getattr(v, "dtype", np.float32)
+    if isinstance(dt, torch.dtype):
+        try:
+            return torch.empty(0, dtype=dt).numpy().dtype
+        except TypeError:
+            return None
+    return np.dtype(dt)
 
 
 def _shape(v: Any) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ import torch
 
 from collectives import shm
 from collectives.errors import WireError
+from collectives.wire import wire_dtype
 
 ALIGN = 64                      # every tensor starts on a cache line
 MAX_TENSORS = 4096
@@ -65,10 +66,19 @@ def _as_torch(a: Any) -> torch.Tensor:
 
 
 def write(box: shm.Outbox, tensors: Mapping[str, Any]) -> list[list[Any]]:
-    """Copy `tensors` into `box` (growing it if needed) and return their [key, descriptor] list for the header."""
+    """Copy `tensors` into `box` (growing it if needed) and return their [key, descriptor] list for the header.
+    A tensor that already lies at its place in the segment (a `ClientLink.buffers` view) is not copied."""
     offs, total = _layout(tensors)
     box.reserve(max(total, 1))
-    return [[k, box.write(off, _as_torch(tensors[k]).reshape(-1))] for k, off in offs]
+    base = box.bytes.data_ptr() if box.bytes is not None else -1
+    out = []
+    for k, off in offs:
+        t = _as_torch(tensors[k]).reshape(-1)
+        if t.numel() and t.data_ptr() == base + off:       # written in place: describe it, copy nothing
+            out.append([k, [box.name, box.size, off, wire_dtype(t), list(t.shape)]])
+        else:
+            out.append([k, box.write(off, t)])
+    return out
 
 
 def read(box: shm.Inbox, src: int, entries: Any) -> dict[str, torch.Tensor]:
@@ -85,6 +95,13 @@ def read(box: shm.Inbox, src: int, entries: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Spec:
+    """Stands in for a tensor of `nbytes` when laying out a segment."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
 class ClientLink:
     """A client's shared-memory path to one shard: its push segment, its view of the shard's reply segment."""
 
@@ -95,6 +112,7 @@ class ClientLink:
         self.inbox = shm.Inbox()
         self.push_ok = self.pull_ok = False
         self.peer = shard
+        self.pull_copy = True
         self.push_seq: int | None = None          # the shm push / pull in flight, if any
         self.pull_seq: int | None = None
         self._token = b""
@@ -121,6 +139,19 @@ class ClientLink:
         if not self.push_ok:
             self.close()
 
+    def buffers(self, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
+        """Writable arrays (flat, by key, in push order) that ARE this shard's slots of the push segment: gradients
+        written into them are pushed without a copy (until a re-register replaces the segment; then they are
+        copied like any other array)."""
+        if not self.push_ok or self.outbox is None:
+            return {}
+        fake = {k: _Spec(int(np.prod(shape)) * np.dtype(dt).itemsize)
+                for k, (shape, dt) in specs.items()}
+        offs, total = _layout(fake)
+        self.outbox.reserve(max(total, 1))
+        raw = self.outbox.bytes.numpy()
+        return {k: raw[off:off + fake[k].nbytes].view(specs[k][1]) for k, off in offs}
+
     def take_push(self, seq: int, tensors: Mapping[str, Any]) -> list[list[Any]] | None:
         """Write a push's tensors into the segment if the path is free; returns the header entries or None."""
         if not self.push_ok or self.push_seq is not None or self.outbox is None:
@@ -128,21 +159,27 @@ class ClientLink:
         self.push_seq = seq
         return write(self.outbox, tensors)
 
-    def take_pull(self, seq: int) -> bool:
+    def take_pull(self, seq: int, copy: bool = True) -> bool:
         if not self.pull_ok or self.pull_seq is not None:
             return False
-        self.pull_seq = seq
+        self.pull_seq, self.pull_copy = seq, copy
         return True
 
     def on_reply(self, seq: int, meta: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
-        """Free the path the request `seq` held; for an shm pull reply, return copies of the values."""
+        """Free the path the request `seq` held; for an shm pull reply, return the values: copies, or (the pull
+        asked for copy=False) read-only views into the shard's reply segment, valid until the next pull."""
         if seq == self.push_seq:
             self.push_seq = None
         if seq == self.pull_seq:
             self.pull_seq = None
             entries = meta.get("shm")
             if entries is not None:
-                return {k: v.numpy().copy() for k, v in read(self.inbox, self.peer, entries).items()}
+                views = {k: v.numpy() for k, v in read(self.inbox, self.peer, entries).items()}
+                if self.pull_copy:
+                    return {k: v.copy() for k, v in views.items()}
+                for v in views.values():
+                    v.flags.writeable = False
+                return views
         return None
 
     def on_timeout(self, seq: int) -> None:

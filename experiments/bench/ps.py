@@ -2,8 +2,12 @@
 parameter-server pattern of PyTorch's tutorials, on the same ~1M-parameter model, in the same run.
 
 One "update" = a worker sends one gradient for every parameter and gets the fresh weights back:
-  pslab  client.push_pull(grads): one request per shard that applies the gradient and answers with the new weights
-         (payloads through shared memory, the client being on the shard's host), ASP, server-side SGD, 1 or 2 shards;
+  pslab  client.push_pull(grads, copy=False): one request per shard that applies the gradient and answers with the
+         new weights. The client is on the shards' host, so payloads go through shared memory and nothing is copied
+         on the worker: the gradient lies in the push segment (`grad_buffers`, where a training loop would let
+         backward write it) and the weights arrive as read-only views of the shard's reply segment (valid until
+         the next pull; a training loop copies them into its model, as it would copy rpc's tensors). The shard
+         reads the gradient in place and makes one copy of the weights. ASP, server-side SGD, 1 or 2 shards;
   rpc    rpc_sync(ps, update_and_fetch_model, grads): the PS applies SGD under a lock and returns the parameters
          (the pattern of "Implementing Batch RPC Processing Using Asynchronous Executions", without batching, and
          returning the parameter tensors rather than the pickled module).
@@ -54,15 +58,17 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
     import torch
     torch.set_num_threads(1)
     from ps.client import connect
-    grads = _tensors(shapes, 100 + rank)
     try:
         with connect(addresses, rank, shapes, timeout=120) as c:
             if rank == 0:
                 c.init(_tensors(shapes, 0)).result(120)
             c.pull().result(120)
+            grads = c.grad_buffers()           # the push segment itself (same host): pushing copies nothing
+            for k, v in _tensors(shapes, 100 + rank).items():
+                grads[k][...] = v
 
             def update() -> None:
-                c.push_pull(grads).result(120)
+                c.push_pull(grads, copy=False).result(120)   # weights arrive as views of the reply segment
             for _ in range(3):
                 update()
             for r in range(reps):

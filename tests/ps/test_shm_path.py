@@ -159,3 +159,37 @@ def test_no_segment_outlives_client_and_shard(thread_servers):
     servers.stop()
     assert shm_path.segment_count() == base
 
+
+
+def test_grad_buffers_push_without_a_copy_and_views_are_read_only(thread_servers, monkeypatch):
+    """Gradients written into `grad_buffers()` are pushed with no copy into the segment (they are the segment);
+    `pull(copy=False)` returns read-only views equal to what `pull()` copies; both train bitwise like frames."""
+    writes = []
+    real_write = shm_path.shm.Outbox.write
+    monkeypatch.setattr(shm_path.shm.Outbox, "write", lambda self, off, t: writes.append(self) or real_write(self, off, t))
+    servers = thread_servers(1, num_workers=1, optimizer="adam:lr=0.01")
+    ref_servers = thread_servers(1, num_workers=1, optimizer="adam:lr=0.01")
+    with connect(servers.addresses, 0, SHAPES) as c, connect(ref_servers.addresses, 0, SHAPES, shm=False) as ref:
+        for x in (c, ref):
+            x.init(tensors(0)).result(30)
+            x.pull().result(30)
+        bufs = c.grad_buffers()
+        assert {k: v.shape for k, v in bufs.items()} == SHAPES and all(v.flags.writeable for v in bufs.values())
+        for step in range(5):
+            g = tensors(50 + step)
+            for k in SHAPES:
+                bufs[k][...] = g[k]
+            writes.clear()
+            _, views = c.push_pull(bufs, copy=False).result(30)
+            assert c._links[0].outbox not in writes                # the push copied nothing
+            ref.push(g).result(30)
+            want = ref.pull().result(30).params
+            for k in SHAPES:
+                assert not views.params[k].flags.writeable
+                np.testing.assert_array_equal(views.params[k], want[k])
+        ordinary = {k: v.copy() for k, v in bufs.items()}
+        writes.clear()
+        c.push(ordinary).result(30)
+        assert writes.count(c._links[0].outbox) == len(SHAPES)     # arrays elsewhere are copied in
+        copied = c.pull().result(30).params
+        assert all(v.flags.writeable for v in copied.values())
