@@ -76,6 +76,7 @@ class PSClient:
         self.partition: Partition = make_partition(params, len(self.addresses))
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
         self.dtypes = {n: _np_dtype(v) for n, v in params.items()}   # None where numpy has no such dtype
+        self._scratch: dict[str, np.ndarray] = {}                   # reassembly buffers of copy=False reads
         self._keys_of = [self.partition.keys_of(i) for i in range(len(self.addresses))]
         self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
@@ -170,8 +171,9 @@ class PSClient:
         """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate).
 
         copy=False: the arrays may be read-only views (of the received frames or, on the same-host path, of the
-        shard's reply segment for this client, which this client's NEXT pull or push_pull overwrites): copy what
-        you keep beyond that, e.g. straight into the model's parameters."""
+        shard's reply segment for this client) or, for tensors split across shards, one reassembly buffer per
+        tensor; this client's NEXT pull or push_pull overwrites both kinds: copy what you keep beyond that, e.g.
+        straight into the model's parameters."""
         per = [({"clock": self.clocks[i], "_copy": copy}, None) for i in range(len(self.addresses))]
         fut = self._all("pull", per_shard=per, timeout=timeout)
         out: Future = _derived(fut)
@@ -286,7 +288,12 @@ class PSClient:
                 out[name] = (a if a.flags.writeable or not copy else np.array(a)).reshape(pieces[0].shape)
                 continue
             first = per_shard[pieces[0].shard][pieces[0].key]
-            flat = np.empty(sum(p.numel for p in pieces), dtype=first.dtype)
+            n = sum(p.numel for p in pieces)
+            flat = None if copy else self._scratch.get(name)    # copy=False: one buffer, rewritten by each read
+            if flat is None or flat.dtype != first.dtype or flat.size != n:
+                flat = np.empty(n, dtype=first.dtype)           # (a fresh 4 MB array costs ~1000 page faults)
+                if not copy:
+                    self._scratch[name] = flat
             for p in pieces:
                 flat[p.start:p.stop] = per_shard[p.shard][p.key]
             out[name] = flat.reshape(pieces[0].shape)
