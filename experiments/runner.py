@@ -132,6 +132,9 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     finally:
         rd.merge_parts("metrics")
         rd.merge_parts("eval")
+        done = _count_lines([rd.metrics_path])       # the poller samples; end the bar on the true count
+        if done > bar.n:
+            bar.update(done - bar.n)
         bar.close()
         if not ok:
             env_p = rd.path / "env.json"
