@@ -86,7 +86,7 @@ class Transport:
             raise RendezvousError(f"rank {rank}: cannot bind tcp://{bind_host}: {e}") from None
         endpoints.append(f"tcp://{bind_host}:{port}")
         self.endpoints = endpoints
-        self.host = socket.gethostname()
+        self.host = os.environ.get("PSLAB_HOST_ID") or socket.gethostname()   # same host: ipc + shared memory
         store.set(f"addr/{rank}", "|".join([self.host, *endpoints]))
 
     # ---- sending ------------------------------------------------------------------------------------------------
