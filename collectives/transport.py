@@ -86,7 +86,7 @@ class Transport:
             raise RendezvousError(f"rank {rank}: cannot bind tcp://{bind_host}: {e}") from None
         endpoints.append(f"tcp://{bind_host}:{port}")
         self.endpoints = endpoints
-        self.host = os.environ.get("PSLAB_HOST_ID") or socket.gethostname()   # same host: ipc + shared memory
+        self.host = host_identity()        # equal ids: ipc sockets + shared memory between the two ranks
         store.set(f"addr/{rank}", "|".join([self.host, *endpoints]))
 
     # ---- sending ------------------------------------------------------------------------------------------------
@@ -227,6 +227,27 @@ class Transport:
 def _load_curve(curve: CurveKeys) -> tuple[bytes, bytes]:
     from .curve import load_keys
     return load_keys(curve.keys_dir)
+
+
+def host_identity() -> str:
+    """Which ranks may use ipc:// and /dev/shm with each other: PSLAB_HOST_ID if set, else the hostname, the boot id,
+    and the identities of this process's network namespace, temp directory and /dev/shm (two containers or
+    namespaces that share a hostname but not these get different ids, and talk over tcp)."""
+    forced = os.environ.get("PSLAB_HOST_ID")
+    if forced:
+        return forced
+    parts = [socket.gethostname()]
+    try:
+        parts.append(open("/proc/sys/kernel/random/boot_id").read().strip())
+    except OSError:
+        pass
+    for path in ("/proc/self/ns/net", tempfile.gettempdir(), "/dev/shm"):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_dev}.{st.st_ino}")
+        except OSError:
+            parts.append("-")
+    return "/".join(parts).replace("|", "_")
 
 
 def unique_prefix() -> str:

@@ -12,8 +12,8 @@ and environment and, after a final barrier, merges the parts it can see and writ
 Across hosts: sockets bind to 127.0.0.1 unless PSLAB_BIND_HOST names this host's address on the cluster network
 (a concrete IP that the other hosts can reach); binding beyond loopback requires PSLAB_CURVE_KEYS, a folder made by
 `collectives.curve.generate_keys` and copied to every host (CURVE encryption + authentication for the zmq group and
-the shards alike). Ranks whose host ids match talk through ipc sockets and shared memory; the id is the hostname
-unless PSLAB_HOST_ID says otherwise (containers or namespaces that share a hostname but not a filesystem).
+the shards alike). Ranks whose host ids match talk through ipc sockets and shared memory; the id combines hostname,
+boot id, network namespace, temp dir and /dev/shm (`collectives.transport.host_identity`), or is PSLAB_HOST_ID.
 Tested for real across two network namespaces in tests/experiments/test_multihost.py.
 """
 

@@ -109,7 +109,7 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     label = label or default_label(cfg, sim)
     rd = RunDir.create(root, label, cfg, {"label": label, "simulated": sim})
     total = cfg.train.workers * cfg.train.steps
-    bar = tqdm(total=total, desc=label[:28].ljust(28), unit="grad", disable=quiet, leave=not quiet)
+    bar = tqdm(total=total, desc=label[:34].ljust(34), unit="grad", disable=quiet, leave=not quiet)
     extra: dict[str, Any] = {}
     t0 = time.perf_counter()
     ok = False

@@ -77,7 +77,7 @@ def run_on_two_hosts(hosts, tmp_path: Path, strategy: str, label: str) -> Path:
     procs = []
     for rank, (ns, addr, _) in enumerate(hosts):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=hosts[0][1], MASTER_PORT=str(port),
-                   PSLAB_BIND_HOST=addr, PSLAB_CURVE_KEYS=str(keys), PSLAB_HOST_ID=ns, PYTHONPATH=str(ROOT))
+                   PSLAB_BIND_HOST=addr, PSLAB_CURVE_KEYS=str(keys), PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "experiments.cli", "run",
                                        str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -100,7 +100,8 @@ def run_on_two_hosts(hosts, tmp_path: Path, strategy: str, label: str) -> Path:
 def test_a_run_across_two_hosts(hosts, tmp_path, strategy):
     """Rank 0 on host A, rank 1 on host B, CURVE on every socket: both workers' steps are recorded, the summary is
     written by rank 0, and host B's link carried at least its gradients (it would carry only the rendezvous if the
-    ranks had talked through the shared filesystem instead: ipc sockets, shared memory)."""
+    ranks had taken each other for one host -- same hostname, same filesystem -- and talked through ipc sockets and
+    shared memory; the network namespace in the host identity tells them apart)."""
     ns_b, _, dev_b = hosts[1]
     before = tx_bytes(ns_b, dev_b)
     run = run_on_two_hosts(hosts, tmp_path, strategy, strategy.replace(":", "_"))
