@@ -33,7 +33,7 @@ from . import wire
 from .errors import WireError
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^pslab-[0-9a-f]{12}-\d+-\d+-\d+$")
+_NAME = re.compile(r"^pslab-[0-9a-f]{12}-(\d+)-(\d+)-\d+$")   # pslab-<job>-<src>-<dst>-<generation>
 
 
 def available() -> bool:
@@ -55,14 +55,21 @@ class Outbox:
             return
         self.close()
         self.gen += 1
-        self.size = max(nbytes, 1 << 20)
-        self.name = f"pslab-{self.job}-{self.src}-{self.dst}-{self.gen}"
-        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        size = max(nbytes, 1 << 20)
+        name = f"pslab-{self.job}-{self.src}-{self.dst}-{self.gen}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, self.size)
-            self.mm = mmap.mmap(fd, self.size)
-        finally:
+            # allocate now: a sparse tmpfs file that cannot be backed later kills the writer with SIGBUS
+            os.posix_fallocate(fd, 0, size)
+            self.mm = mmap.mmap(fd, size)
+        except OSError:
             os.close(fd)
+            os.unlink(path)
+            self.size, self.name = 0, ""                 # nothing reserved: the caller falls back to sockets
+            raise
+        os.close(fd)
+        self.size, self.name = size, name
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def write(self, offset: int, t: torch.Tensor) -> list:
@@ -102,7 +109,8 @@ class Inbox:
         if not (isinstance(desc, list) and len(desc) == 5):
             raise WireError("shm descriptor must be [name, size, offset, dtype, shape]")
         name, size, offset, dtype, shape = desc
-        if not (isinstance(name, str) and _NAME.match(name) and f"-{src}-" in name):
+        m = _NAME.match(name) if isinstance(name, str) else None
+        if m is None or int(m.group(1)) != src:
             raise WireError(f"shm segment name {name!r:.60} is not one rank {src} may use")
         if not (isinstance(size, int) and isinstance(offset, int) and isinstance(shape, list)
                 and all(isinstance(s, int) and s >= 0 for s in shape) and dtype in wire.WIRE_DTYPES):

@@ -150,7 +150,10 @@ class Transport:
         box = self._outbox.get(dst)
         if box is None:
             box = self._outbox[dst] = shm.Outbox(self._job, self.rank, dst)
-        box.reserve(nbytes)
+        try:
+            box.reserve(nbytes)
+        except OSError:                      # /dev/shm full: this collective's payloads go through the socket
+            return False
         return True
 
     def flush(self, op: str = "send", seq: int = 0, peer: int = -1) -> None:

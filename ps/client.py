@@ -138,13 +138,17 @@ class PSClient:
             seq = next(self._seq)
             link = self._links[shard]
             copy = meta.pop("_copy", True)                # pull(copy=False): views of the shm reply
-            if op == "push" and tensors:
-                entries = link.take_push(seq, tensors)        # one memcpy instead of frames, if the path is free
-                if entries is not None:
-                    meta, tensors = dict(meta, shm=entries), None
-            if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq, copy):
-                meta = dict(meta, shm_reply=True)
-            frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+            try:
+                if op == "push" and tensors:
+                    entries = link.take_push(seq, tensors)    # one memcpy instead of frames, if the path is free
+                    if entries is not None:
+                        meta, tensors = dict(meta, shm=entries), None
+                if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq, copy):
+                    meta = dict(meta, shm_reply=True)
+                frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+            except BaseException:
+                link.release(seq)                             # never sent: the shm slots stay free
+                raise
             self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
             try:
                 self._socks[shard].send_multipart(frames, copy=False)
@@ -339,13 +343,15 @@ class PSClient:
             return
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
-        except WireError as e:
-            pend.future.set_exception(PSError(f"shard {shard} answered through shared memory, unreadably: {e}"))
-            return
-        if msg.op == "error":
-            pend.future.set_exception(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard))
-        else:
-            pend.future.set_result((msg.meta, msg.tensors if copied is None else copied))
+            if msg.op == "error":
+                pend.future.set_exception(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")),
+                                                           shard))
+            else:
+                pend.future.set_result((msg.meta, msg.tensors if copied is None else copied))
+        except Exception as e:                 # never leave the popped future waiting forever
+            if not pend.future.done():
+                pend.future.set_exception(PSError(f"shard {shard} sent a reply this client cannot use: "
+                                                  f"{type(e).__name__}: {e} (shared-memory replies are now off)"))
 
     def _fail_all(self, exc: Exception) -> None:
         for p in self._pending.values():
@@ -359,8 +365,13 @@ class PSClient:
                 return
             self._closed = True
             self._fail_all(PSError("client closed with requests in flight"))
-            for sock in self._socks:
-                sock.close(0)
+            for sock in self._socks:           # tell each shard to forget this connection (best effort)
+                try:
+                    sock.send_multipart(encode("unregister", None, seq=next(self._seq), src=self.worker, meta={}),
+                                        flags=zmq.NOBLOCK)
+                    sock.close(linger=200)
+                except zmq.ZMQError:
+                    sock.close(0)
             for link in getattr(self, "_links", []):
                 link.close()
 

@@ -15,6 +15,8 @@ Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connectio
     checkpoint meta {}                                        -> ok {path}
     ping       meta {}                                        -> ok {}
     shutdown   meta {}                                        -> ok {} then the server exits
+    unregister meta {}                                        -> (no reply) the client is closing: the shard forgets
+                                                                 the connection, its shm link and parked reads
 
 Every reply echoes the request's seq; an error reply is op "error" with meta {kind, error} where kind is a
 `ps.errors` class name. A malformed message gets an error reply (seq 0 if even the header was unreadable) and
@@ -31,9 +33,9 @@ from collectives.wire import WireLimits
 
 from .errors import ProtocolError
 
-OPS = frozenset({"register", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown"})
+OPS = frozenset({"register", "unregister", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown"})
 REPLY_OPS = frozenset({"ok", "error"})
-NEEDS_REGISTRATION = frozenset({"init", "pull", "push", "checkpoint", "shutdown"})
+NEEDS_REGISTRATION = frozenset({"init", "pull", "push", "checkpoint", "shutdown", "unregister"})
 
 
 def server_limits(max_message_bytes: int = 1 << 31, max_tensors: int = 4096) -> WireLimits:

@@ -81,7 +81,9 @@ class ShardServer:
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         config.validate()
         self.config = config
-        self.ctx = context or zmq.Context.instance()
+        # CURVE's authenticator owns the context's ZAP endpoint: a CURVE shard gets a context of its own
+        self._own_ctx = context is None and bool(config.curve_keys_dir)
+        self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self.limits = server_limits(config.max_message_bytes)
         self.state: ShardState | None = None
         self.registered: dict[bytes, int] = {}
@@ -122,17 +124,34 @@ class ShardServer:
     def bind(self) -> str:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        if self.config.curve_keys_dir:
-            self._auth = serve_curve(self.ctx, self.sock, self.config.curve_keys_dir)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
-        b = self.config.bind
-        if b.startswith("tcp://") and b.endswith(":0"):
-            port = self.sock.bind_to_random_port(b[: b.rindex(":")])
-            self.address = f"{b[: b.rindex(':')]}:{port}"
-        else:
-            self.sock.bind(b)
-            self.address = b
+        try:
+            if self.config.curve_keys_dir:
+                self._auth = serve_curve(self.ctx, self.sock, self.config.curve_keys_dir)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
+            b = self.config.bind
+            if b.startswith("tcp://") and b.endswith(":0"):
+                port = self.sock.bind_to_random_port(b[: b.rindex(":")])
+                self.address = f"{b[: b.rindex(':')]}:{port}"
+            else:
+                self.sock.bind(b)
+                self.address = b
+        except BaseException:                  # e.g. address in use: leave no socket or ZAP thread behind
+            self._close()
+            raise
         return self.address
+
+    def _close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        if self.sock is not None:
+            self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self.ctx.term()
+            self._own_ctx = False
 
     def serve_forever(self) -> None:
         if self.sock is None:
@@ -162,11 +181,7 @@ class ShardServer:
         finally:
             if self.state is not None and self.config.checkpoint_dir and self._stop:
                 self._checkpoint()
-            for link in self.links.values():
-                link.close()
-            self.sock.close(0)
-            if self._auth is not None:
-                self._auth.stop()
+            self._close()
 
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
               tensors: Any = None, track: bool = False) -> None:
@@ -214,7 +229,8 @@ class ShardServer:
                                     "id first")
             handler = getattr(self, f"_on_{msg.op}")
             handler(identity, msg, now)          # raises before changing anything if the request is invalid
-            self.last_seq[identity] = msg.seq
+            if msg.op != "unregister":
+                self.last_seq[identity] = msg.seq
         except PSError as e:
             self._error(identity, msg.seq, e)
         except Exception as e:  # a bug or an unforeseen input: answer, log, keep serving
@@ -231,6 +247,7 @@ class ShardServer:
         if msg.tensors:
             raise ProtocolError("register carries no tensors")
         self.registered[identity] = worker
+        self._cancel_parked(identity, "this connection registered again (resync); read again")
         old = self.links.pop(identity, None)
         if old is not None:
             old.close()
@@ -238,7 +255,7 @@ class ShardServer:
         if link is not None:
             self.links[identity] = link
         st = self.state
-        self._send(identity, "ok", msg.seq, {"shm": link is not None,
+        self._send(identity, "ok", msg.seq, {"shm": link is not None, **(link.reply_probe if link else {}),
             "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
             "initialized": st is not None, "version": st.version if st else 0,
             "clock": st.clocks[worker] if st else 0,
@@ -277,9 +294,14 @@ class ShardServer:
             meta = dict(p.ack, read=meta)
         flat = {k: t.reshape(-1) for k, t in r.params.items()}
         link = self.links.get(p.identity) if p.shm else None
+        entries = None
         if link is not None:                               # one memcpy into the client's view; nothing to track
-            meta["shm"] = link.reply(flat)
-            self._send(p.identity, "ok", p.seq, meta)
+            try:
+                entries = link.reply(flat)
+            except OSError:                                # /dev/shm full: this answer goes as frames
+                entries = None
+        if entries is not None:
+            self._send(p.identity, "ok", p.seq, dict(meta, shm=entries))
         else:
             self._send(p.identity, "ok", p.seq, meta, flat, track=True)
         return True
@@ -290,9 +312,31 @@ class ShardServer:
             try:
                 if not self._try_pull(p, now):
                     still.append(p)
-            except PSError as e:
-                self._error(p.identity, p.seq, e)
+            except Exception as e:             # answered with the error, never retried (nor answered twice)
+                if not isinstance(e, PSError):
+                    self.counters["internal_errors"] += 1
+                    log.exception("shard %d: unexpected error answering a parked read", self.config.shard_id)
+                self._error(p.identity, p.seq, e if isinstance(e, PSError) else
+                            ProtocolError(f"server could not answer the read: {type(e).__name__}: {e}"))
         self.parked = still
+
+    def _cancel_parked(self, identity: bytes, why: str) -> None:
+        keep = []
+        for p in self.parked:
+            if p.identity == identity:
+                self._error(p.identity, p.seq, ProtocolError(f"read at clock {p.clock} cancelled: {why}"))
+            else:
+                keep.append(p)
+        self.parked = keep
+
+    def _on_unregister(self, identity: bytes, msg: Any, now: float) -> None:
+        """A client closing: forget the connection (its shared-memory link, parked reads). No reply."""
+        self._cancel_parked(identity, "the client unregistered")
+        link = self.links.pop(identity, None)
+        if link is not None:
+            link.close()
+        self.registered.pop(identity, None)
+        self.last_seq.pop(identity, None)
 
     def _expire_parked(self, now: float) -> None:
         t = self.config.request_timeout
@@ -302,9 +346,11 @@ class ShardServer:
         for p in self.parked:
             if now - p.since > t:
                 who = self.state.blocking_workers(p.clock) if self.state else "the owner's init"
+                pushed = (f" (its push was applied: {p.ack['status']}, shard version {p.ack['version']})"
+                          if p.ack is not None else "")
                 self._error(p.identity, p.seq, GateTimeoutError(
                     f"pull at clock {p.clock} from worker {p.worker} waited {now - p.since:.1f}s (> request timeout "
-                    f"{t:g}s) under {self.config.policy}; still waiting for {who}"))
+                    f"{t:g}s) under {self.config.policy}; still waiting for {who}{pushed}"))
             else:
                 keep.append(p)
         self.parked = keep

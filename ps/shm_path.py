@@ -12,8 +12,11 @@ segment the other side has mapped (`collectives.shm`, the segments the ring uses
            client:  copies the values out before anything else can be written there
 
 Negotiation. `register` carries a probe: the descriptor of a random token the client wrote into its new segment.
-The shard answers {"shm": true} only if it could map that segment and read the same token, so two processes that do
-not share /dev/shm (other hosts, other containers) fall back to frames without an error.
+The shard answers {"shm": true} only if it could map that segment and read the same token, and adds a token of its
+own written into its reply segment; the client uses shm replies only if it can read that one. So each direction is
+proven, and two processes that do not share /dev/shm (other hosts, containers, users) fall back to frames without
+an error. A segment that cannot be allocated (/dev/shm full) also falls back to frames, for that direction.
+A re-register (resync) cancels the connection's parked reads with an error reply: slots start afresh.
 
 Reuse rule. Each side rewrites a segment only when the other has consumed it: a client has at most one shm push and
 one shm pull in flight per shard (more go as frames); a shard consumes a push while handling it (aggregating
@@ -112,9 +115,9 @@ class ClientLink:
         self.inbox = shm.Inbox()
         self.push_ok = self.pull_ok = False
         self.peer = shard
-        self.pull_copy = True
         self.push_seq: int | None = None          # the shm push / pull in flight, if any
         self.pull_seq: int | None = None
+        self._copy: dict[int, bool] = {}          # seq -> copy flag, for every read that asked for an shm reply
         self._token = b""
 
     def probe(self) -> dict[str, Any]:
@@ -129,13 +132,24 @@ class ClientLink:
             desc = write(self.outbox, {"token": np.frombuffer(self._token, dtype=np.uint8)})[0][1]
         except OSError:
             self.enabled = False
+            self.close()
             return {}
         return {"shm_probe": desc, "shm_token": self._token.hex()}
 
     def accept(self, reply: Mapping[str, Any]) -> None:
-        self.push_ok = self.pull_ok = bool(self.outbox is not None and reply.get("shm") is True)
+        """Adopt the register reply: push through shm if the shard read our token; pull through shm if we can read
+        the token the shard wrote into its reply segment (each direction proven separately)."""
         self.peer = int(reply.get("shard", self.shard))   # the shard's id, as its segment names carry it
-        self.push_seq = self.pull_seq = None
+        self.push_ok = bool(self.outbox is not None and reply.get("shm") is True)
+        self.pull_ok = False
+        self.push_seq = self.pull_seq = None               # the shard cancelled this connection's parked reads
+        if self.push_ok:
+            token = reply.get("shm_reply_token")
+            try:
+                seen = read(self.inbox, self.peer, [["token", reply.get("shm_reply_probe")]])["token"]
+                self.pull_ok = isinstance(token, str) and seen.numpy().tobytes().hex() == token
+            except (WireError, OSError, TypeError, ValueError):
+                self.pull_ok = False
         if not self.push_ok:
             self.close()
 
@@ -145,10 +159,13 @@ class ClientLink:
         copied like any other array)."""
         if not self.push_ok or self.outbox is None:
             return {}
-        fake = {k: _Spec(int(np.prod(shape)) * np.dtype(dt).itemsize)
-                for k, (shape, dt) in specs.items()}
+        fake = {k: _Spec(int(np.prod(shape)) * np.dtype(dt).itemsize) for k, (shape, dt) in specs.items()}
         offs, total = _layout(fake)
-        self.outbox.reserve(max(total, 1))
+        try:
+            self.outbox.reserve(max(total, 1))
+        except OSError:                                     # /dev/shm full: pushes go as frames
+            self.push_ok = False
+            return {}
         raw = self.outbox.bytes.numpy()
         return {k: raw[off:off + fake[k].nbytes].view(specs[k][1]) for k, off in offs}
 
@@ -156,37 +173,59 @@ class ClientLink:
         """Write a push's tensors into the segment if the path is free; returns the header entries or None."""
         if not self.push_ok or self.push_seq is not None or self.outbox is None:
             return None
+        try:
+            entries = write(self.outbox, tensors)
+        except OSError:                                     # /dev/shm full: this and later pushes go as frames
+            self.push_ok = False
+            return None
         self.push_seq = seq
-        return write(self.outbox, tensors)
+        return entries
 
     def take_pull(self, seq: int, copy: bool = True) -> bool:
         if not self.pull_ok or self.pull_seq is not None:
             return False
-        self.pull_seq, self.pull_copy = seq, copy
+        self.pull_seq = seq
+        self._copy[seq] = copy
         return True
 
-    def on_reply(self, seq: int, meta: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
-        """Free the path the request `seq` held; for an shm pull reply, return the values: copies, or (the pull
-        asked for copy=False) read-only views into the shard's reply segment, valid until the next pull."""
+    def release(self, seq: int) -> None:
+        """The request `seq` was never sent: free what it held."""
         if seq == self.push_seq:
             self.push_seq = None
         if seq == self.pull_seq:
             self.pull_seq = None
-            entries = meta.get("shm")
-            if entries is not None:
-                views = {k: v.numpy() for k, v in read(self.inbox, self.peer, entries).items()}
-                if self.pull_copy:
-                    return {k: v.copy() for k, v in views.items()}
-                for v in views.values():
-                    v.flags.writeable = False
-                return views
-        return None
+        self._copy.pop(seq, None)
+
+    def on_reply(self, seq: int, meta: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+        """Free the path the request `seq` held; for an shm reply, return the values: copies, or (the read asked
+        for copy=False) read-only views into the shard's reply segment, valid until the next read.
+        A segment that cannot be read turns the shm reply path off (later reads come as frames)."""
+        if seq == self.push_seq:
+            self.push_seq = None
+        if seq == self.pull_seq:
+            self.pull_seq = None
+        copy = self._copy.pop(seq, None)
+        entries = meta.get("shm")
+        if copy is None or entries is None:              # not a read that asked for an shm reply, or frames
+            return None
+        try:
+            views = {k: v.numpy() for k, v in read(self.inbox, self.peer, entries).items()}
+        except WireError:
+            self.pull_ok = False
+            raise
+        if copy:
+            return {k: v.copy() for k, v in views.items()}
+        for v in views.values():
+            v.flags.writeable = False
+        return views
 
     def on_timeout(self, seq: int) -> None:
+        """A request timed out: a late answer could still write into the segment, so stop using that direction."""
         if seq == self.push_seq:
             self.push_ok, self.push_seq = False, None
         if seq == self.pull_seq:
             self.pull_ok, self.pull_seq = False, None
+        self._copy.pop(seq, None)
 
     def close(self) -> None:
         if self.outbox is not None:
@@ -202,18 +241,25 @@ class ServerLink:
         self.shard, self.worker = shard, worker
         self.inbox = shm.Inbox()
         self.outbox = shm.Outbox(secrets.token_hex(6), shard, worker)
+        self.reply_probe: dict[str, Any] = {}
 
     @classmethod
     def accept_probe(cls, shard: int, worker: int, meta: Mapping[str, Any]) -> "ServerLink | None":
-        """The link if the client's probe segment maps and holds the announced token, else None."""
+        """The link if the client's probe segment maps and holds the announced token, else None. The link's
+        `reply_probe` (for the register reply) lets the client prove the other direction the same way."""
         desc, token = meta.get("shm_probe"), meta.get("shm_token")
-        if desc is None or not isinstance(token, str) or len(token) != 32:
+        if not (isinstance(desc, list) and len(desc) == 5 and desc[3] == "uint8" and desc[4] == [16]
+                and isinstance(token, str) and len(token) == 32):
             return None
         link = cls(shard, worker)
         try:
             seen = link.inbox.view(worker, desc)
-            ok = seen.numel() == 16 and bytes(seen.numpy().tobytes()).hex() == token
-        except (WireError, OSError, ValueError):
+            ok = seen.numpy().tobytes().hex() == token
+            if ok:
+                mine = secrets.token_bytes(16)
+                entries = write(link.outbox, {"token": np.frombuffer(mine, dtype=np.uint8)})
+                link.reply_probe = {"shm_reply_probe": entries[0][1], "shm_reply_token": mine.hex()}
+        except (WireError, OSError, ValueError, TypeError):
             ok = False
         if not ok:
             link.close()
@@ -224,6 +270,7 @@ class ServerLink:
         return read(self.inbox, self.worker, entries)
 
     def reply(self, tensors: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+        """Write a read's values into the reply segment (OSError if /dev/shm cannot hold them: answer with frames)."""
         return write(self.outbox, tensors)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ def test_write_then_view_round_trip_and_cleanup():
 @pytest.mark.parametrize("desc, fragment", [
     (["../../etc/passwd", 10, 0, "float32", [1]], "not one rank 3 may use"),
     (["pslab-0123456789ab-4-1-1", 4096, 0, "float32", [1]], "not one rank 3 may use"),
+    (["pslab-0123456789ab-4-3-1", 4096, 0, "float32", [1]], "not one rank 3 may use"),   # 3 is the destination
     (["pslab-0123456789ab-3-1-1", 4096, 4090, "float32", [4]], "outside"),
     (["pslab-0123456789ab-3-1-1", 4096, -8, "float32", [1]], "outside"),
     (["pslab-0123456789ab-3-1-1", 4096, 0, "float99", [1]], "wrong type"),
@@ -42,3 +43,19 @@ def test_bad_descriptors_are_refused(desc, fragment):
     """Path tricks, another rank's segment, out-of-range offsets, bad dtypes and missing segments: WireError."""
     with pytest.raises(WireError, match=fragment):
         shm.Inbox().view(3, desc)
+
+
+def test_a_full_dev_shm_is_an_oserror_not_a_sigbus(monkeypatch):
+    """reserve() allocates the segment (posix_fallocate): when /dev/shm cannot hold it, the caller gets OSError and
+    the outbox is left empty, instead of a sparse file that kills the first writer with SIGBUS."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir(shm.SHM_DIR))
+    box = shm.Outbox("0123456789ab", 0, 1)
+    with pytest.raises(OSError):
+        box.reserve(1 << 20)
+    assert box.size == 0 and box.name == "" and set(os.listdir(shm.SHM_DIR)) == before

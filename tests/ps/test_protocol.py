@@ -161,7 +161,47 @@ def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
             assert c.pull().result(10).versions == [1]
         with _pytest.raises(RequestTimeoutError):
             connect([addr], 1, shapes, timeout=1.5)
-        assert server.counters["messages"] == 4          # the stranger's register never reached the shard
+        assert server.counters["messages"] == 5          # register, init, push, pull, unregister: the stranger's
+        # register never reached the shard
     finally:
         server._stop = True
         t.join(5)
+
+
+def test_two_curve_shards_in_one_process_and_a_failed_bind_leaves_nothing(tmp_path):
+    """Each CURVE shard has its own context (one ZAP authenticator per context), so two run side by side in one
+    process; a bind that fails (port in use) raises and leaves no socket or authenticator thread behind."""
+    import threading
+    import time
+
+    import numpy as np
+    import pytest as _pytest
+    import zmq
+
+    from collectives.curve import generate_keys
+    from ps.client import connect
+    from ps.server import ServerConfig, ShardServer
+    generate_keys(str(tmp_path))
+    servers = [ShardServer(ServerConfig(num_workers=1, curve_keys_dir=str(tmp_path))) for _ in range(2)]
+    addrs = [s.bind() for s in servers]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        for a in addrs:
+            with connect([a], 0, {"w": (2,)}, timeout=10, curve_keys_dir=str(tmp_path)) as c:
+                c.init({"w": np.zeros(2, np.float32)}).result(10)
+                assert c.ping().result(10)[0]["shard"] == 0
+        before = threading.active_count()
+        taken = ShardServer(ServerConfig(bind=addrs[0], curve_keys_dir=str(tmp_path)))
+        with _pytest.raises(zmq.ZMQError):
+            taken.bind()
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert threading.active_count() <= before
+    finally:
+        for s in servers:
+            s._stop = True
+        for t in threads:
+            t.join(5)

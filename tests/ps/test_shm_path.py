@@ -193,3 +193,90 @@ def test_grad_buffers_push_without_a_copy_and_views_are_read_only(thread_servers
         assert writes.count(c._links[0].outbox) == len(SHAPES)     # arrays elsewhere are copied in
         copied = c.pull().result(30).params
         assert all(v.flags.writeable for v in copied.values())
+
+
+BIG = {"big": (400_000,), "b": (33,)}     # 1.6 MB: larger than a new segment, so the first push must grow it
+
+
+def test_full_dev_shm_falls_back_to_frames(thread_servers, monkeypatch):
+    """When /dev/shm cannot hold a segment (posix_fallocate fails: ENOSPC) neither side dies of SIGBUS: the push
+    and the reply go as frames and training gives bitwise the frames result."""
+    import errno
+    import os
+    rng = np.random.default_rng(0)
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in BIG.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in BIG.items()} for _ in range(3)]
+    results = {}
+    for full in (False, True):
+        servers = thread_servers(1, num_workers=1, optimizer="adam:lr=0.01")
+        with connect(servers.addresses, 0, BIG, shm=full) as c:
+            assert c.shm == [full]
+            c.init(init).result(30)
+            if full:
+                def no_space(fd, offset, length):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                monkeypatch.setattr(os, "posix_fallocate", no_space)
+            for g in grads:
+                c.push(g).result(30)
+                results[full] = c.pull().result(30).params
+            if full:
+                assert c._links[0].push_ok is False          # the client stopped offering shm pushes
+        monkeypatch.undo()
+        servers.stop()
+    for k in BIG:
+        np.testing.assert_array_equal(results[True][k], results[False][k])
+
+
+def test_resync_cancels_a_parked_read_and_the_path_keeps_working(thread_servers):
+    """Under BSP a push_pull parked at the gate, then resync(): the parked read is answered with a clear error (not
+    lost), and afterwards reads through shared memory work again."""
+    from ps.errors import ProtocolError
+    servers = thread_servers(1, num_workers=2, policy="bsp", optimizer="sgd:lr=0.1")
+    with connect(servers.addresses, 0, SHAPES) as a, connect(servers.addresses, 1, SHAPES) as b:
+        a.init(tensors(0)).result(30)
+        a.pull().result(30)
+        b.pull().result(30)
+        parked = a.push_pull(tensors(1))                   # waits for worker 1's clock-0 push
+        assert a.resync() == [1]
+        with pytest.raises(ProtocolError, match="registered again"):
+            parked.result(30)
+        b.push(tensors(2)).result(30)
+        r = a.pull().result(30)                            # clock 1 is complete now
+        assert r.versions == [1] and a.shm == [True]
+
+
+def test_reply_direction_is_proven_separately(thread_servers, monkeypatch):
+    """If the client cannot read the token the shard wrote into its reply segment, pushes still go through shared
+    memory and reads come back as frames -- no error, same weights."""
+    real = shm_path.ServerLink.accept_probe.__func__
+
+    def unreadable_reply(cls, shard, worker, meta):
+        link = real(cls, shard, worker, meta)
+        if link is not None:
+            link.reply_probe = dict(link.reply_probe, shm_reply_token="0" * 32)   # a token the client won't see
+        return link
+    monkeypatch.setattr(shm_path.ServerLink, "accept_probe", classmethod(unreadable_reply))
+    servers = thread_servers(1, num_workers=1)
+    params, _ = train(servers.addresses, shm=True, fused=True, steps=5)
+    with connect(servers.addresses, 0, SHAPES) as c:
+        assert (c._links[0].push_ok, c._links[0].pull_ok) == (True, False)
+    monkeypatch.undo()
+    ref = thread_servers(1, num_workers=1)
+    want, _ = train(ref.addresses, shm=False, fused=True, steps=5)
+    for k in SHAPES:
+        np.testing.assert_array_equal(params[k], want[k])
+
+
+def test_closed_clients_leave_no_link_on_the_shard(thread_servers):
+    """A client's close() unregisters it: after five connect/close cycles the shard holds no link or
+    registration for them (their mappings would otherwise stay pinned until the shard exits)."""
+    import time
+    servers = thread_servers(1, num_workers=1)
+    shard = servers.servers[0]
+    for _ in range(5):
+        with connect(servers.addresses, 0, SHAPES) as c:
+            assert c.shm == [True]
+    deadline = time.monotonic() + 5
+    while (shard.links or shard.registered) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert shard.links == {} and shard.registered == {}
