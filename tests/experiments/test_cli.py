@@ -146,46 +146,42 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_torchrun_gives_each_process_its_role(tmp_path):
-    """Under torchrun (RANK/WORLD_SIZE/MASTER_* set) `pslab run` does not spawn workers: the 2 torchrun processes
-    are the 2 all-reduce workers, and rank 0 writes one run directory with both workers' updates."""
+def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
+    """`torchrun --nproc_per_node=N -m experiments.cli run CFG` on a free local port; returns the run directory."""
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "allreduce"\nworkers = 7\nsteps = 3\n'
-                   'timeout_s = 60\n')
+    cfg.write_text(toml)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     torchrun = Path(sys.executable).parent / "torchrun"
-    r = subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={port}", "-m", "experiments.cli", "run",
-                        str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=110)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "experiments.cli",
+                        "run", str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp_path / "runs" / label
+
+
+def test_torchrun_gives_each_process_its_role(tmp_path):
+    """Under torchrun (RANK/WORLD_SIZE/MASTER_* set) `pslab run` does not spawn workers: the 2 torchrun processes
+    are the 2 all-reduce workers, and rank 0 writes one run directory with both workers' updates."""
+    run = torchrun_pslab(tmp_path, 2, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "allreduce"\n'
+                                      'workers = 7\nsteps = 3\ntimeout_s = 60\n', "allreduce")
     from experiments.metrics import read_jsonl
-    ups = read_jsonl(tmp_path / "runs" / "allreduce" / "metrics.jsonl")
+    ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]
 
 
 def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
     """Under torchrun a ps-* run needs no spawning either: rank 0 starts the 2 shards and every torchrun process is a
     PS worker; rank 0 writes one run directory with all 3 workers' updates, BSP staleness 0 throughout."""
-    cfg = tmp_path / "c.toml"
-    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-bsp"\nworkers = 5\nsteps = 4\n'
-                   'shards = 2\neval_every = 100\ntimeout_s = 60\n')
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    torchrun = Path(sys.executable).parent / "torchrun"
-    r = subprocess.run([str(torchrun), "--nproc_per_node=3", f"--master_port={port}", "-m", "experiments.cli", "run",
-                        str(cfg), "--out", str(tmp_path / "runs"), "--label", "psrole", "-q"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=110)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run = torchrun_pslab(tmp_path, 3, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-bsp"\n'
+                                      'workers = 5\nsteps = 4\nshards = 2\neval_every = 100\ntimeout_s = 60\n', "psrole")
     from experiments.metrics import read_jsonl
-    ups = read_jsonl(tmp_path / "runs" / "psrole" / "metrics.jsonl")
+    ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(3) for t in range(4)]
     assert [u["staleness"] for u in ups] == [0] * 12
-    summary = json.loads((tmp_path / "runs" / "psrole" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["role"] == "torchrun" and summary["shard_staleness_max"] == 0
 
 
