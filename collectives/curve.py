@@ -55,7 +55,7 @@ def serve_curve(ctx: zmq.Context, sock: zmq.Socket, keys_dir: str) -> object:
     return auth
 
 
-def connect_curve(sock: zmq.Socket, keys_dir: str) -> None:
-    """Make `sock` (before connect) a CURVE client of a server holding the same cluster key pair."""
-    pub, sec = load_keys(keys_dir)
+def connect_curve(sock: zmq.Socket, keys: tuple[bytes, bytes]) -> None:
+    """Make `sock` (before connect) a CURVE client of a server holding the same cluster key pair (`load_keys`)."""
+    pub, sec = keys
     sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, pub

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .curve import is_loopback
 from .errors import RendezvousError
 from .group import ProcessGroup
 from .transport import CurveKeys, Transport
@@ -63,7 +64,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
         return group
     from .zmq_group import ZmqGroup
     curve = CurveKeys(curve_keys_dir) if curve_keys_dir else None
-    if bind_host not in ("127.0.0.1", "localhost", "::1") and curve is None:
+    if not is_loopback(bind_host) and curve is None:
         raise RendezvousError(f"binding to {bind_host} exposes the group beyond this host: pass curve_keys_dir= "
                               "to encrypt and authenticate (see collectives.curve.generate_keys)")
     tr = Transport(rank, world_size, dist.PrefixStore(store_prefix, store), timeout=timeout, bind_host=bind_host,

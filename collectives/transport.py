@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from . import shm, wire
+from .curve import connect_curve, load_keys, serve_curve
 from .errors import PeerTimeoutError, RendezvousError, WireError
 
 Key = tuple
@@ -60,19 +61,14 @@ class Transport:
         self._same_host: dict[int, bool] = {}
         self._outbox: dict[int, shm.Outbox] = {}
         self._inbox = shm.Inbox()
-        self._curve = _load_curve(curve) if curve else None
+        self._curve = load_keys(curve.keys_dir) if curve else None
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.socket_buffer = 4 << 20  # kernel socket buffers: fewer wake-ups per large message
         self.pull.setsockopt(zmq.RCVBUF, self.socket_buffer)
-        if self._curve:
-            from zmq.auth.thread import ThreadAuthenticator
-            self._auth = ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=curve.keys_dir)
-            pub, sec = self._curve
-            self.pull.curve_secretkey, self.pull.curve_publickey, self.pull.curve_server = sec, pub, True
+        if curve:
+            self._auth = serve_curve(self.ctx, self.pull, curve.keys_dir)
         self.ipc_dir = None
         endpoints = []
         if use_ipc and hasattr(zmq, "IPC_PATH_MAX_LEN"):
@@ -109,8 +105,7 @@ class Transport:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.SNDBUF, self.socket_buffer)
             if self._curve:
-                pub, sec = self._curve
-                sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = sec, pub, pub
+                connect_curve(sock, self._curve)
             sock.connect(ep)
             self._push[dst] = sock
         return sock
@@ -225,11 +220,6 @@ class Transport:
                 os.rmdir(self.ipc_dir)
             except OSError:
                 pass
-
-
-def _load_curve(curve: CurveKeys) -> tuple[bytes, bytes]:
-    from .curve import load_keys
-    return load_keys(curve.keys_dir)
 
 
 def host_identity() -> str:

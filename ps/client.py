@@ -30,11 +30,12 @@ import numpy as np
 import torch
 import zmq
 
-from collectives.curve import connect_curve
+from collectives.curve import connect_curve, load_keys
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
 from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
+from .futures import LazyFuture, gather, mapped, metas
 from .partition import Partition, make_partition
 from . import shm_path
 from .protocol import CLIENT_LIMITS
@@ -87,11 +88,12 @@ class PSClient:
         self._lock = threading.RLock()
         self._closed = False
         self._socks: list[zmq.Socket] = []
+        keys = load_keys(curve_keys_dir) if curve_keys_dir else None
         for a in self.addresses:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            if curve_keys_dir:
-                connect_curve(sock, curve_keys_dir)
+            if keys is not None:
+                connect_curve(sock, keys)
             sock.connect(a)
             self._socks.append(sock)
         self._poller = zmq.Poller()
@@ -132,7 +134,7 @@ class PSClient:
                  timeout: float | None = None) -> Future:
         if self._closed:
             raise PSError("this client is closed; call ps.connect again")
-        fut = _LazyFuture(self._drive)
+        fut = LazyFuture(self._drive)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             seq = next(self._seq)
@@ -164,12 +166,12 @@ class PSClient:
         futs = [self._request(i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
                               None if per_shard is None else per_shard[i][1], timeout)
                 for i in range(len(self.addresses))]
-        return _gather(futs)
+        return gather(futs)
 
     def init(self, params: Mapping[str, Any]) -> Future:
         """Initialise every shard with this worker's values (the owner; later inits are ignored by the shards)."""
         per = [({"worker": self.worker}, self._split(params, i)) for i in range(len(self.addresses))]
-        return _metas(self._all("init", per_shard=per))
+        return metas(self._all("init", per_shard=per))
 
     def pull(self, timeout: float | None = None, copy: bool = True) -> Future:
         """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate).
@@ -180,58 +182,36 @@ class PSClient:
         straight into the model's parameters."""
         per = [({"clock": self.clocks[i], "_copy": copy}, None) for i in range(len(self.addresses))]
         fut = self._all("pull", per_shard=per, timeout=timeout)
-        out: Future = _derived(fut)
-
-        def done(f: Future) -> None:
-            try:
-                replies = f.result()
-                for i, (meta, _) in enumerate(replies):
-                    self.versions[i] = int(meta["version"])
-                    self.clocks[i] = max(self.clocks[i], int(meta["clock"]))
-                out.set_result(PullResult(self._assemble([t for _, t in replies], copy),
-                                          [int(m["version"]) for m, _ in replies],
-                                          [int(m["clock"]) for m, _ in replies]))
-            except BaseException as e:
-                out.set_exception(e)
-        fut.add_done_callback(done)
-        return out
+        return mapped(fut, lambda replies: self._adopt_read([m for m, _ in replies], replies, copy))
 
     def push(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
         """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock.
         The gradient tensors are sent zero-copy: do not modify them until the future is done. If a push fails,
         call `resync()` to adopt the shards' clocks again."""
-        pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
-        per = [({"clock": self.clocks[i], "version": self.versions[i]}, pieces[i]) for i in range(len(pieces))]
-        for i in range(len(self.addresses)):
-            self.clocks[i] += 1
-        return _metas(self._all("push", per_shard=per, timeout=timeout))
+        return metas(self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout))
 
     def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None, copy: bool = True) -> Future:
         """Push, then read at the new clock, in one round trip per shard (the shard answers once its gate lets
         the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull(copy=copy)`."""
-        pieces = [self._split(grads, i) for i in range(len(self.addresses))]
-        per = [({"clock": self.clocks[i], "version": self.versions[i], "pull": True, "_copy": copy}, pieces[i])
-               for i in range(len(pieces))]
+        fut = self._all("push", per_shard=self._stamp(grads, {"pull": True, "_copy": copy}), timeout=timeout)
+        return mapped(fut, lambda replies: ([m for m, _ in replies],
+                                             self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
+
+    def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
+        """Per-shard push requests stamped with this worker's clock and read version; advances the clocks."""
+        pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
+        per = [(dict(extra, clock=self.clocks[i], version=self.versions[i]), pieces[i]) for i in range(len(pieces))]
         for i in range(len(self.addresses)):
             self.clocks[i] += 1
-        fut = self._all("push", per_shard=per, timeout=timeout)
-        out: Future = _derived(fut)
+        return per
 
-        def done(f: Future) -> None:
-            try:
-                replies = f.result()
-                reads = [m["read"] for m, _ in replies]
-                for i, r in enumerate(reads):
-                    self.versions[i] = int(r["version"])
-                    self.clocks[i] = max(self.clocks[i], int(r["clock"]))
-                out.set_result(([m for m, _ in replies],
-                                PullResult(self._assemble([t for _, t in replies], copy),
-                                           [int(r["version"]) for r in reads],
-                                           [int(r["clock"]) for r in reads])))
-            except BaseException as e:
-                out.set_exception(e)
-        fut.add_done_callback(done)
-        return out
+    def _adopt_read(self, reads: list[dict[str, Any]], replies: list[tuple[Any, Any]], copy: bool) -> PullResult:
+        """Remember each shard's read version and clock; reassemble the values into a PullResult."""
+        for i, r in enumerate(reads):
+            self.versions[i] = int(r["version"])
+            self.clocks[i] = max(self.clocks[i], int(r["clock"]))
+        return PullResult(self._assemble([t for _, t in replies], copy), [int(r["version"]) for r in reads],
+                          [int(r["clock"]) for r in reads])
 
     def grad_buffers(self) -> dict[str, np.ndarray]:
         """Writable arrays shaped like the parameters to compute gradients into (e.g. `p.grad =
@@ -253,7 +233,7 @@ class PSClient:
     def stats(self, series: bool = False) -> Future:
         """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters];
         `series=True` adds the per-update time series [[now, worker, tau, version], ...]."""
-        return _metas(self._all("stats", {"series": bool(series)}))
+        return metas(self._all("stats", {"series": bool(series)}))
 
     def resync(self) -> list[int]:
         """Re-register and adopt each shard's clock and version for this worker (after an error or a shard
@@ -263,10 +243,10 @@ class PSClient:
 
     def checkpoint(self) -> Future:
         """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""
-        return _metas(self._all("checkpoint"))
+        return metas(self._all("checkpoint"))
 
     def ping(self) -> Future:
-        return _metas(self._all("ping"))
+        return metas(self._all("ping"))
 
     def shutdown_servers(self, timeout: float = 10.0) -> None:
         """Ask every shard to checkpoint (if configured) and exit."""
@@ -382,29 +362,6 @@ class PSClient:
         self.close()
 
 
-class _LazyFuture(Future):
-    """A Future whose result()/exception() drive the client's receive loop (no background thread)."""
-
-    def __init__(self, driver: Any) -> None:
-        super().__init__()
-        self._driver = driver
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            self._driver(self, timeout)
-        return super().result(timeout=0 if timeout is not None or self.done() else None)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.done():
-            self._driver(self, timeout)
-        return super().exception(timeout=0 if timeout is not None or self.done() else None)
-
-
-def _derived(fut: Future) -> Future:
-    """A new lazy future driven by the same client as `fut`."""
-    return _LazyFuture(lambda f, timeout: fut.exception(timeout) and None)
-
-
 def _np_dtype(v: Any) -> np.dtype | None:
     """The numpy dtype of a tensor/array (float32 for a bare shape); None for dtypes numpy lacks (bfloat16)."""
     dt = getattr(v, "dtype", np.float32)
@@ -418,57 +375,6 @@ def _np_dtype(v: Any) -> np.dtype | None:
 
 def _shape(v: Any) -> tuple[int, ...]:
     return tuple(v.shape) if hasattr(v, "shape") else tuple(v)
-
-
-def _chain(f: Future, out: Future, fn: Any) -> None:
-    try:
-        out.set_result(fn(f.result()))
-    except BaseException as e:
-        out.set_exception(e)
-
-
-def _metas(fut: Future) -> Future:
-    out: Future = _derived(fut)
-    fut.add_done_callback(lambda f: _chain(f, out, lambda r: [m for m, _ in r]))
-    return out
-
-
-def _gather(futs: list[Future]) -> Future:
-    """One future for all shards' replies; waiting on it waits on each shard's future in turn."""
-
-    def drive(_: Future, timeout: float | None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
-        for f in futs:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            try:
-                f.exception(left)
-            except TimeoutError:
-                return
-            if out.done():
-                return
-    out: Future = _LazyFuture(drive)
-    remaining = [len(futs)]
-    lock = threading.Lock()
-
-    def done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if out.done():
-            return
-        for f in futs:
-            if f.done() and f.exception() is not None:
-                with lock:
-                    if not out.done():
-                        out.set_exception(f.exception())
-                return
-        if last:
-            with lock:
-                if not out.done():
-                    out.set_result([f.result() for f in futs])
-    for f in futs:
-        f.add_done_callback(done)
-    return out
 
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,

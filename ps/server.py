@@ -279,9 +279,13 @@ class ShardServer:
             raise ProtocolError("pull carries no tensors")
         if self.state is not None:
             self.state._check_clock(worker, clock, "pull")
-        p = _Parked(identity, msg.seq, worker, clock, now, msg.meta.get("shm_reply") is True and identity in self.links)
+        p = _Parked(identity, msg.seq, worker, clock, now, self._shm_reply(identity, msg.meta))
         if not self._try_pull(p, now):
             self.parked.append(p)
+
+    def _shm_reply(self, identity: bytes, meta: Any) -> bool:
+        """A read asked to be answered through shared memory, and this connection negotiated it."""
+        return meta.get("shm_reply") is True and identity in self.links
 
     def _try_pull(self, p: _Parked, now: float) -> bool:
         st = self.state
@@ -377,7 +381,7 @@ class ShardServer:
                "staleness": [list(x) for x in res.staleness]}
         if msg.meta.get("pull") is True:                   # push_pull: read at the new clock, then answer once
             p = _Parked(identity, msg.seq, worker, self.state.clocks[worker], now,
-                        msg.meta.get("shm_reply") is True and identity in self.links, ack)
+                        self._shm_reply(identity, msg.meta), ack)
             if not self._try_pull(p, now):
                 self.parked.append(p)
         else:

@@ -52,11 +52,12 @@ def wanted(address: str) -> bool:
     return local and shm.available()
 
 
-def _layout(tensors: Mapping[str, Any]) -> tuple[list[tuple[str, int]], int]:
+def _layout(nbytes: Mapping[str, int]) -> tuple[list[tuple[str, int]], int]:
+    """(key, offset) for tensors of these sizes laid out in order, each on a cache line; and the total."""
     offs, pos = [], 0
-    for k, t in tensors.items():
+    for k, n in nbytes.items():
         offs.append((k, pos))
-        pos += -(-(int(t.nbytes)) // ALIGN) * ALIGN
+        pos += -(-int(n) // ALIGN) * ALIGN
     return offs, pos
 
 
@@ -71,7 +72,7 @@ def _as_torch(a: Any) -> torch.Tensor:
 def write(box: shm.Outbox, tensors: Mapping[str, Any]) -> list[list[Any]]:
     """Copy `tensors` into `box` (growing it if needed) and return their [key, descriptor] list for the header.
     A tensor that already lies at its place in the segment (a `ClientLink.buffers` view) is not copied."""
-    offs, total = _layout(tensors)
+    offs, total = _layout({k: t.nbytes for k, t in tensors.items()})
     box.reserve(max(total, 1))
     base = box.bytes.data_ptr() if box.bytes is not None else -1
     out = []
@@ -96,13 +97,6 @@ def read(box: shm.Inbox, src: int, entries: Any) -> dict[str, torch.Tensor]:
             raise WireError(f"shm entries name tensor {e[0]!r:.60} twice")
         out[e[0]] = box.view(src, e[1])
     return out
-
-
-class _Spec:
-    """Stands in for a tensor of `nbytes` when laying out a segment."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
 
 
 class ClientLink:
@@ -159,15 +153,15 @@ class ClientLink:
         copied like any other array)."""
         if not self.push_ok or self.outbox is None:
             return {}
-        fake = {k: _Spec(int(np.prod(shape)) * np.dtype(dt).itemsize) for k, (shape, dt) in specs.items()}
-        offs, total = _layout(fake)
+        sizes = {k: int(np.prod(shape)) * np.dtype(dt).itemsize for k, (shape, dt) in specs.items()}
+        offs, total = _layout(sizes)
         try:
             self.outbox.reserve(max(total, 1))
         except OSError:                                     # /dev/shm full: pushes go as frames
             self.push_ok = False
             return {}
         raw = self.outbox.bytes.numpy()
-        return {k: raw[off:off + fake[k].nbytes].view(specs[k][1]) for k, off in offs}
+        return {k: raw[off:off + sizes[k]].view(specs[k][1]) for k, off in offs}
 
     def take_push(self, seq: int, tensors: Mapping[str, Any]) -> list[list[Any]] | None:
         """Write a push's tensors into the segment if the path is free; returns the header entries or None."""
