@@ -1,0 +1,44 @@
+"""pslab's experiments layer: the `pslab` command, workloads, the one training loop, the simulator, studies, results.
+
+Where is X? (paths from here)
+
+    cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench
+    config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate], validation
+    errors.py                       ExperimentError / ConfigError: one line, exit 1
+    stragglers.py                   the step-time model (per-worker factors, transient slow-downs, random delays)
+    runner.py                       `execute(cfg)`: one run into a run directory (real ranks or the simulator)
+    configs/*.toml                  example configs; compare_default.toml is `pslab compare`'s default workload
+
+    workloads/                      (model factory, dataset, per-worker batch schedule, seed) — identical everywhere
+        data.py, models.py, schedule.py
+
+    strategies/                     real runs: every strategy through ONE loop
+        loop.py                     the training loop every rank runs (the ps-asp worker loop is this one too)
+        build.py                    config -> mesh, engine, sync strategy; `check_layout` for [parallel]
+        spec.py                     strategy strings (ps-ssp:3 ...), the optimizer spec, torch.optim from it
+        local.py                    LocalStrategy: K virtual workers in one process (the reference)
+        ps.py                       PSSyncStrategy: zero-copy push_pull to one shard set per slot group
+        launch.py                   start the shards + launch the ranks on this machine; summary fields
+        roles.py                    under torchrun / SLURM: this process is one rank (multi-host)
+
+    sim/                            virtual time, labelled as simulated
+        ps.py                       discrete-event PS simulator (the real ps.ShardState)
+        network.py                  the simulator's network model (links, latency, bandwidth)
+        allreduce.py                ring all-reduce BSP in virtual time
+        dai.py                      single-process staleness emulator (Dai et al. 2019)
+
+    studies/                        experiments made of many runs
+        compare.py                  `pslab compare`: sync vs async, with and without a straggler
+        sweep.py                    `pslab sweep --knob`: one config key over values and seeds
+        staleness.py                `pslab sweep --preset staleness`: steps-to-target vs s
+
+    results/                        what runs leave behind
+        rundir.py                   run directories, JSON-lines writers, environment capture
+        records.py                  UpdateRecord (the one metrics schema), summaries, staleness assignment
+        bytes.py                    bytes per step by kind, measured next to the formula
+        plots.py, report.py         PNG plots and report.md
+
+    bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP
+
+Imports point down: experiments -> ps / parallelism -> collectives.
+"""

@@ -1,8 +1,9 @@
 """Run configuration: dataclasses, read from TOML (`tomllib`), overridden by `--set section.key=value`.
 
     [workload]    name, batch_size, seed
-    [train]       strategy, workers, steps (per worker), shards, backend, engine, optimizer, lr, momentum, betas,
-                  staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s
+    [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
+                  momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s
+    [parallel]    tp, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (see ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [simulate]    enabled, compute_s, latency_intra_s, latency_inter_s, bandwidth_intra_Bps,
                   bandwidth_inter_Bps, workers_per_host
@@ -19,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import ConfigError
-from experiments.strategies import Strategy, parse_strategy
+from experiments.strategies.spec import Strategy, parse_strategy
 from experiments.stragglers import StragglerConfig
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("zmq", "torch")
-ENGINES = ("none", "data")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
@@ -40,9 +41,7 @@ class TrainConfig:
     workers: int = 4
     steps: int = 100          # clocks (updates) per worker
     shards: int = 1
-    backend: str = "zmq"      # allreduce backend
-    engine: str = "none"      # allreduce: "none" (one flat all-reduce per step) | "data" (parallelism's DDP-style
-                              # engine: bucketed all-reduce overlapped with backward)
+    backend: str = "zmq"      # allreduce backend: zmq | torch
     optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
@@ -54,6 +53,41 @@ class TrainConfig:
     eval_every: int = 20        # evaluate test accuracy every this many global updates
     base_step_s: float = 0.0    # real runs: pad each step's compute to at least this many seconds
     timeout_s: float = 300.0
+
+
+@dataclass
+class ParallelConfig:
+    """How each data-parallel worker's model is split (`parallelism` engines). A run starts
+    train.workers x tp x pp processes: `train.workers` is the data-parallel degree D, each worker a group of tp x pp
+    ranks. Engine choice: zero > 0 -> ZeRO; pp > 1 -> pipeline; tp > 1 -> tensor parallel; else data parallel."""
+
+    tp: int = 1                      # tensor-parallel degree: splits attention heads and MLP width (text-transformer)
+    pp: int = 1                      # pipeline stages: the model's layers cut into pp consecutive stages
+    micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
+    schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
+    zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only)
+    activation_checkpointing: bool = False  # recompute each block in backward (data and pipeline engines)
+    overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
+                                     # (DDP); false: one flat all-reduce after backward
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+    def describe(self) -> str:
+        """A short tag for labels, e.g. "tp=2" or "pp=2/1f1b/m4"; "" for plain data parallelism."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp}/{self.schedule}/m{self.micro_batches}")
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        if self.overlap:
+            parts.append("overlap")
+        return ",".join(parts)
 
 
 @dataclass
@@ -72,6 +106,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
 
     @property
@@ -96,10 +131,6 @@ class RunConfig:
         _positive("train.eval_every", t.eval_every)
         if t.backend not in BACKENDS:
             raise ConfigError(f"train.backend must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
-        if t.engine not in ENGINES:
-            raise ConfigError(f"train.engine must be one of {', '.join(ENGINES)}, got {t.engine!r}")
-        if t.engine != "none" and s.kind != "allreduce":
-            raise ConfigError(f"train.engine = {t.engine!r} works with strategy allreduce, not {s.label}")
         if t.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
         if not t.lr > 0:
@@ -110,6 +141,7 @@ class RunConfig:
             raise ConfigError(f"strategy {s.label}: needs more workers than backups (train.workers = {t.workers})")
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
+        _validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
         m = self.simulate
         for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:
@@ -118,6 +150,45 @@ class RunConfig:
             if not getattr(m, k) > 0:
                 raise ConfigError(f"simulate.{k} must be > 0")
         return self
+
+
+def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulated: bool) -> None:
+    """The rules that need no model; `experiments.strategies.build.check_layout` adds the model's (divisibility,
+    number of layers)."""
+    for key in ("tp", "pp", "micro_batches"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3 (the ZeRO stage), got {p.zero!r}")
+    split = p.tp > 1 or p.pp > 1 or p.zero > 0
+    if simulated and (split or p.overlap or p.activation_checkpointing):
+        raise ConfigError("the simulator models data parallelism only: drop the [parallel] settings "
+                          f"({p.describe()}) or run without --simulate")
+    if s.kind == "local" and (split or p.overlap):
+        raise ConfigError(f"strategy local is one process: parallel.{'tp' if p.tp > 1 else 'pp' if p.pp > 1 else 'zero' if p.zero else 'overlap'} "
+                          "needs strategy allreduce or ps-* (local with activation checkpointing is fine)")
+    if p.zero and not s.kind == "allreduce":
+        raise ConfigError(f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use "
+                          f"train.strategy = allreduce (the parameter server already keeps the optimizer on the shards)")
+    if p.zero and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.zero shards over data parallelism only: set parallel.tp = 1 and parallel.pp = 1")
+    if p.zero and p.activation_checkpointing:
+        raise ConfigError("parallel.activation_checkpointing is not available with parallel.zero; drop one of them")
+    if p.tp > 1 and p.pp > 1:
+        raise ConfigError("parallel.tp and parallel.pp together (3-D layouts) are not supported yet: use one of "
+                          "them, each combinable with train.workers > 1 (dp x tp or dp x pp)")
+    if p.tp > 1 and p.activation_checkpointing:
+        raise ConfigError("parallel.activation_checkpointing works with the data and pipeline engines, not with "
+                          "parallel.tp > 1")
+    if p.overlap and s.kind != "allreduce":
+        raise ConfigError(f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = "
+                          f"allreduce, not {s.label}")
+    if p.overlap and (p.tp > 1 or p.pp > 1 or p.zero):
+        raise ConfigError("parallel.overlap applies to the data-parallel engine (tp = pp = 1, zero = 0)")
+    if p.pp > 1 and p.micro_batches > batch_size:
+        raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds workload.batch_size = {batch_size}: "
+                          "each micro-batch needs at least one example; use fewer micro-batches or a larger batch")
 
 
 def _worker_key(k: Any) -> int:
@@ -164,6 +235,10 @@ def apply(cfg: RunConfig, data: dict[str, Any], where: str = "config") -> RunCon
             raise ConfigError(f"{where}: [{section}] must be a table")
         known = {f.name for f in dataclasses.fields(sub)}
         for key, value in values.items():
+            if section == "train" and key == "engine":
+                raise ConfigError(f"{where}: train.engine was replaced by the [parallel] section: use "
+                                  "parallel.overlap = true for the bucketed, overlapped data-parallel engine "
+                                  "(and parallel.tp / pp / zero for the others)")
             if key not in known:
                 raise ConfigError(f"{where}: unknown key {section}.{key}; keys of [{section}]: {', '.join(sorted(known))}")
             setattr(sub, key, _coerce(f"{section}.{key}", value, getattr(sub, key)))

@@ -1,9 +1,9 @@
-"""Run one config end to end: make the run directory, dispatch to the strategy (or the simulator), show a progress
-bar, merge the per-process metric files, and write summary.json.
+"""Run one config end to end: make the run directory, run it (real ranks through `strategies.launch`, or the
+simulator), show a progress bar, merge the per-process metric files, and write summary.json.
 
-Real multi-process runs go through `collectives.launch` (spawned processes, first failure or timeout kills them all);
-the parameter-server runs also start (and always stop) the shard servers. Ctrl-C ends every process, merges what
-was written, and leaves the run directory without summary.json — marked interrupted in env.json.
+Real runs are the one training loop (`strategies/loop.py`) on every rank; the first failure or the timeout ends
+them all, and parameter-server runs always stop their shards. Ctrl-C ends every process, merges what was written,
+and leaves the run directory without summary.json — marked interrupted in env.json.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from experiments.config import RunConfig
-from experiments.errors import ExperimentError
-from experiments.metrics import RunDir, read_jsonl, summarize
-
-
-# "fork": workers start in milliseconds with torch and the datasets already loaded (the parent only ever runs torch
-# with one thread, so forking is safe); set PSLAB_START_METHOD=spawn to use fresh interpreters instead.
-START_METHOD = os.environ.get("PSLAB_START_METHOD", "fork")
+from experiments.results.records import assign_staleness, summarize
+from experiments.results.rundir import RunDir, read_jsonl
+from experiments.strategies.build import check_layout
+from experiments.strategies.launch import run_ranks, summary_fields
+from experiments.workloads import Workload, get_workload
 
 # Forking while another thread holds a lock copies the lock held into the child. Our only extra thread is the
 # progress poller (tqdm writes to stderr under a lock), so it works under _FORK_LOCK and no fork happens meanwhile.
@@ -73,27 +71,13 @@ def default_label(cfg: RunConfig, simulated: bool) -> str:
     lab = cfg.strategy.label
     if cfg.strategy.kind == "allreduce" and cfg.train.backend != "zmq":
         lab += f"[{cfg.train.backend}]"
-    if cfg.train.engine != "none":
-        lab += f"[{cfg.train.engine} engine]"
+    if cfg.parallel.describe():
+        lab += f"[{cfg.parallel.describe()}]"
     if cfg.stragglers.active:
         lab += " +straggler"
     if simulated:
         lab += " (simulated)"
     return lab
-
-
-def steady_throughput(updates: list[dict[str, Any]]) -> float | None:
-    """Updates per second while every worker is still working: count up to the time the first worker finishes.
-    With a straggler this separates BSP (everyone held to the straggler's pace) from ASP (the others run on)."""
-    applied = [u for u in updates if not u.get("dropped")]
-    if not applied:
-        return None
-    last: dict[int, float] = {}
-    for u in applied:
-        last[u["worker"]] = max(last.get(u["worker"], 0.0), u["time_s"])
-    t_end = min(last.values())
-    n = sum(1 for u in applied if u["time_s"] <= t_end)
-    return n / t_end if t_end > 0 else None
 
 
 def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None, simulate: bool | None = None,
@@ -102,36 +86,34 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     import torch
     torch.set_num_threads(1)  # this process too (and so the forked workers) — the machines here have 2 cores
     sim = cfg.simulate.enabled if simulate is None else simulate
-    _preload(cfg)
     if sim:
         cfg.simulate.enabled = True
-    strategy = cfg.strategy
+        cfg.validate()
+    wl = _preload(cfg)
+    if not sim:
+        check_layout(cfg, wl)
     label = label or default_label(cfg, sim)
     rd = RunDir.create(root, label, cfg, {"label": label, "simulated": sim})
     total = cfg.train.workers * cfg.train.steps
     bar = tqdm(total=total, desc=label[:34].ljust(34), unit="grad", disable=quiet, leave=not quiet)
     extra: dict[str, Any] = {}
+    results: list[Any] = []
     t0 = time.perf_counter()
     ok = False
     try:
         if sim:
-            from experiments.simulator import simulate as run_sim
+            from experiments.sim.ps import simulate as run_sim
             extra = run_sim(cfg, rd, bar.update)
-            elapsed = extra["virtual_time_s"]
-        elif strategy.kind == "local":
-            elapsed = _run_local(cfg, rd, bar.update)
         else:
             with _FilePoller(rd, bar):
-                if strategy.kind == "allreduce":
-                    elapsed = _run_allreduce(cfg, rd)
-                else:
-                    from experiments.ps_run import run_ps
-                    extra = run_ps(cfg, rd)
-                    elapsed = 0.0
+                results = run_ranks(cfg, rd)
+            extra = summary_fields(cfg, results)
         ok = True
     finally:
         rd.merge_parts("metrics")
         rd.merge_parts("eval")
+        if results and cfg.strategy.uses_ps:
+            _fill_staleness(rd, (results[0] or {}).get("series") or [])
         done = _count_lines([rd.metrics_path])       # the poller samples; end the bar on the true count
         if done > bar.n:
             bar.update(done - bar.n)
@@ -144,38 +126,26 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     wall = time.perf_counter() - t0
     updates, evals = read_jsonl(rd.metrics_path), read_jsonl(rd.eval_path)
     if sim:
-        elapsed = max([elapsed] + [u["time_s"] for u in updates])
+        elapsed = max([extra["virtual_time_s"]] + [u["time_s"] for u in updates])
     else:
         elapsed = max([1e-9] + [u["time_s"] for u in updates] + [e["time_s"] for e in evals])
     summary = summarize(updates, evals, elapsed, label, sim)
-    summary.update(strategy=strategy.label, straggler=cfg.stragglers.active, wall_s=wall,
-                   updates_per_s_total=summary["updates_per_s"], updates_per_s=steady_throughput(updates),
-                   dropped=sum(1 for u in updates if u.get("dropped")), **{k: v for k, v in extra.items()})
+    summary.update(strategy=cfg.strategy.label, straggler=cfg.stragglers.active, wall_s=wall, **extra)
     rd.write_summary(summary)
     return rd
 
 
-def _preload(cfg: RunConfig) -> None:
+def _fill_staleness(rd: RunDir, series: list[Any]) -> None:
+    """Staleness of every PS update from the shard's own (worker, tau, version) series (records.py)."""
+    ups = read_jsonl(rd.metrics_path)
+    assign_staleness(ups, series)
+    with open(rd.metrics_path, "w") as f:
+        for u in ups:
+            f.write(json.dumps(u, separators=(",", ":")) + "\n")
+
+
+def _preload(cfg: RunConfig) -> Workload:
     """Load the dataset and the lazily-imported parts of torch (torch.optim pulls in torch._dynamo, seconds on a
     busy machine) once here, so forked workers and servers inherit them instead of each importing them again."""
     import torch._dynamo  # noqa: F401
-    from experiments.workloads import get_workload
-    get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
-
-
-def _run_local(cfg: RunConfig, rd: RunDir, progress: Callable[[int], None]) -> float:
-    from experiments.local import run_local
-    return run_local(cfg, rd, progress)
-
-
-def _run_allreduce(cfg: RunConfig, rd: RunDir) -> float:
-    import collectives
-    from experiments.allreduce_run import allreduce_worker
-    t = time.perf_counter()
-    try:
-        collectives.launch(allreduce_worker, world_size=cfg.train.workers, backend=cfg.train.backend,
-                           args=(cfg.to_dict(), str(rd.path)), timeout=cfg.train.timeout_s,
-                           start_method=START_METHOD)
-    except collectives.LaunchError as e:
-        raise ExperimentError(f"allreduce run failed: {str(e).splitlines()[0]}") from e
-    return time.perf_counter() - t
+    return get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)

@@ -5,10 +5,11 @@
     strategy = AllReduceStrategy(lambda ps: torch.optim.SGD(ps, lr=0.1))   # or a parameter-server strategy
     strategy.attach(replica)
     loss = train_step(replica, strategy, x, y)
+    state = gather_full_state(replica, mesh)    # the full model's parameters on the mesh's rank 0, else None
 
 Files, one idea each:
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
-    mesh.py          dp × pp × tp layout and sub-groups
+    mesh.py          dp × pp × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread
     data.py          bucketed, hook-driven, overlapped gradient all-reduce; no_sync()
     tensor.py        Megatron f/g, column/row-parallel Linear, TP MLP and attention
@@ -16,6 +17,7 @@ Files, one idea each:
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     checkpointing.py activation checkpointing and the saved-activation meter
+    export.py        gather_full_state: the full single-process model reassembled from one replica's ranks
     plot.py          the pipeline timeline picture (`pslab schedule`)
     models.py        small MLP and GPT-style models the engines are tested on
 
@@ -27,6 +29,7 @@ from .comm import Comm, CommLog
 from .data import DataParallel, DataParallelEngine, GradReducer
 from .engine import (AllReduceStrategy, Engine, EngineError, LocalReplica, ParamSlot, Replica, SyncStrategy,
                      train_step)
+from .export import gather_full_state
 from .mesh import DeviceMesh, MeshError, MeshLayout
 from .pipeline import PipelineEngine, PipelineReplica, bubble_fraction
 from .schedule import Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b, simulate
@@ -38,7 +41,8 @@ from .zero_memory import StateBytes, zero_bytes_per_rank
 __all__ = [
     "ActivationMeter", "CheckpointWrapper", "Comm", "CommLog", "DataParallel", "DataParallelEngine", "GradReducer",
     "AllReduceStrategy", "Engine", "EngineError", "LocalReplica", "ParamSlot", "Replica", "SyncStrategy",
-    "train_step", "DeviceMesh", "MeshError", "MeshLayout", "PipelineEngine", "PipelineReplica", "bubble_fraction",
+    "train_step", "gather_full_state", "DeviceMesh", "MeshError", "MeshLayout", "PipelineEngine", "PipelineReplica",
+    "bubble_fraction",
     "Action", "PipelineSchedule", "ScheduleError", "gpipe", "make_schedule", "one_f_one_b", "simulate",
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelEngine",
     "TensorParallelMLP", "f", "g", "ZeroEngine", "ZeroReplica", "ZeroStrategy", "StateBytes",

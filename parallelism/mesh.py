@@ -6,8 +6,12 @@ Global rank r has coordinates (dp, pp, tp) in row-major order with tp innermost:
 
 so the T ranks of a tensor-parallel group are adjacent (r, r+1, …) — the "TP inside a node" rule: TP talks every
 layer and needs the fastest link; PP only at stage boundaries; DP once per step, so it spans the outer axis.
+
+Group kinds: one per axis (dp, pp, tp: the ranks that differ only in that coordinate) plus "mp", the model-parallel
+group: the P·T ranks that share this rank's dp coordinate, i.e. the ranks that together hold one whole model
+replica (a contiguous run of ranks, [d·P·T, (d+1)·P·T)); `export.py` gathers the full model over it.
 `MeshLayout` is the pure arithmetic; `DeviceMesh` adds the sub-groups (one `new_group` call per group, every rank
-calls all of them in the same order, as torch.distributed requires).
+calls all of them in the same order — dp, pp, tp, then mp — as torch.distributed requires).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collectives import ProcessGroup
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "tp")            # the coordinates (coords / rank_of)
+GROUP_KINDS = AXES + ("mp",)        # the sub-groups a DeviceMesh builds; "mp" = all pp × tp ranks of one dp coord
 
 
 class MeshError(ValueError):
@@ -54,8 +59,11 @@ class MeshLayout:
         return (dp * self.pp + pp) * self.tp + tp
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """All groups along `axis`: ranks that differ only in that coordinate, in coordinate order."""
-        _check_axis(axis)
+        """All groups along `axis`: ranks that differ only in that coordinate, in coordinate order.
+        `axis="mp"` gives `mp_groups()`."""
+        if axis == "mp":
+            return self.mp_groups()
+        _check_axis(axis, GROUP_KINDS)
         others = [ax for ax in AXES if ax != axis]
         out = []
         for fixed in product(*(range(self.size(ax)) for ax in others)):
@@ -63,17 +71,24 @@ class MeshLayout:
             out.append(tuple(self.rank_of(**{**c, axis: i}) for i in range(self.size(axis))))
         return out
 
+    def mp_groups(self) -> list[tuple[int, ...]]:
+        """The model-parallel groups, one per dp coordinate: the ranks with that dp coordinate (every pp × tp
+        coordinate), in rank order — together they hold one whole model replica."""
+        n = self.pp * self.tp
+        return [tuple(range(d * n, (d + 1) * n)) for d in range(self.dp)]
+
     def group_of(self, axis: str, rank: int) -> tuple[int, ...]:
         return next(g for g in self.groups(axis) if rank in g)
 
 
-def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise MeshError(f"unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
+def _check_axis(axis: str, kinds: tuple[str, ...] = AXES) -> None:
+    if axis not in kinds:
+        what = "axes" if kinds is AXES else "group kinds"
+        raise MeshError(f"unknown mesh axis {axis!r}; {what} are {', '.join(kinds)}")
 
 
 class DeviceMesh:
-    """The layout plus this rank's sub-group on each axis. Build it on every rank of `world`."""
+    """The layout plus this rank's sub-group of each kind (dp, pp, tp, mp). Build it on every rank of `world`."""
 
     def __init__(self, world: ProcessGroup, dp: int = 1, pp: int = 1, tp: int = 1) -> None:
         self.layout = MeshLayout(dp, pp, tp)
@@ -84,7 +99,7 @@ class DeviceMesh:
         self.rank = world.rank
         self.coords = self.layout.coords(world.rank)
         self._groups: dict[str, ProcessGroup] = {}
-        for axis in AXES:
+        for axis in GROUP_KINDS:
             for ranks in self.layout.groups(axis):
                 members = tuple(world.ranks[r] for r in ranks)  # group ranks -> global ranks of the world
                 g = world if len(ranks) == world.world_size else world.new_group(list(members))
@@ -92,7 +107,8 @@ class DeviceMesh:
                     self._groups[axis] = g
 
     def group(self, axis: str) -> ProcessGroup:
-        _check_axis(axis)
+        """This rank's sub-group of kind `axis` (dp, pp, tp, or mp: the ranks of this rank's model replica)."""
+        _check_axis(axis, GROUP_KINDS)
         return self._groups[axis]
 
     def size(self, axis: str) -> int:

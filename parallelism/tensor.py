@@ -12,6 +12,11 @@ forward and one backward per block, no communication in between (GeLU acts on a 
 splits heads: qkv is column-parallel (each rank takes its heads' rows of q, k and v), proj is row-parallel.
 Per block of width d, sequence S, batch B: 2 all-reduces of B·S·d activations forward and 2 backward — every layer
 communicates, which is why TP stays on the fastest link (adjacent ranks, `mesh.py`).
+
+Every shard taken by `from_full` records where it came from: `param._tp_index = (dim, LongTensor of indices)` —
+the indices along `dim` of the full tensor it holds (column-parallel weight and bias: dim 0 rows, non-contiguous
+for attention's qkv; row-parallel weight: dim 1 columns; the row-parallel bias is replicated and has none). It is
+an attribute of the Parameter object, so it survives `param.data = …`; `export.py` uses it to reassemble the model.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from .mesh import DeviceMesh
 from .models import MLP, Attention
 
 SHARD_ATTR = "_tp_shard"   # set on parameters that are shards (not replicas) across the tp group
+TP_INDEX_ATTR = "_tp_index"   # (dim, LongTensor): which indices along dim of the full tensor a shard holds
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -84,6 +90,17 @@ def _shard(t: torch.Tensor) -> nn.Parameter:
     return p
 
 
+def _record_index(p: torch.Tensor | None, dim: int, index: torch.Tensor) -> None:
+    """Mark shard `p` as holding `index` along `dim` of the full tensor (see TP_INDEX_ATTR)."""
+    if p is not None:
+        setattr(p, TP_INDEX_ATTR, (dim, index.detach().clone().to(torch.long)))
+
+
+def tp_index(p: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(dim, indices of the full tensor) of a tensor-parallel shard built by `from_full`; None for a replica."""
+    return getattr(p, TP_INDEX_ATTR, None)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_t = f(X)·A_t + b_t; the output stays split by columns (no gather)."""
 
@@ -102,7 +119,10 @@ class ColumnParallelLinear(nn.Module):
             a, b = _split(lin.out_features, comm, "out_features")
             rows = torch.arange(a, b)
         bias = lin.bias[rows] if lin.bias is not None else None
-        return cls(lin.weight[rows], bias, comm, site, use_f)
+        out = cls(lin.weight[rows], bias, comm, site, use_f)
+        _record_index(out.weight, 0, rows)
+        _record_index(out.bias, 0, rows)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_f:
@@ -122,10 +142,13 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, lin: nn.Linear, comm: Comm, cols: torch.Tensor | None = None,
                   site: str = "") -> RowParallelLinear:
+        """Take this rank's input columns of `lin` (contiguous chunk, or the given column indices); bias replicated."""
         if cols is None:
             a, b = _split(lin.in_features, comm, "in_features")
             cols = torch.arange(a, b)
-        return cls(lin.weight[:, cols], lin.bias, comm, site)
+        out = cls(lin.weight[:, cols], lin.bias, comm, site)
+        _record_index(out.weight, 1, cols)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = g(F.linear(x, self.weight), self.comm, self.site)

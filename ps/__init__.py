@@ -34,7 +34,8 @@ Optimizers (ps.optim), state lives on the shard::
     OptimizerSpec(name="sgd"|"momentum"|"adam", lr=0.01, momentum=0.9, betas=(0.9, 0.999), eps=1e-8,
                   weight_decay=0.0, nesterov=False, staleness_lr=False, dc_lambda=None, dc_adaptive=False,
                   dc_decay=0.95)                      # dc_lambda=None: no DC-ASGD; 0.0 runs DC with lambda 0
-    optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec;  spec.to_string() is the inverse
+    optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec (an OptimizerSpec passes through)
+    spec.to_string() -> "adam:lr=0.001,staleness_lr=1"   # the inverse: name, lr and the non-default options
 
 Partitioning (ps.partition), a pure function of (names, shapes, num_shards)::
 
@@ -43,10 +44,22 @@ Partitioning (ps.partition), a pure function of (names, shapes, num_shards)::
 
 Server and client::
 
-    servers = start_servers(num_shards=2, num_workers=4, policy="asp", optimizer="sgd:lr=0.1",
-                            checkpoint_dir=None, checkpoint_every=0)       # spawned processes; .addresses, .stop()
-    serve(ServerConfig(bind="tcp://127.0.0.1:0", shard_id=0, num_workers=1, policy="asp", optimizer="sgd:lr=0.01",
-                       checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0, idle_timeout=0.0),
+    servers = start_servers(num_shards=1, num_workers=1, policy="asp", optimizer="sgd:lr=0.01",  # or OptimizerSpec
+                            *, groups=1, start_method="spawn" | "fork", bind_host="127.0.0.1", curve_keys_dir=None,
+                            transport="tcp" | "ipc", checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0,
+                            idle_timeout=600.0, start_timeout=60.0) -> ServerGroup
+        # `groups` independent shard sets ("slot groups": one per pipeline stage x tp coordinate), each of num_shards
+        # shards serving num_workers workers; all start in parallel; a failure stops all and raises PSError
+        # ("shard 1 of slot group 0 failed to start: ..."). Shards ignore SIGINT, exit on SIGTERM, run 1 torch thread.
+        # checkpoint_dir/shard-<i> (g<g>-shard-<i> with groups > 1). Beyond loopback needs curve_keys_dir.
+    servers.group_addresses[g]              # group g's shard addresses, in shard order (what connect takes)
+    servers.addresses                       # flat, group-major; with groups=1 == group_addresses[0]
+    servers.kill(shard, sig=SIGKILL, group=0) / .alive(shard, group=0) / .start(shard, group=0) -> new address
+    servers.processes, servers.configs[g][i], servers.stop()            # also a context manager
+    serve(ServerConfig(bind="tcp://127.0.0.1:0", shard_id=0, num_workers=1, policy="asp",
+                       optimizer="sgd:lr=0.01",    # OptimizerSpec | str, held as an OptimizerSpec (cfg.spec typed)
+                       checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0, idle_timeout=0.0,
+                       curve_keys_dir=None),
           ready=lambda address: ...)                                      # blocking loop (`pslab server ...`)
     client = connect(servers.addresses, worker=0, params=model_state)     # params: {name: tensor or shape}
     client.init(model_state).result()       # exactly one owner initialises; the others' pulls wait for it
@@ -80,7 +93,7 @@ _LAZY = {
     "OptimizerSpec": "optim", "optimizer_from_string": "optim",
     "Partition": "partition", "Slice": "partition", "make_partition": "partition",
     "StalenessStats": "staleness",
-    "ServerConfig": "server", "serve": "server", "start_servers": "processes", "ServerGroup": "processes",
+    "ServerConfig": "config", "serve": "server", "start_servers": "processes", "ServerGroup": "processes",
     "PSClient": "client", "connect": "client",
 }
 

@@ -68,10 +68,12 @@ class OptimizerSpec:
         return d
 
     def to_string(self) -> str:
-        """The `optimizer_from_string` form, e.g. "adam:lr=0.001,...,staleness_lr=1" (configs travel as text)."""
+        """The shortest `optimizer_from_string` form: the name, lr, and every option that differs from its default,
+        e.g. "adam:lr=0.001" or "sgd:lr=0.1,staleness_lr=1"; `optimizer_from_string(s.to_string()) == s`."""
         parts = []
+        defaults = OptimizerSpec().to_dict()
         for k, v in self.to_dict().items():
-            if k == "name" or v is None:
+            if k == "name" or v is None or (k != "lr" and v == defaults[k]):
                 continue
             if k == "betas":
                 v = "/".join(str(b) for b in v)

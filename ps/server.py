@@ -1,4 +1,5 @@
-"""One shard's server: a ZeroMQ ROUTER loop around a `ShardState`, plus helpers to start shards as processes.
+"""One shard's server: a ZeroMQ ROUTER loop around a `ShardState` (its `ServerConfig` lives in ps.config, shard
+processes in ps.processes; both stay importable from here).
 
 The loop is single-threaded: receive -> validate (wire limits, op, registration, seq, fields) -> act on the
 ShardState -> reply. A pull that the consistency gate (or a missing init) holds back is parked and retried after
@@ -15,53 +16,18 @@ from typing import Any, Callable
 
 import zmq
 
-from collectives.curve import is_loopback, serve_curve
+from collectives.curve import serve_curve
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
 from .checkpoint import latest_checkpoint, save_checkpoint
-from .consistency import policy_from_string
-from .errors import (CheckpointError, ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError,
-                     ProtocolError, PSError)
-from .optim import OptimizerSpec, optimizer_from_string
+from .config import ServerConfig
+from .errors import ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError, ProtocolError, PSError
 from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
 from .shard import ShardState
 from .shm_path import ServerLink
 
 log = logging.getLogger("ps.server")
-
-
-@dataclass
-class ServerConfig:
-    """Everything a shard server needs; `bind` may end in ":0" (tcp) to pick a free port."""
-
-    bind: str = "tcp://127.0.0.1:0"
-    shard_id: int = 0
-    num_workers: int = 1
-    policy: str = "asp"
-    optimizer: str = "sgd:lr=0.01"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0             # versions between automatic checkpoints (0: only on demand)
-    request_timeout: float = 120.0        # longest a pull may wait on the gate (0: forever)
-    idle_timeout: float = 0.0             # exit after this many seconds without any message (0: never)
-    max_message_bytes: int = 1 << 31
-    shm: bool = True                      # offer same-host clients the shared-memory payload path (shm_path.py)
-    curve_keys_dir: str | None = None     # CURVE encryption + authentication (required to bind beyond loopback)
-
-    def validate(self) -> None:
-        policy_from_string(self.policy)
-        optimizer_from_string(self.optimizer)
-        if not (self.bind.startswith("tcp://") or self.bind.startswith("ipc://")):
-            raise ConfigError(f"bind address {self.bind!r} must start with tcp:// or ipc://")
-        if self.num_workers < 1 or self.shard_id < 0 or self.checkpoint_every < 0:
-            raise ConfigError("num_workers must be >= 1, shard_id >= 0 and checkpoint_every >= 0")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ConfigError("checkpoint_every needs checkpoint_dir")
-        host = self.bind[len("tcp://"):].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
-        if not is_loopback(host) and not self.curve_keys_dir:
-            raise ConfigError(f"binding to {self.bind} exposes the shard beyond this host: give curve_keys_dir "
-                              "(--curve-keys DIR; make one with collectives.curve.generate_keys and copy it to every "
-                              "host), or bind to 127.0.0.1")
 
 
 @dataclass
@@ -103,17 +69,7 @@ class ShardServer:
             found = latest_checkpoint(config.checkpoint_dir)
             if found is not None:
                 path, tensors, meta = found
-                if meta.get("shard_id") != config.shard_id or meta.get("num_workers") != config.num_workers:
-                    raise CheckpointError(f"checkpoint {path} is for shard {meta.get('shard_id')} with "
-                                          f"{meta.get('num_workers')} workers, not shard {config.shard_id} with "
-                                          f"{config.num_workers}; use another checkpoint directory")
-                if str(policy_from_string(config.policy)) != meta.get("policy"):
-                    raise CheckpointError(f"checkpoint {path} was written under policy {meta.get('policy')}, but this "
-                                          f"server runs {config.policy}; use the same policy or another directory")
-                if optimizer_from_string(config.optimizer).to_dict() != meta["optimizer"]["spec"]:
-                    raise CheckpointError(f"checkpoint {path} was written with optimizer "
-                                          f"{OptimizerSpec.from_dict(meta['optimizer']['spec']).to_string()}, but this "
-                                          f"server runs {config.optimizer}; use the same optimizer or another directory")
+                config.check_checkpoint(path, meta)
                 self.state = ShardState.from_state_dict(tensors, meta)
                 self.restored_from = str(path)
                 self._last_ckpt_version = self.state.version
@@ -267,7 +223,7 @@ class ShardServer:
             return
         if not msg.tensors:
             raise ProtocolError("init must carry this shard's parameters")
-        self.state = ShardState(dict(msg.tensors), self.config.optimizer, self.config.policy,
+        self.state = ShardState(dict(msg.tensors), self.config.spec, self.config.policy,
                                 self.config.num_workers, shard_id=self.config.shard_id)
         self._send(identity, "ok", msg.seq, {"initialized": True, "version": 0})
         self._retry_parked(now)
@@ -434,7 +390,7 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None,
 
 def __getattr__(name: str) -> Any:
     """`from ps.server import start_servers` keeps working: process management lives in ps.processes."""
-    if name in ("start_servers", "ServerGroup", "_opt_str"):
+    if name in ("start_servers", "ServerGroup"):
         from . import processes
         return getattr(processes, name)
     raise AttributeError(f"module 'ps.server' has no attribute {name!r}")

@@ -21,9 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.compare import DEFAULT_STRATEGIES, default_config, run_compare
-    from experiments.report import summary_table
-    from experiments.strategies import parse_strategy
+    from experiments.studies.compare import DEFAULT_STRATEGIES, default_config, run_compare
+    from experiments.results.report import summary_table
+    from experiments.strategies.spec import parse_strategy
     cfg = default_config(args.config, args.overrides)
     strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else DEFAULT_STRATEGIES
     for s in strategies:

@@ -32,8 +32,8 @@ def find_runs(paths: list[str]) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.metrics import RunDir
-    from experiments.report import summary_table, write_report
+    from experiments.results.rundir import RunDir
+    from experiments.results.report import summary_table, write_report
     runs = [RunDir(p).load() for p in find_runs(args.runs)]
     out = Path(args.out or "report")
     report = write_report(runs, out, args.title)

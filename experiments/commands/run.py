@@ -18,12 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from experiments.config import load_config
-    from experiments.env_role import from_environment
+    from experiments.strategies.roles import from_environment
     from experiments.runner import execute
     cfg = load_config(args.config, args.overrides)
     role = from_environment()
     if role is not None and not args.simulate:
-        from experiments.env_role import run_with_role
+        from experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
     rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet)
     s = json.loads((rd.path / "summary.json").read_text())

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     address = server.bind()
     restored = f", resumed from {server.restored_from} (version {server.state.version})" if server.restored_from else ""
     print(f"pslab server: shard {cfg.shard_id} serving {cfg.num_workers} workers on {address} "
-          f"[{cfg.policy}, {cfg.optimizer}]{restored}", flush=True)
+          f"[{cfg.policy}, {cfg.spec.to_string()}]{restored}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--quick applies to --preset staleness only")
     if not args.knob:
         raise ConfigError("pslab sweep needs --knob SECTION.KEY --values A,B,... or --preset staleness")
-    from experiments.compare import default_config
-    from experiments.report import summary_table
-    from experiments.sweep import run_knob_sweep
+    from experiments.studies.compare import default_config
+    from experiments.results.report import summary_table
+    from experiments.studies.sweep import run_knob_sweep
     cfg = default_config(args.config, args.overrides)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
     report, runs = run_knob_sweep(cfg, args.knob, values, seeds, out, args.simulate, args.quiet)
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _staleness(args: argparse.Namespace, out: Path, seeds: list[int], t0: float) -> int:
     from tqdm import tqdm
-    from experiments.staleness_sweep import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
-    from experiments.compare import default_config
+    from experiments.studies.staleness import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
+    from experiments.studies.compare import default_config
     base = default_config(args.config, args.overrides).train  # e.g. --set train.staleness_lr=true
     spec = SweepSpec(seeds=tuple(seeds), base=base)
     if args.quick:

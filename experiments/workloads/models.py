@@ -5,8 +5,8 @@
   of the staleness sweep.
 - `cnn`: two 3x3 conv layers with max-pooling and a linear head, for 28x28 MNIST.
 - `transformer`: a tiny causal transformer language model (token + position embedding, `layers` pre-norm blocks of
-  multi-head self-attention and a 4x MLP, tied-free linear head); its blocks are a ModuleList so the tensor and
-  pipeline engines can split it.
+  multi-head self-attention and a 4x MLP, linear head) as an nn.Sequential of `parallelism.models` blocks, so the
+  tensor engine can split its heads and MLP width and the pipeline engine can cut it between blocks.
 """
 
 from __future__ import annotations
@@ -70,38 +70,10 @@ def cnn(in_dim: int, num_classes: int, seed: int) -> nn.Module:
     return _init_(SmallCNN(num_classes), seed)
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyTransformerLM(nn.Module):
-    def __init__(self, vocab: int, context: int = 32, dim: int = 32, heads: int = 2, layers: int = 2):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
-
-
-def transformer(in_dim: int, num_classes: int, seed: int) -> nn.Module:
-    """in_dim is the context length (a sample is a window of token ids); num_classes is the vocabulary size."""
-    return _init_(TinyTransformerLM(num_classes, context=in_dim), seed)
+def transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, heads: int = 4, layers: int = 2) -> nn.Module:
+    """A tiny causal transformer LM built from `parallelism.models` blocks: nn.Sequential [Embed, Block x layers,
+    Head], each Block holding an `Attention` (fused qkv, `heads` heads) and an `MLP` (dim -> 4 dim -> dim), so the
+    tensor-parallel engine can split heads and MLP width and the pipeline engine can cut between blocks.
+    in_dim is the context length (a sample is a window of token ids); num_classes is the vocabulary size."""
+    from parallelism.models import tiny_transformer
+    return _init_(tiny_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, seed=seed), seed)

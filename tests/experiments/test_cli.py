@@ -167,7 +167,7 @@ def test_torchrun_gives_each_process_its_role(tmp_path):
     are the 2 all-reduce workers, and rank 0 writes one run directory with both workers' updates."""
     run = torchrun_pslab(tmp_path, 2, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "allreduce"\n'
                                       'workers = 7\nsteps = 3\ntimeout_s = 60\n', "allreduce")
-    from experiments.metrics import read_jsonl
+    from experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]
 
@@ -177,7 +177,7 @@ def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
     PS worker; rank 0 writes one run directory with all 3 workers' updates, BSP staleness 0 throughout."""
     run = torchrun_pslab(tmp_path, 3, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-bsp"\n'
                                       'workers = 5\nsteps = 4\nshards = 2\neval_every = 100\ntimeout_s = 60\n', "psrole")
-    from experiments.metrics import read_jsonl
+    from experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(3) for t in range(4)]
     assert [u["staleness"] for u in ups] == [0] * 12

@@ -8,7 +8,7 @@ import pytest
 
 from experiments.config import load_config, to_toml
 from experiments.errors import ConfigError
-from experiments.strategies import parse_strategy
+from experiments.strategies.spec import parse_strategy
 
 
 def test_toml_file_and_overrides(tmp_path):
@@ -38,8 +38,7 @@ def test_toml_file_and_overrides(tmp_path):
     ("stragglers.factors={\"9\"=2.0}", "out of range"),
     ("stragglers.delay=gamma", "stragglers.delay"),
     ("justtext", "section.key=value"),
-    ("train.engine=data", "works with strategy allreduce"),
-    ("train.engine=pipeline", "train.engine must be one of"),
+    ("train.engine=data", "replaced by the [parallel] section"),
 ])
 def test_bad_values_raise_config_error_naming_the_key(override, fragment):
     """Each invalid value gives a ConfigError whose message says what is wrong."""

@@ -7,8 +7,8 @@ import json
 import torch
 
 from experiments.config import TrainConfig
-from experiments.dai import run_dai
-from experiments.staleness_sweep import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
+from experiments.sim.dai import run_dai
+from experiments.studies.staleness import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
 from experiments.workloads import get_workload
 
 

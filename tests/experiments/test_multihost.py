@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from collectives.curve import generate_keys
-from experiments.metrics import read_jsonl
+from experiments.results.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10

@@ -1,4 +1,4 @@
-"""The real parameter server drives the parallelism engines' replicas (`experiments.ps_strategy.PSSyncStrategy`):
+"""The real parameter server drives the parallelism engines' replicas (`experiments.strategies.ps.PSSyncStrategy`):
 data parallel and pipeline parallel under PS-BSP match single-process training; each pipeline stage's shards hold
 only that stage's parameters; PS-ASP records the exact staleness of every push."""
 
@@ -9,7 +9,7 @@ import torch
 
 import collectives
 import ps
-from experiments.ps_strategy import PSStrategyError, PSSyncStrategy, slot_group, start_slot_group_servers
+from experiments.strategies.ps import PSStrategyError, PSSyncStrategy, slot_group
 from parallelism.data import DataParallelEngine
 from parallelism.engine import train_step
 from parallelism.mesh import DeviceMesh
@@ -54,13 +54,18 @@ def _ps_worker(group, mesh_shape, engine_kind, addresses, ordered):
 
 def _run(mesh_shape, engine_kind, policy, opt, shards_per_group=1, ordered=False):
     dp, pp = mesh_shape.get("dp", 1), mesh_shape.get("pp", 1)
-    servers = start_slot_group_servers(pp, dp, policy, SERVER_OPT[opt], shards_per_group, timeout=TIMEOUT)
+    servers = _servers(pp, dp, policy, SERVER_OPT[opt], shards_per_group)
     with servers:
         out = collectives.launch(_ps_worker, dp * pp, backend="zmq", timeout=TIMEOUT,
-                                 args=(mesh_shape, engine_kind, servers.addresses, ordered))
+                                 args=(mesh_shape, engine_kind, servers.group_addresses, ordered))
         held = [_shard_contents(addrs, {n: w.shape for r in out if r["coords"]["pp"] == g for n, w in
-                                        r["slots"].items()}) for g, addrs in enumerate(servers.addresses)]
+                                        r["slots"].items()}) for g, addrs in enumerate(servers.group_addresses)]
     return out, held
+
+
+def _servers(groups, workers, policy, optimizer, shards=1):
+    return ps.start_servers(shards, workers, policy, optimizer, groups=groups, start_method="fork",
+                            request_timeout=TIMEOUT, idle_timeout=TIMEOUT)
 
 
 def _shard_contents(addresses, shapes):
@@ -184,6 +189,6 @@ def _mismatch_worker(group, addresses):
 def test_attach_rejects_shards_sized_for_another_dp_group():
     """Shards started for 1 worker cannot serve a dp=2 group: attach raises PSStrategyError saying to start one
     shard set per slot group with num_workers = dp size (instead of hanging at the BSP gate or mis-averaging)."""
-    with start_slot_group_servers(1, 1, "bsp", SERVER_OPT["sgd"], timeout=TIMEOUT) as servers:
-        out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, args=(servers.addresses[0],))
+    with _servers(1, 1, "bsp", SERVER_OPT["sgd"]) as servers:
+        out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, args=(servers.group_addresses[0],))
     assert all(msg is not None and "num_workers = dp size" in msg for msg in out), out

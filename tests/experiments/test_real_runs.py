@@ -1,5 +1,5 @@
 """Real multi-process runs (forked workers, ZeroMQ on 127.0.0.1): every strategy consumes exactly the same batches,
-and BSP — all-reduce (zmq and torch backends, flat or through parallelism's data-parallel engine) or the parameter
+and BSP — all-reduce (zmq and torch backends, one flat all-reduce or bucketed and overlapped with backward) or the parameter
 server (1 or 2 shards) — reproduces the local large-batch reference."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from experiments.metrics import read_jsonl
+from experiments.results.rundir import read_jsonl
 from experiments.runner import execute
 from tests.experiments.conftest import small_config
 
-STRATEGIES = ["local", "allreduce", "allreduce[torch]", "allreduce[data engine]", "ps-bsp", "ps-bsp[2 shards]", "ps-ssp:1", "ps-asp"]
+STRATEGIES = ["local", "allreduce", "allreduce[torch]", "allreduce[overlap]", "ps-bsp", "ps-bsp[2 shards]", "ps-ssp:1", "ps-asp"]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def runs(tmp_path_factory):
         o = ["train.strategy=" + s.split("[")[0]]
         if "[torch]" in s:
             o.append("train.backend=torch")
-        if "[data engine]" in s:
-            o.append("train.engine=data")
+        if "[overlap]" in s:
+            o.append("parallel.overlap=true")
         if "[2 shards]" in s:
             o.append("train.shards=2")
         rd = execute(small_config(*o), root, label=s, quiet=True)
@@ -42,7 +42,7 @@ def test_every_strategy_consumed_exactly_the_same_batches(runs):
         assert got == ref, s
 
 
-@pytest.mark.parametrize("s", ["allreduce", "allreduce[torch]", "allreduce[data engine]", "ps-bsp",
+@pytest.mark.parametrize("s", ["allreduce", "allreduce[torch]", "allreduce[overlap]", "ps-bsp",
                                "ps-bsp[2 shards]"])
 def test_bsp_matches_the_local_large_batch_reference(runs, s):
     """Per-(worker, step) losses and the final test accuracy of BSP equal the local reference's (float32

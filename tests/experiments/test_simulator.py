@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.metrics import RunDir, read_jsonl
-from experiments.runner import execute, steady_throughput
+from experiments.results.rundir import RunDir, read_jsonl
+from experiments.results.records import steady_throughput
+from experiments.runner import execute
 from tests.experiments.conftest import small_config
 
 

@@ -60,13 +60,15 @@ def dp_shard(t: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
     return torch.tensor_split(t, dp_size)[dp_rank]
 
 
-def train_engine(group, engine, factory, batches, mesh_shape: dict[str, int], opt=sgd) -> dict[str, Any]:
-    """Build mesh + replica + AllReduceStrategy; train on the dp shard of each global batch.
+def run_training(group, engine, factory, batches, mesh_shape: dict[str, int], opt=sgd, strategy=None,
+                 on_step=None):
+    """Build mesh + replica + strategy (default AllReduceStrategy(opt)); train on the dp shard of each global batch,
+    calling on_step(mesh, replica) after each step if given.
 
-    Returns the global loss per step (mean over dp), this rank's slots by name, and the engine's bytes by kind."""
+    Returns (mesh, replica, global loss per step — the mean over dp)."""
     mesh = DeviceMesh(group, **mesh_shape)
     replica = engine.build(factory, mesh)
-    strategy = AllReduceStrategy(opt)
+    strategy = strategy if strategy is not None else AllReduceStrategy(opt)
     strategy.attach(replica)
     losses = []
     dp_rank, dp_size = mesh.coord("dp"), mesh.size("dp")
@@ -76,6 +78,16 @@ def train_engine(group, engine, factory, batches, mesh_shape: dict[str, int], op
         t = torch.tensor([loss], dtype=torch.float64)
         mesh.group("dp").all_reduce(t, "avg") if dp_size > 1 else None
         losses.append(float(t[0]))
+        if on_step is not None:
+            on_step(mesh, replica)
+    return mesh, replica, losses
+
+
+def train_engine(group, engine, factory, batches, mesh_shape: dict[str, int], opt=sgd) -> dict[str, Any]:
+    """`run_training` with AllReduceStrategy(opt).
+
+    Returns the global loss per step (mean over dp), this rank's slots by name, and the engine's bytes by kind."""
+    mesh, replica, losses = run_training(group, engine, factory, batches, mesh_shape, opt)
     return plain({"losses": losses, "slots": {s.name: s.param.detach().clone() for s in replica.slots()},
                   "by_kind": replica.log.by_kind(), "by_site": replica.log.by_site(), "coords": mesh.coords})
 

@@ -21,6 +21,16 @@ def test_layout_tp_adjacent_and_groups_partition():
         assert lay.rank_of(**lay.coords(r)) == r
 
 
+def test_layout_mp_groups_are_one_replica_each():
+    """The model-parallel group of dp coordinate d is every (pp, tp) rank of d, in rank order."""
+    lay = MeshLayout(dp=2, pp=2, tp=2)
+    assert lay.mp_groups() == lay.groups("mp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert MeshLayout(dp=3).mp_groups() == [(0,), (1,), (2,)]
+    assert MeshLayout(pp=2, tp=2).mp_groups() == [(0, 1, 2, 3)]
+    for r in range(8):
+        assert {lay.coords(m)["dp"] for m in lay.group_of("mp", r)} == {lay.coords(r)["dp"]}
+
+
 def test_layout_errors():
     """Unknown axes, non-positive sizes and a mesh that does not fit the world raise MeshError with the numbers."""
     with pytest.raises(MeshError, match="unknown mesh axis"):
@@ -39,15 +49,17 @@ def _mesh_worker(group):
     mesh = DeviceMesh(group, dp=2, tp=2)
     t = torch.tensor([float(group.rank)])
     mesh.group("tp").all_reduce(t)          # sums over my tp group only
-    return mesh.coords, mesh.group("tp").ranks, mesh.group("dp").ranks, float(t[0])
+    return mesh.coords, mesh.group("tp").ranks, mesh.group("dp").ranks, float(t[0]), mesh.group("mp").ranks
 
 
 def test_device_mesh_subgroups():
-    """On 4 ranks, dp=2 x tp=2: the tp sub-group of rank r is its adjacent pair and collectives stay inside it."""
+    """On 4 ranks, dp=2 x tp=2: the tp sub-group of rank r is its adjacent pair and collectives stay inside it;
+    the mp group (one model replica) is the same pair."""
     out = collectives.launch(_mesh_worker, 4, backend="zmq", timeout=60)
     assert [o[1] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [o[2] for o in out] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert [o[3] for o in out] == [1.0, 1.0, 5.0, 5.0]
+    assert [o[4] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]   # pp = 1: the model-parallel group is tp
 
 
 def test_zero_formulas_match_paper():

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 
 from experiments.config import RunConfig
-from experiments.local import make_torch_optimizer
-from experiments.metrics import JsonlWriter, RunDir
+from experiments.results.records import UpdateRecord
+from experiments.results.rundir import JsonlWriter, RunDir
+from experiments.strategies.spec import optimizer_spec, torch_optimizer
 from experiments.stragglers import StragglerModel
 from experiments.workloads import compute_grads, get_workload
 
@@ -33,7 +34,7 @@ def simulate_allreduce(cfg: RunConfig, rundir: RunDir, progress: Callable[[int],
     wl = get_workload(cfg.workload.name, K, cfg.workload.batch_size, cfg.workload.seed)
     model = wl.make_model()
     params = list(model.named_parameters())
-    opt = make_torch_optimizer(t, [p for _, p in params])
+    opt = torch_optimizer(optimizer_spec(t), [p for _, p in params])
     straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
     multi_host = K > m.workers_per_host
@@ -57,9 +58,8 @@ def simulate_allreduce(cfg: RunConfig, rundir: RunDir, progress: Callable[[int],
                 p.grad = sum(torch.from_numpy(r[1][n]) for r in results).view_as(p) / K
             opt.step()
             for w, (loss, _, digest) in enumerate(results):
-                mw.write({"worker": w, "step": step, "clock": step + 1, "time_s": now, "loss": loss, "staleness": 0,
-                          "bytes_sent": per_rank, "bytes_recv": per_rank, "wait_s": slowest - times[w],
-                          "batch": digest})
+                mw.write(UpdateRecord(w, step, step + 1, now, loss, 0, per_rank, per_rank, slowest - times[w],
+                                      digest).to_json())
             before, updates = updates, updates + K
             if updates // t.eval_every > before // t.eval_every or step == t.steps - 1:
                 ew.write({"updates": updates, "time_s": now, **wl.evaluate(model)})

@@ -136,6 +136,32 @@ def plot_bytes(runs: list[dict[str, Any]], out: Path) -> Path:
     return _bars(runs, v, "bytes sent + received per worker (MB)", "Traffic per worker", out / "bytes_per_worker.png")
 
 
+KIND_COLORS = {"dp gradient sync": "tab:blue", "zero RS + AG": "tab:purple", "tp activations": "tab:orange",
+               "pp boundaries": "tab:green", "ps push + pull": "tab:red"}
+
+
+def plot_bytes_by_kind(runs: list[dict[str, Any]], out: Path) -> Path | None:
+    """Per run two stacked bars, bytes per step by kind summed over ranks: measured (solid) and the formula
+    (hatched). None if no run recorded bytes by kind (simulated runs, runs of older pslab versions)."""
+    data = [((r.get("summary") or {}).get("bytes_by_kind") or {}) for r in runs]
+    if not any(data):
+        return None
+    kinds = [k for k in KIND_COLORS if any(k in d for d in data)]
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * len(runs) + 2.5), 4.8))
+    xs = np.arange(len(runs))
+    for i, (which, hatch) in enumerate((("measured_per_step", None), ("model_per_step", "//"))):
+        bottom = np.zeros(len(runs))
+        for k in kinds:
+            v = np.array([float((d.get(k) or {}).get(which) or 0.0) for d in data]) / 1e3
+            ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=KIND_COLORS[k], hatch=hatch,
+                   edgecolor="black", linewidth=0.4, label=k if i == 0 else None)
+            bottom += v
+    ax.bar([np.nan], [0], color="white", edgecolor="black", hatch="//", label="formula (hatched)")
+    ax.set_xticks(xs, [run_label(r) for r in runs], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("kB sent per step, all ranks\n(left: measured, right: formula)")
+    return _finish(fig, ax, out / "bytes_by_kind.png", "Communication per step by kind")
+
+
 def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
     n = len(runs)
     if n == 0:
@@ -173,4 +199,5 @@ def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     return {"loss_vs_time": plot_loss(runs, out, "time"), "loss_vs_updates": plot_loss(runs, out, "updates"),
             "test_accuracy": plot_accuracy(runs, out), "throughput": plot_throughput(runs, out),
             "staleness_hist": plot_staleness(runs, out), "wait_time": plot_wait(runs, out),
-            "bytes_per_worker": plot_bytes(runs, out)}
+            "bytes_per_worker": plot_bytes(runs, out),
+            **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {})}

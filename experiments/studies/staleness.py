@@ -2,7 +2,7 @@
 
 For each model (shallow: digits-mlp, 1 hidden layer; deep: digits-deep-mlp, 4 hidden layers), each optimizer
 (SGD, momentum 0.9, Adam) and each staleness s in {0, 1, 2, 4, 8, 16}: train with the single-process staleness
-emulation (`experiments.dai`: every gradient computed on the parameters of U{0..s} steps ago) and count the steps
+emulation (`experiments.sim.dai`: every gradient computed on the parameters of U{0..s} steps ago) and count the steps
 until test accuracy >= target. As Dai et al. do, the learning rate is picked per cell from a small grid: the value
 that reaches the target in the fewest steps (mean over seeds). With one seed, a run stops as soon as it has used
 as many steps as the best learning rate so far (it can no longer win), which changes no reported number.
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from experiments.config import TrainConfig
-from experiments.dai import run_dai
+from experiments.sim.dai import run_dai
 from experiments.workloads import get_workload
 
 MODELS = {"shallow": "digits-mlp", "deep": "digits-deep-mlp"}

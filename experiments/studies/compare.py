@@ -2,8 +2,10 @@
 straggler, then report.md + plots. Only the sync strategy and the straggler change between runs: model, data, seed
 and batch schedule are identical.
 
-The default is sized for a 2-core laptop (≤ 3 minutes): digits-MLP, 4 workers x 100 steps; each step's compute is
-padded to 20 ms (sleep) so that a 4x straggler is a real, visible effect rather than noise on a shared CPU.
+The default workload is `experiments/configs/compare_default.toml`, sized for a 2-core laptop (under a minute):
+digits-MLP, 4 workers x 100 steps; each step's compute is padded to 20 ms (sleep) so that a 4x straggler is a real,
+visible effect rather than noise on a shared CPU. `--set parallel.tp=2` (etc.) compares the strategies on split
+models too.
 `local` runs once (a single process has no straggler to wait for), and not at all under --simulate.
 """
 
@@ -14,21 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, load_config
+from experiments.config import ParallelConfig, RunConfig, load_config
 from experiments.errors import ExperimentError
-from experiments.metrics import RunDir
-from experiments.report import write_report
+from experiments.results.rundir import RunDir
+from experiments.results.report import write_report
 from experiments.runner import execute
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
-DEFAULT_OVERRIDES = ("workload.name=digits-mlp", "train.workers=4", "train.steps=100", "train.lr=0.2",
-                     "train.base_step_s=0.02", "train.eval_every=40")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_default.toml"
 STRAGGLER_FACTOR = 4.0
 
 
 def default_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    base = load_config(None, DEFAULT_OVERRIDES) if path is None else RunConfig()
-    return load_config(path, list(overrides), base=base)
+    """`path`, or the compare default (experiments/configs/compare_default.toml, its only home), plus overrides."""
+    return load_config(path if path is not None else DEFAULT_CONFIG, list(overrides))
 
 
 def with_straggler(cfg: RunConfig, factor: float = STRAGGLER_FACTOR) -> RunConfig:
@@ -54,6 +55,8 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
                 continue
             c = copy.deepcopy(base)
             c.train.strategy = s
+            if s == "local":          # the single-process reference trains the unsplit model: same updates
+                c.parallel = ParallelConfig(activation_checkpointing=c.parallel.activation_checkpointing)
             c.validate()
             rd = execute(c, out / "runs", simulate=simulate, quiet=quiet)
             runs.append(RunDir(rd.path).load())

@@ -3,8 +3,8 @@
     runs/<UTC time>-<label>/
         config.toml       the resolved config (re-runnable with `pslab run config.toml`)
         env.json          versions (python, torch, numpy, pyzmq, pslab), host, CPU count, git revision, argv
-        metrics.jsonl     one JSON object per update: worker, step, clock, time_s, loss, staleness,
-                          bytes_sent, bytes_recv, wait_s, batch (digest of the batch's example indices)
+        metrics.jsonl     one `UpdateRecord` per update (experiments/results/records.py: worker, step, clock,
+                          time_s, loss, staleness, bytes_sent, bytes_recv, wait_s, batch[, dropped])
         eval.jsonl        periodic test metrics: updates, time_s, test_loss, test_acc
         summary.json      totals and rates, written last (its absence means the run was interrupted)
 
@@ -22,13 +22,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from experiments.config import RunConfig, to_toml
-
-UPDATE_FIELDS = ("worker", "step", "clock", "time_s", "loss", "staleness", "bytes_sent", "bytes_recv", "wait_s",
-                 "batch")
-
 
 class JsonlWriter:
     def __init__(self, path: Path):
@@ -94,10 +90,14 @@ class RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
         base = Path(root) / f"{stamp}-{safe}"
+        Path(root).mkdir(parents=True, exist_ok=True)
         path, i = base, 1
-        while path.exists():
-            path, i = Path(f"{base}-{i}"), i + 1
-        path.mkdir(parents=True)
+        while True:                 # mkdir is the test: two runs with one label in one second never collide
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                path, i = Path(f"{base}-{i}"), i + 1
         rd = cls(path)
         (path / "config.toml").write_text(to_toml(cfg.to_dict()))
         env = environment()
@@ -146,24 +146,3 @@ class RunDir:
         return {"path": str(self.path), "config": tomllib.loads(cfg_p.read_text()),
                 "summary": json.loads(summary_p.read_text()) if summary_p.exists() else None,
                 "updates": read_jsonl(self.metrics_path), "evals": read_jsonl(self.eval_path)}
-
-
-def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wall_s: float,
-              label: str, simulated: bool) -> dict[str, Any]:
-    """Totals a teacher puts on a slide: updates/s, final loss/accuracy, mean/max staleness, waiting, bytes."""
-    ups = list(updates)
-    n = len(ups)
-    stal = [u["staleness"] for u in ups if u.get("staleness") is not None]
-    workers = sorted({u["worker"] for u in ups})
-    tail = ups[-max(1, n // 10):] if n else []
-    last_eval = evals[-1] if evals else {}
-    return {
-        "label": label, "simulated": simulated, "updates": n, "workers": len(workers), "time_s": wall_s,
-        "updates_per_s": n / wall_s if wall_s > 0 else None,
-        "final_train_loss": sum(u["loss"] for u in tail) / len(tail) if tail else None,
-        "final_test_loss": last_eval.get("test_loss"), "final_test_acc": last_eval.get("test_acc"),
-        "staleness_mean": sum(stal) / len(stal) if stal else None, "staleness_max": max(stal) if stal else None,
-        "wait_s_total": sum(u.get("wait_s") or 0.0 for u in ups),
-        "bytes_per_worker": (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
-                             / len(workers)) if workers else 0,
-    }

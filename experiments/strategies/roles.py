@@ -2,10 +2,10 @@
 MASTER_ADDR, MASTER_PORT) or SLURM (SLURM_PROCID, SLURM_NTASKS; MASTER_ADDR/PORT must be exported by the batch
 script), `pslab run` does not spawn processes: this process is worker RANK of WORLD_SIZE.
 
-Strategies:
-  allreduce   the group comes from `collectives.init_process_group`, which reads the same variables;
-  ps-*        rank 0 also starts the `train.shards` shard servers (processes on its host) before joining the
-              group, broadcasts their addresses, and every rank is then a PS worker, as in a local run.
+Every rank runs the one training loop (`loop.train_worker`), as in a local run, on a group from
+`collectives.init_process_group` (which reads the same variables); WORLD_SIZE = train.workers x tp x pp (the
+environment decides train.workers). For ps-* rank 0 also starts the shard servers (processes on its host, one set
+per slot group) before joining the group and broadcasts their addresses.
 Every rank writes its part files into OUT/<label> (a shared directory, or one per host); rank 0 writes the config
 and environment and, after a final barrier, merges the parts it can see and writes the summary.
 
@@ -60,78 +60,83 @@ def network() -> tuple[str, str | None]:
 
 
 def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> int:
+    """This process is rank `role.rank` of a torchrun/SLURM job: run the one training loop (`loop.train_worker`)
+    as that rank; rank 0 also starts the shards (ps-*) and writes the summary."""
+    import json
+
     import collectives
-    from experiments.allreduce_run import allreduce_worker
-    from experiments.metrics import RunDir, read_jsonl, summarize
+    from experiments.config import to_toml
+    from experiments.results.records import assign_staleness, summarize
+    from experiments.results.rundir import RunDir, environment, read_jsonl
     from experiments.runner import default_label
-    if not (cfg.strategy.kind == "allreduce" or cfg.strategy.uses_ps):
+    from experiments.strategies.build import check_layout
+    from experiments.strategies.launch import start_shards, summary_fields
+    from experiments.strategies.loop import train_worker
+    from experiments.workloads import get_workload
+    if cfg.strategy.kind == "local":
         raise ConfigError(f"under {role.source} (RANK/WORLD_SIZE set) pslab run supports strategies allreduce and "
                           f"ps-*; got {cfg.strategy} — unset RANK/WORLD_SIZE to run it as one local process")
     host, keys = network()
-    if cfg.train.workers != role.world_size:
-        cfg.train.workers = role.world_size  # the environment decides how many workers there are
+    mp = cfg.parallel.model_parallel
+    if role.world_size % mp:
+        raise ConfigError(f"{role.source} started {role.world_size} processes, but parallel.tp x parallel.pp = {mp} "
+                          f"ranks per worker: start a multiple of {mp} processes")
+    if cfg.train.workers != role.world_size // mp:
+        cfg.train.workers = role.world_size // mp   # the environment decides how many workers there are
         cfg.validate()
+    check_layout(cfg, get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed))
     label = label or default_label(cfg, False)
     path = Path(out) / label.replace(" ", "_")
     path.mkdir(parents=True, exist_ok=True)
     if role.rank == 0:
-        from experiments.config import to_toml
-        from experiments.metrics import environment
-        import json
         (path / "config.toml").write_text(to_toml(cfg.to_dict()))
         (path / "env.json").write_text(json.dumps({**environment(), "label": label, "role": role.source}, indent=2))
-    extra: dict = {}
-    if cfg.strategy.uses_ps:
-        extra = _ps_role(cfg, role, path, host, keys)
-    else:
+    # rank 0 starts the shards before it joins the group: forking later would copy the group's threads
+    servers = start_shards(cfg, bind_host=host, curve_keys_dir=keys) if cfg.strategy.uses_ps and role.rank == 0 \
+        else None
+    try:
         group = collectives.init_process_group(backend=cfg.train.backend, bind_host=host, curve_keys_dir=keys,
                                                timeout=cfg.train.timeout_s)
         try:
-            allreduce_worker(group, cfg.to_dict(), str(path))
-            group.barrier()
-        finally:
-            group.destroy()
-    if role.rank == 0:
-        rd = RunDir(path)
-        rd.merge_parts("metrics")
-        rd.merge_parts("eval")
-        if cfg.strategy.uses_ps:
-            from experiments.ps_run import fill_staleness
-            fill_staleness(rd)
-        ups, evs = read_jsonl(rd.metrics_path), read_jsonl(rd.eval_path)
-        elapsed = max([1e-9] + [u["time_s"] for u in ups])
-        rd.write_summary({**summarize(ups, evs, elapsed, label, False), "strategy": cfg.strategy.label,
-                          "role": role.source, **extra})
-        print(f"run directory: {path}")
-    return 0
-
-
-def _ps_role(cfg: RunConfig, role: Role, path: Path, host: str, keys: str | None) -> dict:
-    """Rank 0 starts the shards (before it joins the group: forking later would copy the group's threads), then
-    every rank is a PS worker; returns rank 0's view of the shards' own statistics."""
-    import json
-
-    import numpy as np
-
-    import collectives
-    from experiments.ps_run import Servers, ps_worker, shard_summary
-    from experiments.runner import START_METHOD
-    servers = Servers(cfg, START_METHOD, bind_host=host, curve_keys_dir=keys) if role.rank == 0 else None
-    try:
-        group = collectives.init_process_group(backend="zmq", bind_host=host, curve_keys_dir=keys,
-                                               timeout=cfg.train.timeout_s)
-        try:
-            buf = np.zeros(1 << 14, np.uint8)       # the shard addresses, as JSON, from rank 0 to everyone
-            if servers is not None:
-                raw = json.dumps(servers.addresses).encode()
-                buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-            group.broadcast(buf, src=0)
-            addresses = json.loads(bytes(buf).rstrip(b"\0").decode())
-            result = ps_worker(group, cfg.to_dict(), str(path), addresses, curve_keys_dir=keys)
+            addresses = None
+            if cfg.strategy.uses_ps:
+                addresses = json.loads(_share(group, json.dumps(servers.group_addresses if servers else None))[0])
+            result = train_worker(group, cfg.to_dict(), str(path), addresses, keys)
+            slim = {k: v for k, v in result.items() if k not in ("series", "shard_stats")}
+            results = [json.loads(r) for r in _share(group, json.dumps(slim), every=True)]
+            results[0] = result if role.rank == 0 else results[0]
             group.barrier()
         finally:
             group.destroy()
     finally:
         if servers is not None:
             servers.stop()
-    return shard_summary([result]) if role.rank == 0 else {}
+    if role.rank == 0:
+        rd = RunDir(path)
+        rd.merge_parts("metrics")
+        rd.merge_parts("eval")
+        ups, evs = read_jsonl(rd.metrics_path), read_jsonl(rd.eval_path)
+        if cfg.strategy.uses_ps:
+            assign_staleness(ups, result.get("series") or [])
+            rd.metrics_path.write_text("".join(json.dumps(u, separators=(",", ":")) + "\n" for u in ups))
+        elapsed = max([1e-9] + [u["time_s"] for u in ups])
+        rd.write_summary({**summarize(ups, evs, elapsed, label, False), "strategy": cfg.strategy.label,
+                          "role": role.source, **summary_fields(cfg, results)})
+        print(f"run directory: {path}")
+    return 0
+
+
+def _share(group: object, text: str, every: bool = False, size: int = 1 << 16) -> list[str]:
+    """Rank 0's text to every rank (broadcast), or with `every` each rank's text to every rank (all_gather)."""
+    import numpy as np
+    raw = text.encode()
+    if len(raw) > size:
+        raise ConfigError(f"{len(raw)} bytes of run metadata exceed the {size}-byte exchange buffer")
+    buf = np.zeros(size, np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    if not every:
+        group.broadcast(buf, src=0)                                       # type: ignore[attr-defined]
+        return [bytes(buf).rstrip(b"\0").decode()]
+    out = np.zeros(size * group.world_size, np.uint8)                     # type: ignore[attr-defined]
+    group.all_gather(out, buf)                                            # type: ignore[attr-defined]
+    return [bytes(out[i * size:(i + 1) * size]).rstrip(b"\0").decode() for i in range(group.world_size)]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ import torch
 from torch.func import functional_call
 
 from experiments.config import TrainConfig
-from experiments.psbridge import optimizer_spec
+from experiments.strategies.spec import optimizer_spec
 from experiments.workloads import Workload
 
 

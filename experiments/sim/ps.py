@@ -1,5 +1,5 @@
 """The discrete-event simulator: the real `ps.ShardState` (consistency policy, optimizer, staleness tracking) driven
-in virtual time, with real gradients, a compute-time model per worker and a network model (`experiments.simnet`).
+in virtual time, with real gradients, a compute-time model per worker and a network model (`experiments.sim.network`).
 
 Worker w's life, in virtual time:
 
@@ -26,9 +26,10 @@ import torch
 
 from experiments.config import RunConfig
 from experiments.errors import ExperimentError
-from experiments.metrics import JsonlWriter, RunDir
-from experiments.psbridge import make_partition_for, make_shards, policy_string
-from experiments.simnet import Network
+from experiments.results.records import UpdateRecord
+from experiments.results.rundir import JsonlWriter, RunDir
+from experiments.sim.network import Network
+from experiments.strategies.spec import optimizer_spec
 from experiments.stragglers import StragglerModel
 from experiments.workloads import compute_grads, get_params, get_workload, set_params
 
@@ -54,8 +55,11 @@ class Simulator:
         torch.manual_seed(cfg.workload.seed)
         self.model = self.wl.make_model()
         init = get_params(self.model)
-        self.partition = make_partition_for(init, t.shards)
-        self.shards = make_shards(init, self.partition, cfg)
+        from ps import ShardState, make_partition
+        self.partition = make_partition(init, t.shards)
+        spec, policy = optimizer_spec(t), cfg.strategy.policy
+        self.shards = [ShardState({k: v.copy() for k, v in piece.items()}, optimizer=spec, policy=policy,
+                                  num_workers=self.K) for piece in self.partition_split(init)]
         self.net = Network(cfg.simulate, t.shards)
         self.straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
         self.heap: list[tuple[float, int, int, int, int, Any]] = []
@@ -118,9 +122,8 @@ class Simulator:
             sent += nbytes
             version = int(ws.replies[s].version)
             self._at(self.net.to_shard(self.now, w, s, nbytes), PUSH_ARRIVE, w, s, (ws.clock, version, piece))
-        self.pending[w].append({"worker": w, "step": ws.clock, "clock": ws.clock + 1, "time_s": None, "loss": loss,
-                                "staleness": None, "bytes_sent": sent, "bytes_recv": ws.bytes_recv,
-                                "wait_s": ws.gate_wait, "batch": digest})
+        self.pending[w].append(UpdateRecord(w, ws.clock, ws.clock + 1, 0.0, loss, None, sent, ws.bytes_recv,
+                                            ws.gate_wait, digest))
         ws.clock += 1
         if self.progress:
             self.progress(1)
@@ -141,11 +144,9 @@ class Simulator:
                     self._emit(self.pending[worker].popleft(), int(tau))
         self._recheck(s)
 
-    def _emit(self, rec: dict, tau: int | None, dropped: bool = False) -> None:
-        rec["time_s"], rec["staleness"] = self.now, tau
-        if dropped:
-            rec["dropped"] = True
-        self.mw.write(rec)
+    def _emit(self, rec: UpdateRecord, tau: int | None, dropped: bool = False) -> None:
+        rec.time_s, rec.staleness, rec.dropped = self.now, tau, dropped
+        self.mw.write(rec.to_json())
         if tau is not None:
             before, self.applied = self.applied, self.applied + 1
             if self.applied // self.cfg.train.eval_every > before // self.cfg.train.eval_every:
@@ -155,18 +156,26 @@ class Simulator:
         set_params(self.model, self.partition_join(self.current_params()))
         self.ew.write({"updates": self.applied, "time_s": self.now, **self.wl.evaluate(self.model)})
 
-    # -- partition helpers (via psbridge) ------------------------------------------------------------------------
+    # -- the partition: {name: flat array} <-> per shard {key: flat piece} ---------------------------------------
     def partition_split(self, flat: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        from experiments.psbridge import split
-        return split(self.partition, flat, len(self.shards))
+        out: list[dict[str, np.ndarray]] = [dict() for _ in range(self.partition.num_shards)]
+        for sl in self.partition.slices:
+            out[sl.shard][sl.key] = np.asarray(flat[sl.name]).reshape(-1)[sl.start: sl.stop]
+        return out
 
     def partition_join(self, keyed: dict[str, Any]) -> dict[str, np.ndarray]:
-        from experiments.psbridge import join
-        return join(self.partition, keyed)
+        sizes: dict[str, int] = {}
+        for sl in self.partition.slices:
+            sizes[sl.name] = max(sizes.get(sl.name, 0), sl.stop)
+        out = {n: np.empty(k, np.float32) for n, k in sizes.items()}
+        for sl in self.partition.slices:
+            v = keyed[sl.key]
+            out[sl.name][sl.start: sl.stop] = v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+        return out
 
     def current_params(self) -> dict[str, Any]:
-        from experiments.psbridge import shard_params
-        return {k: v for st in self.shards for k, v in shard_params(st).items()}
+        """The shards' live parameters, bypassing the consistency gate (for evaluation only)."""
+        return {k: v for st in self.shards for k, v in st.params.items()}
 
     # -- main loop -----------------------------------------------------------------------------------------------
     def run(self, rundir: RunDir) -> dict[str, Any]:
@@ -189,12 +198,12 @@ class Simulator:
             stuck = [w for w, ws in enumerate(self.workers) if not ws.done]
             if stuck:
                 raise ExperimentError(f"simulation stopped with workers {stuck} blocked at the consistency gate "
-                                      f"({policy_string(self.cfg.strategy)}); this is a deadlock in the policy")
+                                      f"({self.cfg.strategy.policy}); this is a deadlock in the policy")
             for q in self.pending:  # pushes that never became an update (e.g. a clock left incomplete)
                 while q:
                     rec = q.popleft()
-                    rec["time_s"] = self.now
-                    self.mw.write(rec)
+                    rec.time_s = self.now
+                    self.mw.write(rec.to_json())
             if self.applied % self.cfg.train.eval_every:
                 self._evaluate()
         return {"virtual_time_s": self.now, "applied_updates": self.applied,
@@ -210,7 +219,7 @@ def shard_summary(st: Any) -> dict[str, Any]:
 
 def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     if cfg.strategy.kind == "allreduce":
-        from experiments.sim_allreduce import simulate_allreduce
+        from experiments.sim.allreduce import simulate_allreduce
         return simulate_allreduce(cfg, rundir, progress)
     if not cfg.strategy.uses_ps:
         raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "

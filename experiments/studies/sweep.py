@@ -1,5 +1,5 @@
 """`pslab sweep`: one config knob over several values, with several seeds; every (value, seed) is a full run
-(real or simulated), and the report overlays them. The staleness-curve preset lives in `staleness_sweep`.
+(real or simulated), and the report overlays them. The staleness-curve preset lives in `studies/staleness.py`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from experiments.config import RunConfig, apply, parse_override
 from experiments.errors import ConfigError
-from experiments.metrics import RunDir
-from experiments.report import write_report
+from experiments.results.rundir import RunDir
+from experiments.results.report import write_report
 from experiments.runner import execute
 
 

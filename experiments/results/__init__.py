@@ -1,0 +1,2 @@
+"""What runs leave behind: run directories (`rundir.py`), the one metrics record and summaries (`records.py`),
+bytes by kind next to their formulas (`bytes.py`), plots (`plots.py`) and report.md (`report.py`)."""

@@ -1,0 +1,95 @@
+"""Bytes per training step by kind of communication: what the backends counted, next to the textbook formula.
+
+Kinds (each is one process group's traffic, or the PS client's payload), summed over all ranks, bytes *sent* per
+step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b the per-worker batch:
+
+    dp gradient sync      ring all-reduce of each rank's gradients      Σ_r 2(D−1)/D · S_r
+    zero RS + AG          ZeRO 1/2: reduce-scatter + all-gather          Σ_r 2(D−1)/D · S_r    (stage 3: 3(D−1)/D)
+    tp activations        Megatron f/g: 2 all-reduces forward and 2 backward per block, of the block activation A
+                                                                         D·T · 4L · 2(T−1)/T · A
+    pp boundaries         each boundary: m activations forward, m gradients backward (A_k: activation at cut k)
+                                                                         D · Σ_k 2 · A_k
+    ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
+
+pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
+ring's 2(N−1)/N·S): the modelled figure uses the rule the backend applies, and the formula text says which.
+gloo (backend torch) counts payload bytes handed to it, not the bytes its algorithm sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from experiments.config import RunConfig
+from experiments.workloads import Workload
+
+SMALL_BYTES = 32 << 10     # collectives.zmq_group: all-reduces up to this size take the direct exchange
+KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull"}
+
+
+def _allreduce(nbytes: float, n: int) -> tuple[float, str]:
+    if n <= 1:
+        return 0.0, "0"
+    if nbytes <= SMALL_BYTES:
+        return (n - 1) * nbytes, "(N−1)·S, direct exchange for S ≤ 32 KiB"
+    return 2 * (n - 1) / n * nbytes, "2(N−1)/N·S, ring"
+
+
+def _activations(wl: Workload, cfg: RunConfig) -> list[int]:
+    """Bytes of the output of each top-level child of the model on one worker's batch (float tensors)."""
+    model = wl.make_model()
+    x, _, _ = wl.batch(0, 0)
+    out = []
+    with torch.no_grad():
+        for child in model.children():
+            x = child(x)
+            out.append(x.numel() * x.element_size())
+    return out
+
+
+def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, tuple[float, str]]:
+    """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout."""
+    p, D = cfg.parallel, cfg.train.workers
+    out: dict[str, tuple[float, str]] = {}
+    if cfg.strategy.uses_ps:
+        out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
+    elif cfg.strategy.kind == "allreduce" and D > 1:
+        if p.zero:
+            k = 3 if p.zero == 3 else 2
+            out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes), f"Σ_r {k}(D−1)/D·S (S: the full model's bytes)")
+        else:
+            parts = [_allreduce(s, D) for s in slot_bytes]
+            out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
+    acts = _activations(wl, cfg) if (p.tp > 1 or p.pp > 1) else []
+    if p.tp > 1:
+        from parallelism.models import Attention, MLP
+        blocks = sum(1 for m in wl.make_model().modules() if isinstance(m, (Attention, MLP)))
+        a = acts[1] if len(acts) > 1 else acts[0]
+        per, rule = _allreduce(a, p.tp)
+        out["tp activations"] = (D * p.tp * blocks * 2 * per, f"D·T · 2 per block (fwd g, bwd f) · {rule}")
+    if p.pp > 1:
+        from parallelism.pipeline import split_stages
+        bounds = split_stages(wl.make_model(), p.pp)
+        cuts = [acts[end - 1] for _, end in bounds[:-1]]
+        out["pp boundaries"] = (D * 2.0 * sum(cuts), "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
+    return out
+
+
+def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Measured (backend-counted) and modelled bytes per step by kind, from the ranks' `train_worker` results."""
+    steps = max(1, max((r or {}).get("steps", 0) for r in results) if results else 1)
+    measured: dict[str, float] = {}
+    for r in results:
+        for axis, b in ((r or {}).get("bytes_sent") or {}).items():
+            kind = "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
+            measured[kind] = measured.get(kind, 0.0) + b
+    model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results])
+    out = {}
+    for kind in list(dict.fromkeys(list(model) + list(measured))):
+        m, f = model.get(kind, (None, ""))
+        if m is None and not measured.get(kind):
+            continue          # a group of size > 1 that carried nothing (e.g. dp under the PS: only barriers)
+        out[kind] = {"measured_per_step": measured.get(kind, 0.0) / steps, "model_per_step": m, "formula": f}
+    return out

@@ -1,0 +1,95 @@
+"""The one record schema: `UpdateRecord`, one line of metrics.jsonl per gradient a worker computed, written by every
+runner (the training loop, the PS simulator, the all-reduce simulator) — and the summaries made from them.
+
+    worker      data-parallel worker (0..K-1)             step    its clock when it read (0-based)
+    clock       step + 1                                   time_s  seconds since the start barrier (or virtual)
+    loss        training loss on batch(worker, step)       batch   digest of that batch's example indices
+    staleness   τ = (version when applied) − (version read); 0 for all-reduce and local; None if never applied
+    bytes_sent / bytes_recv   payload bytes this worker moved for this update
+    wait_s      time blocked synchronising (PS gate + transfer, or the all-reduce waiting for peers)
+    dropped     true for a backup-BSP gradient that arrived after its clock closed (not applied)
+
+Staleness of a PS run comes from the shard's own series (worker, τ, version), in the order it applied each
+worker's pushes: `assign_staleness` gives the k-th applied τ of worker w to w's k-th non-dropped record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+
+@dataclass
+class UpdateRecord:
+    worker: int
+    step: int
+    clock: int
+    time_s: float
+    loss: float
+    staleness: int | None
+    bytes_sent: int
+    bytes_recv: int
+    wait_s: float
+    batch: str
+    dropped: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if not self.dropped:
+            del d["dropped"]
+        return d
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(UpdateRecord))
+
+
+def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[Any]]) -> None:
+    """Fill `staleness` of the records in place from a shard's series [[now, worker, tau, version], ...]."""
+    per_worker: dict[int, list[int]] = {}
+    for _, w, tau, _ in sorted(series, key=lambda e: e[3]):
+        per_worker.setdefault(int(w), []).append(int(tau))
+    pos: dict[int, int] = {}
+    for r in sorted((r for r in records if not r.get("dropped")), key=lambda r: (r["worker"], r["step"])):
+        w = r["worker"]
+        i = pos.get(w, 0)
+        taus = per_worker.get(w, [])
+        r["staleness"] = taus[i] if i < len(taus) else None
+        pos[w] = i + 1
+
+
+def steady_throughput(updates: list[dict[str, Any]]) -> float | None:
+    """Updates per second while every worker is still working: count up to the time the first worker finishes.
+    With a straggler this separates BSP (everyone held to the straggler's pace) from ASP (the others run on)."""
+    applied = [u for u in updates if not u.get("dropped")]
+    if not applied:
+        return None
+    last: dict[int, float] = {}
+    for u in applied:
+        last[u["worker"]] = max(last.get(u["worker"], 0.0), u["time_s"])
+    t_end = min(last.values())
+    n = sum(1 for u in applied if u["time_s"] <= t_end)
+    return n / t_end if t_end > 0 else None
+
+
+def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wall_s: float,
+              label: str, simulated: bool) -> dict[str, Any]:
+    """Totals a teacher puts on a slide: updates/s, final loss/accuracy, mean/max staleness, waiting, bytes."""
+    ups = list(updates)
+    n = len(ups)
+    stal = [u["staleness"] for u in ups if u.get("staleness") is not None]
+    workers = sorted({u["worker"] for u in ups})
+    tail = ups[-max(1, n // 10):] if n else []
+    last_eval = evals[-1] if evals else {}
+    return {
+        "label": label, "simulated": simulated, "updates": n, "workers": len(workers), "time_s": wall_s,
+        "updates_per_s_total": n / wall_s if wall_s > 0 else None,
+        "updates_per_s": steady_throughput(ups),
+        "dropped": sum(1 for u in ups if u.get("dropped")),
+        "final_train_loss": sum(u["loss"] for u in tail) / len(tail) if tail else None,
+        "final_test_loss": last_eval.get("test_loss"), "final_test_acc": last_eval.get("test_acc"),
+        "staleness_mean": sum(stal) / len(stal) if stal else None, "staleness_max": max(stal) if stal else None,
+        "wait_s_total": sum(u.get("wait_s") or 0.0 for u in ups),
+        "bytes_per_worker": (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
+                             / len(workers)) if workers else 0,
+    }

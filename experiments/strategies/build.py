@@ -1,0 +1,106 @@
+"""From a config to the three objects of the engine seam: the mesh, the engine, the sync strategy.
+
+    world = D · T · P processes          D = train.workers (data parallel), T = parallel.tp, P = parallel.pp
+    mesh  = DeviceMesh(world, dp=D, pp=P, tp=T)          (one process, dp = 1, for `local`)
+
+Engines, chosen in this fixed order (the first that applies):
+    parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
+    parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages
+    parallel.tp > 1     TensorParallelEngine        attention heads and MLP width split over T ranks
+    otherwise           DataParallelEngine          the whole model on every rank
+(`activation_checkpointing` wraps the blocks of the data and pipeline engines.)
+
+Strategies:
+    local      LocalStrategy: K virtual workers in one process, their gradients averaged
+    allreduce  AllReduceStrategy (ring all-reduce over replica.dp, then torch.optim) — or ZeroStrategy for ZeRO
+    ps-*       PSSyncStrategy on this rank's slot group: one shard set per (pp, tp) coordinate, D workers each
+
+`check_layout` adds the rules that need the model (divisibility of heads and width by tp, layers for pp) to the
+ones `config.py` checks, so every impossible combination is one line before any process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from experiments.config import RunConfig
+from experiments.errors import ConfigError
+from experiments.strategies.spec import optimizer_spec, torch_optimizer
+from experiments.workloads import Workload
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Processes a real run starts: D · T · P (1 for local)."""
+    if cfg.strategy.kind == "local":
+        return 1
+    return cfg.train.workers * cfg.parallel.model_parallel
+
+
+def check_layout(cfg: RunConfig, wl: Workload) -> None:
+    """Raise ConfigError if the model cannot be split as [parallel] asks."""
+    p = cfg.parallel
+    if cfg.strategy.kind == "ps-bsp-backup" and p.model_parallel > 1:
+        raise ConfigError("ps-bsp-backup picks the first N gradients of each clock per shard set; with tp or pp > 1 "
+                          "the stages' shard sets could pick different workers: use parallel.tp = parallel.pp = 1")
+    if p.tp > 1:
+        from parallelism.models import MLP, Attention
+        model = wl.make_model()
+        blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+        if not blocks:
+            raise ConfigError(f"parallel.tp = {p.tp} splits attention heads and MLP width; workload "
+                              f"{wl.name!r} has none: use workload.name = text-transformer")
+        for m in blocks:        # the MLP width is 4 x the model width, a multiple of the heads: one check
+            if isinstance(m, Attention) and m.heads % p.tp:
+                raise ConfigError(f"parallel.tp = {p.tp} must divide the attention heads ({m.heads}) and the MLP "
+                                  f"width of {wl.name}: choose tp in {_divisors(m.heads)}")
+    if p.pp > 1:
+        model = wl.make_model()
+        layers = sum(1 for c in model.children() if any(True for _ in c.parameters())) \
+            if isinstance(model, torch.nn.Sequential) else 0
+        if layers == 0:
+            raise ConfigError(f"parallel.pp cuts an nn.Sequential into stages; {wl.name!r} is not one")
+        if p.pp > layers:
+            raise ConfigError(f"parallel.pp = {p.pp} exceeds the {layers} layers of {wl.name}: use pp <= {layers}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_engine(cfg: RunConfig, wl: Workload) -> Any:
+    """The engine for this config (see the module docstring for the order)."""
+    from parallelism.data import DataParallelEngine
+    from parallelism.pipeline import PipelineEngine
+    from parallelism.tensor import TensorParallelEngine
+    from parallelism.zero import ZeroEngine
+    p, loss = cfg.parallel, wl.loss_from_output
+    if p.zero:
+        spec = optimizer_spec(cfg.train)
+        return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
+    if p.pp > 1:
+        return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss,
+                              checkpoint_activations=p.activation_checkpointing)
+    if p.tp > 1:
+        return TensorParallelEngine(loss_fn=loss)
+    return DataParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
+
+
+def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] | None = None,
+                  curve_keys_dir: str | None = None) -> Any:
+    """The sync strategy; `addresses[g]` are slot group g's shards (ps-* only)."""
+    s, spec = cfg.strategy, optimizer_spec(cfg.train)
+    if s.kind == "local":
+        from experiments.strategies.local import LocalStrategy
+        return LocalStrategy(spec, cfg.train.workers)
+    if s.kind == "allreduce":
+        if cfg.parallel.zero:
+            from parallelism.zero import ZeroStrategy
+            return ZeroStrategy()
+        from parallelism.engine import AllReduceStrategy
+        return AllReduceStrategy(lambda params: torch_optimizer(spec, params), overlap=cfg.parallel.overlap)
+    from experiments.strategies.ps import PSSyncStrategy, slot_group
+    if addresses is None:
+        raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
+    return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir)

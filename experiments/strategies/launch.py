@@ -1,0 +1,65 @@
+"""Real runs on this machine: start the shards (ps-* only), launch world_size(cfg) ranks of `train_worker`, and
+turn what the ranks returned into summary fields.
+
+    shards  ps.start_servers(train.shards, num_workers=D, policy, optimizer spec, groups=P·T)  (forked, loopback)
+    ranks   collectives.launch(train_worker, D·T·P, backend=train.backend)   (local: 1 rank playing all K workers)
+
+The first failure or the timeout (`train.timeout_s`) ends every process; the shards are always stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from experiments.config import RunConfig
+from experiments.errors import ExperimentError
+from experiments.results.rundir import RunDir
+
+# "fork": ranks and shards start in milliseconds with torch and the datasets already loaded (the parent only runs
+# torch with one thread, so forking is safe); set PSLAB_START_METHOD=spawn to use fresh interpreters instead.
+START_METHOD = os.environ.get("PSLAB_START_METHOD", "fork")
+
+
+def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None) -> Any:
+    """The run's shard servers: one set of train.shards per slot group (pp × tp), each serving D workers."""
+    import ps
+    from experiments.strategies.spec import optimizer_spec
+    return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, optimizer_spec(cfg.train),
+                            groups=cfg.parallel.model_parallel, start_method=START_METHOD, bind_host=bind_host,
+                            curve_keys_dir=curve_keys_dir, request_timeout=cfg.train.timeout_s,
+                            idle_timeout=cfg.train.timeout_s)
+
+
+def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
+    """Launch the ranks (and the shards); returns each rank's `train_worker` result."""
+    import collectives
+    from experiments.strategies.build import world_size
+    from experiments.strategies.loop import train_worker
+    servers = start_shards(cfg) if cfg.strategy.uses_ps else None
+    try:
+        addresses = servers.group_addresses if servers is not None else None
+        return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
+                                  args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.timeout_s,
+                                  start_method=START_METHOD)
+    except collectives.LaunchError as e:
+        raise ExperimentError(f"{cfg.strategy} run failed: {str(e).splitlines()[0]}") from e
+    finally:
+        if servers is not None:
+            servers.stop()
+
+
+def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
+    """What the ranks measured beyond the records: bytes per step by kind (with the formula), and for PS runs the
+    shards' own statistics (slot group 0, shard 0)."""
+    from experiments.results.bytes import bytes_by_kind
+    from experiments.workloads import get_workload
+    wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
+    out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
+                           "bytes_by_kind": bytes_by_kind(cfg, wl, results)}
+    if cfg.strategy.uses_ps and results:
+        st = (((results[0] or {}).get("shard_stats") or [{}])[0]).get("stats") or {}
+        out.update(shard_staleness_mean=st.get("mean"), shard_staleness_max=st.get("max"),
+                   gate_wait_s_total=sum(float(v) for v in (st.get("wait_seconds") or {}).values()),
+                   shard_dropped=sum(int(v) for v in (st.get("dropped") or {}).values()))
+    return out

@@ -1,0 +1,152 @@
+"""The real parameter server as a `SyncStrategy` for the parallelism engines: every `ps-*` run goes through it.
+
+    servers = ps.start_servers(shards, num_workers=D, policy=..., optimizer=spec, groups=P * T)
+    strategy = PSSyncStrategy(servers.group_addresses[slot_group(mesh)])     # on every rank
+    strategy.attach(replica)   # dp rank 0 initialises its group's shards; gradients now live in the push segment
+    loss = replica.forward_backward(x, y); strategy.step(replica)           # one push_pull round trip
+
+One shard set per *slot group*: the ranks that hold the same slots, i.e. one data-parallel group (same pipeline
+stage, same tensor-parallel coordinate). On those shards the worker id is the rank's dp coordinate
+(`replica.dp.rank`) and num_workers = `replica.dp.size` = D. So stage s's clock counts only stage s's pushes, and BSP
+applies, per stage,
+
+    θ_s ← opt(θ_s, (1/D) Σ_d g_{s,d}),    g_{s,d} = ∂L_d/∂θ_s, L_d the mean loss on dp shard d (b examples)
+
+which is ∂/∂θ_s of the mean loss over the concatenated D·b batch: the update `AllReduceStrategy` makes.
+(One set for all stages cannot work: a push must carry a gradient for every key of a shard, and as D·P workers of
+one set BSP would wait for pushes that never come.) Versions, clocks and staleness are per stage.
+
+Nothing is copied on the worker (same host, shared-memory path): at attach every slot's `.grad` becomes a view of
+the client's push segment (`client.grad_buffers()`), so backward accumulates straight into what is pushed; a step
+is one `push_pull(copy=False)` — push clock c, read at c+1 (waits at the consistency gate under BSP/SSP) — whose
+weights arrive as read-only views of the shard's reply segment, and each slot's `.data` is pointed at them (valid
+until the next read, which only this strategy makes). The buffers are then zeroed for the next backward.
+(A tensor split across two shards is reassembled into one reused buffer, and a shard without the shared-memory
+path sends frames: then the client copies, the worker still does not.)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from experiments.errors import ExperimentError
+from parallelism.engine import Replica
+from parallelism.mesh import DeviceMesh
+
+# the pulled weights are read-only views (the worker never writes its weights: the shards run the optimizer)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+class PSStrategyError(ExperimentError):
+    """The PS strategy cannot drive this replica with these servers; the message says what to change."""
+
+
+def slot_group(mesh: DeviceMesh) -> int:
+    """Index of this rank's slot group (its shard set): pp · T + tp; there are P · T groups, each of D ranks."""
+    return mesh.coord("pp") * mesh.size("tp") + mesh.coord("tp")
+
+
+@dataclass
+class PSStep:
+    """What one `step` saw: the clock it pushed, and per shard the ack's status, version and (worker, τ) pairs."""
+
+    clock: int
+    status: list[str]
+    versions: list[int]
+    staleness: list[list[tuple[int, int]]]
+
+
+@dataclass
+class PSSyncStrategy:
+    """Synchronise `replica.slots()` through the shards at `addresses` (this rank's slot group, in shard order)."""
+
+    addresses: Sequence[str]
+    timeout: float = 60.0
+    curve_keys_dir: str | None = None
+    client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
+    history: list[PSStep] = field(default_factory=list, init=False)
+    clock: int = field(default=0, init=False)                      # this worker's clock (backup-BSP may move it up)
+    last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step
+    _grads: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+
+    def attach(self, replica: Replica) -> None:
+        import ps
+        from ps.errors import ProtocolError
+        slots = replica.slots()
+        names = [s.name for s in slots]
+        if not slots or len(set(names)) != len(names):
+            raise PSStrategyError(f"a replica must expose distinct, non-empty slot names to push by; got {names[:8]}")
+        self.close()
+        worker, workers = replica.dp.rank, replica.dp.size
+        params = {s.name: s.param.detach() for s in slots}
+        fix = "start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size " \
+              "(ps.start_servers(..., groups=pp * tp))"
+        try:
+            self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
+                                     curve_keys_dir=self.curve_keys_dir)
+        except ProtocolError as e:            # e.g. this dp rank is not a worker id the shards know
+            raise PSStrategyError(f"dp rank {worker} of {workers} cannot register with {list(self.addresses)}: {e}; "
+                                  f"{fix}") from e
+        served = {int(meta["num_workers"]) for meta, _ in self.client.registration}
+        if served != {workers}:
+            self.close()
+            raise PSStrategyError(f"the shards at {list(self.addresses)} serve {sorted(served)} workers, but this "
+                                  f"replica's data-parallel group has {workers} ranks: {fix}")
+        if worker == 0:                       # the group's owner; the others' first pull waits for its init
+            self.client.init(params).result(self.timeout)
+        self._grads = self.client.grad_buffers()
+        for g in self._grads.values():        # the segment may still hold the init's payload
+            g.fill(0.0)
+        for s in slots:                       # backward accumulates into the push segment itself
+            s.param.grad = torch.from_numpy(self._grads[s.name])
+        self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
+
+    def step(self, replica: Replica) -> None:
+        if self.client is None:
+            raise PSStrategyError("PSSyncStrategy.step before attach(replica)")
+        clock = self.client.clocks[0]
+        acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
+        self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
+                                   [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
+        for g in self._grads.values():        # acked: the shard has read them; start the next sum from zero
+            g.fill(0.0)
+        self._adopt(replica, read)
+        pushed = sum(g.nbytes for g in self._grads.values())
+        self.last_bytes = (pushed, sum(v.nbytes for v in read.params.values()))
+
+    @property
+    def dropped(self) -> bool:
+        """The last push was a late backup gradient (not applied)."""
+        return bool(self.history) and "dropped" in self.history[-1].status
+
+    def refresh(self, replica: Replica) -> None:
+        """Read the shards' current weights into the replica (e.g. after every worker has finished)."""
+        self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
+
+    def _adopt(self, replica: Replica, read: Any) -> None:
+        """Point every slot's data at the pulled (read-only) values: no copy."""
+        for s in replica.slots():
+            s.param.data = torch.from_numpy(read.params[s.name])
+        self.clock = int(read.clocks[0])
+
+    def shard_stats(self, series: bool = False) -> list[dict[str, Any]]:
+        """Per shard: version, clocks, staleness summary (histogram, per worker), waits, counters; with `series`
+        the shard's exact [[now, worker, tau, version], ...] of every update."""
+        if self.client is None:
+            raise PSStrategyError("shard_stats before attach(replica)")
+        return self.client.stats(series=series).result(self.timeout)
+
+    def close(self, replica: Replica | None = None) -> None:
+        """Disconnect; with `replica`, first give its weights and gradients memory of their own (the views die)."""
+        if replica is not None and self.client is not None:
+            for s in replica.slots():
+                s.param.data = s.param.data.clone()
+                s.param.grad = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None

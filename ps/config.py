@@ -1,0 +1,74 @@
+"""`ServerConfig`: everything one shard server needs, validated in one place (ps.server serves it, ps.processes
+starts one process per config, `pslab server` builds one from its flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from collectives.curve import is_loopback
+
+from .consistency import policy_from_string
+from .errors import CheckpointError, ConfigError
+from .optim import OptimizerSpec, optimizer_from_string
+
+
+@dataclass
+class ServerConfig:
+    """Everything a shard server needs; `bind` may end in ":0" (tcp) to pick a free port.
+
+    `optimizer` takes an `OptimizerSpec` or its string form ("adam:lr=1e-3"); either way the config holds the
+    parsed `OptimizerSpec` from construction on (a bad string raises ConfigError here).
+    """
+
+    bind: str = "tcp://127.0.0.1:0"
+    shard_id: int = 0
+    num_workers: int = 1
+    policy: str = "asp"
+    optimizer: OptimizerSpec | str = "sgd:lr=0.01"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0             # versions between automatic checkpoints (0: only on demand)
+    request_timeout: float = 120.0        # longest a pull may wait on the gate (0: forever)
+    idle_timeout: float = 0.0             # exit after this many seconds without any message (0: never)
+    max_message_bytes: int = 1 << 31
+    shm: bool = True                      # offer same-host clients the shared-memory payload path (shm_path.py)
+    curve_keys_dir: str | None = None     # CURVE encryption + authentication (required to bind beyond loopback)
+
+    def __post_init__(self) -> None:
+        self.optimizer = optimizer_from_string(self.optimizer)
+
+    @property
+    def spec(self) -> OptimizerSpec:
+        """`optimizer`, typed as the `OptimizerSpec` it holds (parsed if a string was assigned after construction)."""
+        return optimizer_from_string(self.optimizer)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the fix if this config cannot be served (policy, optimizer, bind, checkpoints)."""
+        policy_from_string(self.policy)
+        self.optimizer = optimizer_from_string(self.optimizer)
+        if not (self.bind.startswith("tcp://") or self.bind.startswith("ipc://")):
+            raise ConfigError(f"bind address {self.bind!r} must start with tcp:// or ipc://")
+        if self.num_workers < 1 or self.shard_id < 0 or self.checkpoint_every < 0:
+            raise ConfigError("num_workers must be >= 1, shard_id >= 0 and checkpoint_every >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("checkpoint_every needs checkpoint_dir")
+        host = self.bind[len("tcp://"):].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
+        if not is_loopback(host) and not self.curve_keys_dir:
+            raise ConfigError(f"binding to {self.bind} exposes the shard beyond this host: give curve_keys_dir "
+                              "(--curve-keys DIR; make one with collectives.curve.generate_keys and copy it to every "
+                              "host), or bind to 127.0.0.1")
+
+    def check_checkpoint(self, path: Any, meta: Mapping[str, Any]) -> None:
+        """Raise CheckpointError (naming the fix) if the checkpoint at `path` (its `meta`) was written by another
+        shard, for another number of workers, or under another policy or optimizer than this config's."""
+        if meta.get("shard_id") != self.shard_id or meta.get("num_workers") != self.num_workers:
+            raise CheckpointError(f"checkpoint {path} is for shard {meta.get('shard_id')} with "
+                                  f"{meta.get('num_workers')} workers, not shard {self.shard_id} with "
+                                  f"{self.num_workers}; use another checkpoint directory")
+        if str(policy_from_string(self.policy)) != meta.get("policy"):
+            raise CheckpointError(f"checkpoint {path} was written under policy {meta.get('policy')}, but this "
+                                  f"server runs {self.policy}; use the same policy or another directory")
+        if self.spec.to_dict() != meta["optimizer"]["spec"]:
+            raise CheckpointError(f"checkpoint {path} was written with optimizer "
+                                  f"{OptimizerSpec.from_dict(meta['optimizer']['spec']).to_string()}, but this "
+                                  f"server runs {self.spec.to_string()}; use the same optimizer or another directory")

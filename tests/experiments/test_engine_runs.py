@@ -1,0 +1,150 @@
+"""`pslab run` through the engines: every `[parallel]` layout that makes sense, under ring all-reduce and under the
+parameter server, on the text-transformer workload — one training loop for all of them.
+
+Parity: BSP (allreduce, ps-bsp) with any engine equals `local` (one process, the unsplit model, the K workers'
+gradients averaged) on the same batches: per-(worker, step) losses to float32 summation-order tolerance and the
+final test accuracy; ps-asp with one worker equals local with one worker. Every run writes metrics, a summary and
+bytes per step by kind, and each kind's measured bytes agree with its formula."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.results.rundir import read_jsonl
+from experiments.runner import execute
+from tests.experiments.conftest import small_config
+
+TF = ["workload.name=text-transformer", "workload.batch_size=8", "train.steps=4", "train.eval_every=4",
+      "train.lr=0.05", "train.optimizer=momentum"]
+
+# label -> (strategy, workers = dp degree, [parallel] overrides, the kinds of bytes it must report)
+LAYOUTS = {
+    "allreduce dp=2 overlap": ("allreduce", 2, ["parallel.overlap=true"], {"dp gradient sync"}),
+    "allreduce tp=2": ("allreduce", 1, ["parallel.tp=2"], {"tp activations"}),
+    "allreduce pp=2 1f1b m4": ("allreduce", 1, ["parallel.pp=2", "parallel.micro_batches=4"], {"pp boundaries"}),
+    "allreduce pp=2 gpipe ckpt": ("allreduce", 1, ["parallel.pp=2", "parallel.schedule=gpipe",
+                                                   "parallel.activation_checkpointing=true"], {"pp boundaries"}),
+    "allreduce zero=1": ("allreduce", 2, ["parallel.zero=1"], {"zero RS + AG"}),
+    "allreduce zero=2": ("allreduce", 2, ["parallel.zero=2"], {"zero RS + AG"}),
+    "allreduce zero=3": ("allreduce", 2, ["parallel.zero=3", "train.optimizer=adam", "train.lr=0.01"],
+                         {"zero RS + AG"}),
+    "allreduce dp=2 ckpt": ("allreduce", 2, ["parallel.activation_checkpointing=true"], {"dp gradient sync"}),
+    "allreduce dp=2 x tp=2": ("allreduce", 2, ["parallel.tp=2"], {"dp gradient sync", "tp activations"}),
+    "allreduce dp=2 x pp=2": ("allreduce", 2, ["parallel.pp=2"], {"dp gradient sync", "pp boundaries"}),
+    "ps-bsp dp=2": ("ps-bsp", 2, [], {"ps push + pull"}),
+    "ps-bsp tp=2": ("ps-bsp", 1, ["parallel.tp=2"], {"ps push + pull", "tp activations"}),
+    "ps-bsp pp=2": ("ps-bsp", 1, ["parallel.pp=2"], {"ps push + pull", "pp boundaries"}),
+    "ps-bsp dp=2 ckpt": ("ps-bsp", 2, ["parallel.activation_checkpointing=true"], {"ps push + pull"}),
+    "ps-bsp dp=2 x tp=2": ("ps-bsp", 2, ["parallel.tp=2"], {"ps push + pull", "tp activations"}),
+    "ps-bsp dp=2 x pp=2 2 shards": ("ps-bsp", 2, ["parallel.pp=2", "train.shards=2"],
+                                    {"ps push + pull", "pp boundaries"}),
+    "ps-asp 1 worker": ("ps-asp", 1, [], {"ps push + pull"}),
+}
+
+
+def _overrides(strategy: str, workers: int, extra: list[str]) -> list[str]:
+    return TF + [f"train.strategy={strategy}", f"train.workers={workers}"] + extra
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    out = {}
+    for label, (strategy, workers, extra, _) in LAYOUTS.items():
+        rd = execute(small_config(*_overrides(strategy, workers, extra)), root, label=label, quiet=True)
+        out[label] = (read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text()))
+    for label in {"local K=1", "local K=2", "local K=2 adam"}:
+        workers = 1 if "K=1" in label else 2
+        extra = ["train.optimizer=adam", "train.lr=0.01"] if "adam" in label else []
+        rd = execute(small_config(*_overrides("local", workers, extra)), root, label=label, quiet=True)
+        out[label] = (read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text()))
+    return out
+
+
+def _reference(label: str) -> str:
+    strategy, workers, extra, _ = LAYOUTS[label]
+    return f"local K={workers}" + (" adam" if "train.optimizer=adam" in extra else "")
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_every_layout_equals_the_single_process_reference(runs, label):
+    """Same (worker, step) rows and losses as local within 2e-6, and the same final test accuracy."""
+    ups, summary = runs[label]
+    ref_ups, ref_summary = runs[_reference(label)]
+    got = {(u["worker"], u["step"]): u["loss"] for u in ups}
+    ref = {(u["worker"], u["step"]): u["loss"] for u in ref_ups}
+    assert got.keys() == ref.keys(), label
+    assert max(abs(got[k] - ref[k]) for k in ref) < 2e-6, label
+    assert summary["final_test_acc"] == pytest.approx(ref_summary["final_test_acc"], abs=1e-6), label
+    assert summary["final_test_acc"] is not None and summary["updates"] == len(ref)
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_every_layout_reports_bytes_by_kind_next_to_the_formula(runs, label):
+    """The summary has the layout's kinds of communication; each measured figure is within 1 % of its formula
+    (pipeline runs add a few bytes per step: shape headers and the reported loss)."""
+    _, summary = runs[label]
+    kinds = {k: v for k, v in summary["bytes_by_kind"].items() if v["measured_per_step"] > 0}
+    assert set(kinds) == LAYOUTS[label][3], label
+    for kind, v in kinds.items():
+        assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=0.01), (label, kind)
+        assert v["formula"]
+
+
+def test_ps_runs_record_staleness_from_the_shards(runs):
+    """ps-bsp: every update has staleness 0 (the shard's series covers every record)."""
+    for label in ("ps-bsp dp=2", "ps-bsp dp=2 x tp=2", "ps-bsp dp=2 x pp=2 2 shards"):
+        assert {u["staleness"] for u in runs[label][0]} == {0}, label
+
+
+ACCEPTANCE = {
+    "allreduce tp=2": ["train.strategy=allreduce", "train.workers=1", "parallel.tp=2"],
+    "allreduce pp=2 m4 1f1b": ["train.strategy=allreduce", "train.workers=1", "parallel.pp=2",
+                               "parallel.micro_batches=4", "parallel.schedule=1f1b"],
+    "allreduce zero=3": ["train.strategy=allreduce", "train.workers=2", "parallel.zero=3"],
+    "allreduce dp=2 x tp=2": ["train.strategy=allreduce", "train.workers=2", "parallel.tp=2"],
+    "ps-asp pp=2": ["train.strategy=ps-asp", "train.workers=2", "parallel.pp=2"],
+    "ps-ssp:2 dp=2 x tp=2": ["train.strategy=ps-ssp:2", "train.workers=2", "parallel.tp=2"],
+}
+
+
+@pytest.mark.parametrize("label", list(ACCEPTANCE))
+def test_pslab_run_with_parallel_settings_writes_a_full_run_dir(tmp_path, capsys, label):
+    """`pslab run CONFIG --set parallel.x=...`: metrics for every (worker, step), test accuracy, a summary with
+    bytes by kind; under SSP(2) no update is more than 2 + (K-1)... bounded; staleness recorded for PS runs."""
+    from experiments.cli import main
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "text-transformer"\nbatch_size = 8\n[train]\nsteps = 4\neval_every = 4\n')
+    argv = ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"]
+    for s in ACCEPTANCE[label]:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    (rd,) = list((tmp_path / "runs").iterdir())
+    summary = json.loads((rd / "summary.json").read_text())
+    ups = read_jsonl(rd / "metrics.jsonl")
+    workers = int(next(s for s in ACCEPTANCE[label] if s.startswith("train.workers")).split("=")[1])
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(workers) for t in range(4)]
+    assert summary["final_test_acc"] is not None and summary["bytes_by_kind"]
+    assert (rd / "eval.jsonl").exists() and (rd / "config.toml").exists()
+    if "ps-" in label:
+        assert all(u["staleness"] is not None for u in ups)
+    if "ssp:2" in label:
+        assert max(u["staleness"] for u in ups) <= 2 * (workers - 1) + 2
+    assert "run directory:" in capsys.readouterr().out
+
+
+def test_compare_with_a_parallel_setting(tmp_path, capsys):
+    """`pslab compare --strategies ... --set parallel.tp=2` runs every strategy on the split model (local, the
+    reference, on the unsplit one) and reports them side by side."""
+    from experiments.cli import main
+    argv = ["compare", "--strategies", "local,allreduce,ps-bsp,ps-asp", "--no-straggler", "-q",
+            "--out", str(tmp_path / "cmp"), "--set", "workload.name=text-transformer", "--set", "parallel.tp=2",
+            "--set", "train.workers=2", "--set", "train.steps=4", "--set", "workload.batch_size=8",
+            "--set", "train.base_step_s=0", "--set", "train.eval_every=4"]
+    assert main(argv) == 0
+    report = (tmp_path / "cmp" / "report.md").read_text()
+    for label in ("| local |", "| allreduce[tp=2] |", "| ps-bsp[tp=2] |", "| ps-asp[tp=2] |"):
+        assert label in report, label
+    assert "bytes_by_kind.png" in report

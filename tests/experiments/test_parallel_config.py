@@ -1,0 +1,47 @@
+"""Bad `[parallel]` values: one line on stderr naming the key and the fix, exit 1, before any process starts —
+a test per rule (config.py checks what needs no model, strategies/build.py:check_layout the rest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.cli import main
+
+TF = ["--set", "workload.name=text-transformer"]
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["parallel.tp=0"], "parallel.tp must be a positive integer"),
+    (["parallel.pp=-1"], "parallel.pp must be a positive integer"),
+    (["parallel.micro_batches=0"], "parallel.micro_batches must be a positive integer"),
+    (["parallel.schedule=zigzag"], "parallel.schedule must be one of gpipe, 1f1b"),
+    (["parallel.zero=4", "train.strategy=allreduce"], "parallel.zero must be 0, 1, 2 or 3"),
+    (["parallel.zero=1"], "use train.strategy = allreduce"),
+    (["parallel.zero=2", "train.strategy=allreduce", "parallel.tp=2"], "set parallel.tp = 1 and parallel.pp = 1"),
+    (["parallel.zero=1", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
+     "not available with parallel.zero"),
+    (["parallel.tp=2", "parallel.pp=2"], "not supported yet"),
+    (["parallel.tp=2", "parallel.activation_checkpointing=true"], "not with parallel.tp > 1"),
+    (["parallel.overlap=true"], "needs train.strategy = allreduce"),
+    (["parallel.overlap=true", "train.strategy=allreduce", "parallel.pp=2"], "applies to the data-parallel engine"),
+    (["parallel.pp=2", "parallel.micro_batches=64"], "exceeds workload.batch_size"),
+    (["train.strategy=local", "parallel.tp=2"], "strategy local is one process"),
+    (["parallel.tp=2", "simulate.enabled=true"], "the simulator models data parallelism only"),
+    (["parallel.tp=3"], "must divide the attention heads (4)"),
+    (["parallel.tp=2", "workload.name=digits-mlp"], "use workload.name = text-transformer"),
+    (["parallel.pp=5"], "exceeds the 4 layers of text-transformer"),
+    (["parallel.pp=2", "train.strategy=ps-bsp-backup:1"], "ps-bsp-backup picks"),
+    (["train.engine=data"], "replaced by the [parallel] section"),
+    (["parallel.tp=two"], "parallel.tp must be an integer"),
+    (["parallel.nope=1"], "unknown key parallel.nope"),
+])
+def test_bad_parallel_value_is_one_line_and_exit_1(tmp_path, capsys, sets, fragment):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[train]\nstrategy = "ps-asp"\nworkers = 2\n')
+    argv = ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"] + TF
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pslab: error:") and fragment in err[0], err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing started
