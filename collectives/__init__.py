@@ -11,6 +11,22 @@
 
     group = collectives.init_process_group(backend="zmq")   # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
 
+Where each mechanism lives:
+
+    wire.py          the message format: msgpack header + one raw frame per tensor, validated against WireLimits
+    transport.py     one ZeroMQ PULL socket per rank, a PUSH per peer; ipc:// on one host, tcp:// otherwise;
+                     mailbox of early arrivals; host identity (which peers share memory)
+    shm.py           same-host payloads through shared-memory segments (ZeroMQ carries only the headers)
+    curve.py         CURVE keys: generate, load, serve/connect encrypted + authenticated sockets; loopback test
+    group.py         the ProcessGroup API (torch.distributed names and in-place semantics), chunk_bounds
+    zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p
+    ring.py          ring reduce-scatter / all-gather / all-reduce as one pipelined, streamed ring pass
+    torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors)
+    init.py          init_process_group: rendezvous through torch.distributed.TCPStore (torchrun variables)
+    launcher.py      launch(fn, world_size): N local processes, first failure ends all, hung-rank stacks
+    traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
+    errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, LaunchError, ...
+
 This package knows nothing of parameter servers or models.
 """
 

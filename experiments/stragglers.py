@@ -63,6 +63,8 @@ class StragglerModel:
     def step_time(self, worker: int, step: int, base_s: float) -> float:
         """Seconds that worker `worker`'s step `step` takes when its undisturbed compute takes `base_s`."""
         c = self.cfg
+        if not c.active:
+            return float(base_s)          # no draws needed: the same value the general path gives
         rng = np.random.default_rng([self.seed, 0x57A6, worker, step])
         u, v = rng.random(), rng.standard_normal()  # always draw both: draws don't depend on the config branch
         t = base_s * self.factor(worker)

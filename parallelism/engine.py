@@ -107,7 +107,8 @@ def allreduce_grads(dp: Comm, slots: list[ParamSlot], site: str = "grads") -> No
     """Average the slots' gradients over `dp` with one flat all-reduce (missing grads count as zero)."""
     if dp.size == 1 or not slots:
         return
-    flat = torch.cat([(s.grad if s.grad is not None else torch.zeros_like(s.param)).reshape(-1) for s in slots])
+    flat = torch.cat([(s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param)).reshape(-1)
+                      for s in slots])    # to_dense: a sparse gradient (an embedding's) is all-reduced densely
     dp.all_reduce(flat, "sum", site=site)
     flat.mul_(1.0 / dp.size)
     off = 0

@@ -82,20 +82,20 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
         raise
 
 
-class PslabSystem:
-    """Shard servers + K worker processes, idle between windows."""
+class _Processes:
+    """K timed worker processes reporting (rank, window, t0, t1) on a queue; the parent opens each window through a
+    barrier of `parties`. Subclasses start the processes (and whatever serves them)."""
 
-    def __init__(self, workers: int, shards: int, shapes: dict, updates: int, reps: int, transport: str) -> None:
-        from ps.server import start_servers
+    label = ""
+
+    def __init__(self, workers: int, updates: int, parties: int) -> None:
         ctx = mp.get_context("spawn")
-        self.label = f"pslab ({shards} shard{'s' if shards > 1 else ''})"
-        self.workers, self.updates = workers, updates
-        self.servers = start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=900)
-        self.out = ctx.Queue()
-        self.barrier = ctx.Barrier(workers + 1)
-        self.procs = [ctx.Process(target=_pslab_worker, args=(w, self.servers.addresses, shapes, updates, reps,
-                                                              self.barrier, self.out), daemon=True)
-                      for w in range(workers)]
+        self.ctx, self.workers, self.updates = ctx, workers, updates
+        self.out, self.barrier = ctx.Queue(), ctx.Barrier(parties)
+        self.procs: list[Any] = []
+
+    def _start(self, target: Any, argsets: list[tuple]) -> None:
+        self.procs = [self.ctx.Process(target=target, args=a, daemon=True) for a in argsets]
         for p in self.procs:
             p.start()
 
@@ -104,11 +104,29 @@ class PslabSystem:
         return _collect(self.out, r, self.workers, self.updates)
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs] + [p.pid for p in self.servers.processes if p is not None]
+        return [p.pid for p in self.procs]
 
     def stop(self) -> None:
         _signal(self.pids(), signal.SIGCONT)
         _stop(self.procs)
+
+
+class PslabSystem(_Processes):
+    """Shard servers + K worker processes, idle between windows."""
+
+    def __init__(self, workers: int, shards: int, shapes: dict, updates: int, reps: int, transport: str) -> None:
+        from ps import start_servers
+        super().__init__(workers, updates, workers + 1)
+        self.label = f"pslab ({shards} shard{'s' if shards > 1 else ''})"
+        self.servers = start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=900)
+        self._start(_pslab_worker, [(w, self.servers.addresses, shapes, updates, reps, self.barrier, self.out)
+                                    for w in range(workers)])
+
+    def pids(self) -> list[int]:
+        return super().pids() + [p.pid for p in self.servers.processes if p is not None]
+
+    def stop(self) -> None:
+        super().stop()
         self.servers.stop()
 
 
@@ -174,33 +192,16 @@ def _rpc_proc(rank: int, world: int, port: int, shapes: dict, updates: int, reps
         raise
 
 
-class RpcSystem:
+class RpcSystem(_Processes):
     """torch.distributed.rpc: one PS process + K worker processes (TensorPipe), idle between windows."""
 
     label = "torch.distributed.rpc"
 
     def __init__(self, workers: int, shapes: dict, updates: int, reps: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.workers, self.updates = workers, updates
-        self.out = ctx.Queue()
-        self.barrier = ctx.Barrier(2)
+        super().__init__(workers, updates, 2)
         port = _free_port()
-        self.procs = [ctx.Process(target=_rpc_proc, args=(r, workers + 1, port, shapes, updates, reps,
-                                                          self.barrier, self.out), daemon=True)
-                      for r in range(workers + 1)]
-        for p in self.procs:
-            p.start()
-
-    def window(self, r: int) -> float:
-        self.barrier.wait(600)
-        return _collect(self.out, r, self.workers, self.updates)
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def stop(self) -> None:
-        _signal(self.pids(), signal.SIGCONT)
-        _stop(self.procs)
+        self._start(_rpc_proc, [(r, workers + 1, port, shapes, updates, reps, self.barrier, self.out)
+                                for r in range(workers + 1)])
 
 
 # ---------------------------------------------------------------------------------------------- common

@@ -1,1 +1,3 @@
-"""Sub-commands of `pslab`: each module has register(subparsers) and run(args) -> int."""
+"""Sub-commands of `pslab`, one module each with register(subparsers) and run(args) -> int: compare.py, run.py,
+sweep.py, report.py, server.py (one PS shard in the foreground), schedule.py (pipeline timelines), bench.py;
+common.py holds the arguments several share."""

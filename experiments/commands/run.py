@@ -1,4 +1,11 @@
-"""`pslab run CONFIG.toml [--set key=value ...] [--simulate]`: one run, written to a run directory."""
+"""`pslab run CONFIG.toml [--set key=value ...] [--simulate]`: one run, written to a run directory.
+
+    pslab run experiments/configs/compare_default.toml --set train.strategy=ps-ssp:2
+    pslab run experiments/configs/transformer_tp.toml --set parallel.tp=2 --set train.workers=2    # dp=2 x tp=2
+
+The run starts train.workers x parallel.tp x parallel.pp processes (train.workers is the data-parallel degree) and
+prints the accuracy, the staleness and the bytes per step by kind next to their formulas.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ from experiments.commands.common import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run one config (real processes, or --simulate) into a run directory")
+    p = sub.add_parser("run", help="run one config (real processes, or --simulate) into a run directory",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, config_required=True)
     p.add_argument("--out", default="runs", help="parent directory of the run directory (default: runs)")
     p.add_argument("--label", default=None, help="name of the run (default: strategy and conditions)")
@@ -32,5 +40,9 @@ def run(args: argparse.Namespace) -> int:
           f"test accuracy {100 * acc:.1f}%" if acc is not None else "", end="")
     if s.get("staleness_mean") is not None:
         print(f", staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}", end="")
-    print(f"\nrun directory: {rd.path}")
+    for kind, v in (s.get("bytes_by_kind") or {}).items():
+        model = v.get("model_per_step")
+        print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
+              + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
+    print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path})")
     return 0

@@ -29,12 +29,13 @@ SMALL_BYTES = 32 << 10     # collectives.zmq_group: all-reduces up to this size 
 KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull"}
 
 
-def _allreduce(nbytes: float, n: int) -> tuple[float, str]:
+def _allreduce(nbytes: float, n: int, N: str, S: str) -> tuple[float, str]:
+    """Bytes one rank sends to all-reduce `nbytes` over `n` ranks, and the rule in the names N and S."""
     if n <= 1:
         return 0.0, "0"
     if nbytes <= SMALL_BYTES:
-        return (n - 1) * nbytes, "(N−1)·S, direct exchange for S ≤ 32 KiB"
-    return 2 * (n - 1) / n * nbytes, "2(N−1)/N·S, ring"
+        return (n - 1) * nbytes, f"({N}−1)·{S}, direct exchange ({S} ≤ 32 KiB)"
+    return 2 * (n - 1) / n * nbytes, f"2({N}−1)/{N}·{S}, ring"
 
 
 def _activations(wl: Workload, cfg: RunConfig) -> list[int]:
@@ -60,15 +61,17 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
             k = 3 if p.zero == 3 else 2
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes), f"Σ_r {k}(D−1)/D·S (S: the full model's bytes)")
         else:
-            parts = [_allreduce(s, D) for s in slot_bytes]
+            parts = [_allreduce(s, D, "D", "S_r") for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
     acts = _activations(wl, cfg) if (p.tp > 1 or p.pp > 1) else []
     if p.tp > 1:
         from parallelism.models import Attention, MLP
         blocks = sum(1 for m in wl.make_model().modules() if isinstance(m, (Attention, MLP)))
         a = acts[1] if len(acts) > 1 else acts[0]
-        per, rule = _allreduce(a, p.tp)
-        out["tp activations"] = (D * p.tp * blocks * 2 * per, f"D·T · 2 per block (fwd g, bwd f) · {rule}")
+        per, rule = _allreduce(a, p.tp, "T", "A")
+        out["tp activations"] = (D * p.tp * blocks * 2 * per,
+                                 f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and "
+                                 f"MLP) · {rule}; A = b·S·d·4 B")
     if p.pp > 1:
         from parallelism.pipeline import split_stages
         bounds = split_stages(wl.make_model(), p.pp)

@@ -35,7 +35,7 @@ class UpdateRecord:
     dropped: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dict(self.__dict__)       # flat fields: no deep copy needed
         if not self.dropped:
             del d["dropped"]
         return d

@@ -20,7 +20,8 @@ Nothing is copied on the worker (same host, shared-memory path): at attach every
 the client's push segment (`client.grad_buffers()`), so backward accumulates straight into what is pushed; a step
 is one `push_pull(copy=False)` — push clock c, read at c+1 (waits at the consistency gate under BSP/SSP) — whose
 weights arrive as read-only views of the shard's reply segment, and each slot's `.data` is pointed at them (valid
-until the next read, which only this strategy makes). The buffers are then zeroed for the next backward.
+until the next read, which only this strategy makes). Then what backward wrote is zeroed for the next one: whole
+buffers for dense gradients, only the touched rows for sparse ones (a gradient hook notes which).
 (A tensor split across two shards is reassembled into one reused buffer, and a shard without the shared-memory
 path sends frames: then the client copies, the worker still does not.)
 """
@@ -73,6 +74,8 @@ class PSSyncStrategy:
     clock: int = field(default=0, init=False)                      # this worker's clock (backup-BSP may move it up)
     last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step
     _grads: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _touched: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def attach(self, replica: Replica) -> None:
         import ps
@@ -104,6 +107,7 @@ class PSSyncStrategy:
             g.fill(0.0)
         for s in slots:                       # backward accumulates into the push segment itself
             s.param.grad = torch.from_numpy(self._grads[s.name])
+            self._hooks.append(s.param.register_hook(self._touch(s.name)))
         self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
 
     def step(self, replica: Replica) -> None:
@@ -113,11 +117,30 @@ class PSSyncStrategy:
         acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
         self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
-        for g in self._grads.values():        # acked: the shard has read them; start the next sum from zero
-            g.fill(0.0)
+        self._zero()                          # acked: the shard has read them; start the next sum from zero
         self._adopt(replica, read)
         pushed = sum(g.nbytes for g in self._grads.values())
         self.last_bytes = (pushed, sum(v.nbytes for v in read.params.values()))
+
+    def _touch(self, name: str) -> Any:
+        """A gradient hook that notes what backward writes: a sparse gradient's rows, or 'all' for a dense one."""
+        def hook(g: torch.Tensor) -> None:
+            if g.is_sparse and self._touched.get(name) != "all":
+                self._touched.setdefault(name, []).append(g._indices()[0])
+            else:
+                self._touched[name] = "all"
+        return hook
+
+    def _zero(self) -> None:
+        """Zero what the last backward wrote: whole buffers for dense gradients, only the touched rows for sparse
+        ones (an embedding's step touches a few rows of a large table: no 4 MB memset per step)."""
+        for name, rows in self._touched.items():
+            buf = self._grads[name]
+            if rows == "all":
+                buf.fill(0.0)
+            else:
+                buf[torch.cat(rows).numpy()] = 0.0
+        self._touched.clear()
 
     @property
     def dropped(self) -> bool:
@@ -147,6 +170,9 @@ class PSSyncStrategy:
             for s in replica.slots():
                 s.param.data = s.param.data.clone()
                 s.param.grad = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         if self.client is not None:
             self.client.close()
             self.client = None

