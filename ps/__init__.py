@@ -4,6 +4,22 @@ Layers: `ShardState` is the sans-IO core (no sockets, no clock: callers pass `no
 ZeroMQ ROUTER loop, one process per shard; `ps.client` is the worker side (DEALER per shard, futures). The
 experiments' simulator wraps the very same `ShardState` in virtual time.
 
+Where each mechanism lives:
+
+    shard.py        ShardState: params, version, clocks, the consistency gate, push/read, state_dict
+    consistency.py  ASP / BSP / SSP(s) / BackupBSP: when a read may proceed, whether a clock is averaged
+    optim.py        OptimizerSpec (the one optimizer description) and the server-side SGD / momentum / Adam,
+                    staleness-aware lr, DC-ASGD
+    staleness.py    StalenessStats: the exact (worker, tau, version) series, histograms, waits, drops
+    partition.py    names + shapes -> shards, balanced by bytes, big tensors split into flat ranges
+    config.py       ServerConfig (bind address, policy, optimizer, checkpoints, timeouts, CURVE), validated
+    server.py       ShardServer: the ZeroMQ ROUTER loop around one ShardState; parked reads; `serve`
+    processes.py    start_servers / ServerGroup: the one way to start shard processes (slot groups, fork/spawn)
+    client.py       PSClient / connect: DEALER per shard, push / pull / push_pull futures, grad_buffers
+    futures.py      the futures the client returns (driven by the waiting thread)
+    shm_path.py     the same-host shared-memory payload path, negotiated and proven at register
+    protocol.py     message fields and limits;  checkpoint.py  atomic checksummed checkpoints;  errors.py
+
 Public API
 ----------
 Core (sans-IO)::

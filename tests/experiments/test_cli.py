@@ -185,6 +185,34 @@ def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
     assert summary["role"] == "torchrun" and summary["shard_staleness_max"] == 0
 
 
+@pytest.mark.timeout(150)
+def test_torchrun_runs_a_split_model_under_the_parameter_server(tmp_path):
+    """4 torchrun processes with parallel.tp = 2 are 2 data-parallel workers of 2 tensor-parallel ranks each: rank 0
+    starts one shard set per tp coordinate, the run has both workers' updates with SSP(1)-bounded staleness, test
+    accuracy from the reassembled model, and bytes by kind for the PS and the tp all-reduces."""
+    run = torchrun_pslab(tmp_path, 4, '[workload]\nname = "text-transformer"\nbatch_size = 8\n[train]\n'
+                                      'strategy = "ps-ssp:1"\nsteps = 4\neval_every = 4\ntimeout_s = 90\n'
+                                      '[parallel]\ntp = 2\n', "tprole")
+    from experiments.results.rundir import read_jsonl
+    ups = read_jsonl(run / "metrics.jsonl")
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(4)]
+    assert all(u["staleness"] is not None and u["staleness"] <= 2 for u in ups)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["final_test_acc"] is not None
+    assert {"ps push + pull", "tp activations"} <= set(summary["bytes_by_kind"])
+
+
+def test_torchrun_with_a_world_that_does_not_fit_the_layout_is_one_line(tmp_path, capsys, monkeypatch):
+    """WORLD_SIZE must be a multiple of tp x pp: 3 processes for tp = 2 is one error line, exit 1."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[workload]\nname = "text-transformer"\n[train]\nstrategy = "allreduce"\n[parallel]\ntp = 2\n')
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "runs")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "start a multiple of 2 processes" in err[0], err
+
+
 def test_torchrun_beyond_loopback_needs_curve_keys(tmp_path, capsys, monkeypatch):
     """PSLAB_BIND_HOST beyond loopback without PSLAB_CURVE_KEYS: one error line, exit 1, nothing started."""
     cfg = tmp_path / "c.toml"
