@@ -107,7 +107,8 @@ class ZeroReplica:
 
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            self.shards[name].grad.add_(self._reduce_scatter_grad(name, p.grad))
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
+            self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
             p.grad = None                      # the full gradient is freed as soon as it is reduced
             if self.stage == 3:
                 unit = self._unit_of[name]
@@ -188,6 +189,8 @@ class ZeroReplica:
                 a, b = self.bounds[n]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
                 flat = p.grad.view(-1)
                 flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
                 self.shards[n].grad = flat[a:b]

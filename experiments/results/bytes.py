@@ -50,6 +50,18 @@ def _activations(wl: Workload, cfg: RunConfig) -> list[int]:
     return out
 
 
+def _replicated_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters tensor parallelism does not split: all but qkv, proj.weight, fc1, fc2.weight."""
+    from parallelism.models import MLP, Attention
+    split = set()
+    for m in model.modules():
+        if isinstance(m, Attention):
+            split |= {id(m.qkv.weight), id(m.qkv.bias), id(m.proj.weight)}
+        elif isinstance(m, MLP):
+            split |= {id(m.fc1.weight), id(m.fc1.bias), id(m.fc2.weight)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in split)
+
+
 def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, tuple[float, str]]:
     """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout."""
     p, D = cfg.parallel, cfg.train.workers
@@ -69,9 +81,13 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
         blocks = sum(1 for m in wl.make_model().modules() if isinstance(m, (Attention, MLP)))
         a = acts[1] if len(acts) > 1 else acts[0]
         per, rule = _allreduce(a, p.tp, "T", "A")
-        out["tp activations"] = (D * p.tp * blocks * 2 * per,
-                                 f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and "
-                                 f"MLP) · {rule}; A = b·S·d·4 B")
+        total = D * p.tp * blocks * 2 * per
+        formula = (f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and MLP) · {rule}; "
+                   f"A = b·S·d·4 B")
+        if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
+            total += D * (p.tp - 1) * _replicated_bytes(wl.make_model())
+            formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
+        out["tp activations"] = (total, formula)
     if p.pp > 1:
         from parallelism.pipeline import split_stages
         bounds = split_stages(wl.make_model(), p.pp)

@@ -5,7 +5,8 @@ runner (the training loop, the PS simulator, the all-reduce simulator) — and t
     clock       step + 1                                   time_s  seconds since the start barrier (or virtual)
     loss        training loss on batch(worker, step)       batch   digest of that batch's example indices
     staleness   τ = (version when applied) − (version read); 0 for all-reduce and local; None if never applied
-    bytes_sent / bytes_recv   payload bytes this worker moved for this update
+    bytes_sent / bytes_recv   payload bytes this update moved on the worker's first rank (pp = tp = 0): its process
+                groups as the backend counted them, plus PS push / pull (all ranks: summary.json bytes_by_kind)
     wait_s      time blocked synchronising (PS gate + transfer, or the all-reduce waiting for peers)
     dropped     true for a backup-BSP gradient that arrived after its clock closed (not applied)
 

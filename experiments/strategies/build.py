@@ -41,6 +41,9 @@ def world_size(cfg: RunConfig) -> int:
 def check_layout(cfg: RunConfig, wl: Workload) -> None:
     """Raise ConfigError if the model cannot be split as [parallel] asks."""
     p = cfg.parallel
+    if cfg.strategy.kind == "ps-bsp-backup" and cfg.train.shards > 1:
+        raise ConfigError("ps-bsp-backup picks the first N gradients of each clock on each shard, and two shards could "
+                          "pick different workers (half a gradient applied): use train.shards = 1")
     if cfg.strategy.kind == "ps-bsp-backup" and p.model_parallel > 1:
         raise ConfigError("ps-bsp-backup picks the first N gradients of each clock per shard set; with tp or pp > 1 "
                           "the stages' shard sets could pick different workers: use parallel.tp = parallel.pp = 1")
@@ -103,4 +106,5 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     from experiments.strategies.ps import PSSyncStrategy, slot_group
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
-    return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir)
+    return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
+                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None)

@@ -48,9 +48,10 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
     workers = list(range(K)) if getattr(strategy, "plays_all_workers", False) else [mesh.coord("dp")]
     writer = mesh.coord("pp") == 0 and mesh.coord("tp") == 0
     rd = RunDir(run_path)
-    records = JsonlWriter(rd.part_path("metrics", group.rank)) if writer else None
-    ev = _Evaluator(cfg, wl, replica, mesh, JsonlWriter(rd.part_path("eval", 0)) if group.rank == 0 else None)
+    records = _fresh_writer(rd.part_path("metrics", group.rank)) if writer else None
+    ev = _Evaluator(cfg, wl, replica, mesh, _fresh_writer(rd.part_path("eval", 0)) if group.rank == 0 else None)
     straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
+    agree = cfg.stragglers.active and cfg.parallel.model_parallel > 1
     try:
         ev.evaluate(0, 0.0)
         group.barrier()
@@ -68,6 +69,11 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
                 done.append((w, replica.forward_backward(x, y), batch_digest(idx)))
             compute = (time.perf_counter() - tc) / len(workers)     # local's K passes would run in parallel
             # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(compute, base)) ---
+            if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first rank's start to
+                pre = _traffic(mesh)   # the last one's end (per-rank spans would include the peers' padding)
+                start, compute = _span_over(mesh.group("mp"), tc, time.perf_counter())
+                before = _shift(before, pre, _traffic(mesh))      # those 16 bytes are not the step's traffic
+                tc = start
             target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in workers)
             left = target - (time.perf_counter() - tc)
             if left > 0:
@@ -92,10 +98,11 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
                                        dropped=bool(getattr(strategy, "dropped", False)))
                     records.write(rec.to_json())
             # -- phase 5: evaluation every eval_every updates (K updates per step) --------------------------------
-            ev.maybe(step * K, (step + 1) * K, now)
-            step = max(step + 1, getattr(strategy, "clock", 0))   # backup-BSP may move a worker past a clock
+            nxt = max(step + 1, getattr(strategy, "clock", 0))    # backup-BSP may move a worker past a clock
+            ev.maybe(step * K, min(nxt, t.steps) * K, now)
+            step = nxt
         group.barrier()                                  # everyone has pushed everything
-        return _finish(cfg, group, mesh, replica, strategy, ev, t0, measured, step)
+        return _finish(cfg, group, mesh, replica, strategy, ev, t0, measured, min(step, t.steps))
     finally:
         if records is not None:
             records.close()
@@ -110,7 +117,8 @@ def _finish(cfg: RunConfig, group: Any, mesh: Any, replica: Any, strategy: Any, 
             measured: dict[str, int], steps: int) -> dict[str, Any]:
     """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards' stats."""
     out: dict[str, Any] = {"rank": group.rank, "bytes_sent": measured, "steps": steps,
-                           "slot_bytes": sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
+                           "slot_bytes": getattr(strategy, "pushed_bytes", None)
+                           or sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
     if hasattr(strategy, "refresh"):
         strategy.refresh(replica)
         if group.rank == 0:
@@ -120,6 +128,12 @@ def _finish(cfg: RunConfig, group: Any, mesh: Any, replica: Any, strategy: Any, 
     ev.evaluate(steps * cfg.train.workers, time.time() - t0, final=True, changed=cfg.strategy.uses_ps)
     group.barrier()
     return out
+
+
+def _fresh_writer(path: Any) -> JsonlWriter:
+    """A part file of this run only (a crashed run's leftovers in a reused directory are not appended to)."""
+    path.unlink(missing_ok=True)
+    return JsonlWriter(path)
 
 
 class _Evaluator:
@@ -155,12 +169,30 @@ class _Evaluator:
         if state is None:
             return None
         model = self.wl.make_model()
-        model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)   # parameters only, no buffers
+        names = {n for n, _ in model.named_parameters()}
+        if unexpected or names & set(missing):
+            raise RuntimeError(f"reassembled model does not match the workload's: missing {sorted(names & set(missing))[:4]}"
+                               f", unexpected {sorted(unexpected)[:4]}")
         return model
 
     def close(self) -> None:
         if self.out is not None:
             self.out.close()
+
+
+def _span_over(group: Any, start: float, end: float) -> tuple[float, float]:
+    """(earliest start, latest end − earliest start) over the group, on the host's monotonic clock (perf_counter
+    is CLOCK_MONOTONIC, shared by the processes of one host; a model-parallel group lives on one host)."""
+    t = torch.tensor([-start, end], dtype=torch.float64)
+    group.all_reduce(t, op="max")
+    return -float(t[0]), float(t[1] + t[0])
+
+
+def _shift(before: dict[str, tuple[int, int]], a: dict[str, tuple[int, int]],
+           b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """`before` moved by what happened between snapshots a and b (so it is not counted)."""
+    return {k: (v[0] + b[k][0] - a[k][0], v[1] + b[k][1] - a[k][1]) for k, v in before.items()}
 
 
 def _groups(mesh: Any) -> list[Any]:

@@ -24,6 +24,12 @@ until the next read, which only this strategy makes). Then what backward wrote i
 buffers for dense gradients, only the touched rows for sparse ones (a gradient hook notes which).
 (A tensor split across two shards is reassembled into one reused buffer, and a shard without the shared-memory
 path sends frames: then the client copies, the worker still does not.)
+
+With tp > 1 the tensors every tp rank holds whole (LayerNorm, embeddings, row-parallel biases) live only on the
+tp-rank-0 shard set: tp rank 0 pushes their gradient (equal on every tp rank) and broadcasts their new values to its
+tp peers after each read — one copy, on the tensor-parallel link, so the peers never train on a different version.
+Pulled weights lie in read-only shared memory: nothing may write a parameter in place while attached (the shards
+run the optimizer); a write would fault. `close(replica)` gives them memory of their own again.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from parallelism.engine import Replica
 from parallelism.mesh import DeviceMesh
 
 # the pulled weights are read-only views (the worker never writes its weights: the shards run the optimizer)
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
 
 
 class PSStrategyError(ExperimentError):
@@ -69,6 +75,7 @@ class PSSyncStrategy:
     addresses: Sequence[str]
     timeout: float = 60.0
     curve_keys_dir: str | None = None
+    tp_group: Any = None          # with tp > 1: the tensor-parallel group, to share the replicated tensors
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
     clock: int = field(default=0, init=False)                      # this worker's clock (backup-BSP may move it up)
@@ -76,6 +83,7 @@ class PSSyncStrategy:
     _grads: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _touched: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
+    _shared: list[str] = field(default_factory=list, init=False, repr=False)
 
     def attach(self, replica: Replica) -> None:
         import ps
@@ -86,6 +94,9 @@ class PSSyncStrategy:
             raise PSStrategyError(f"a replica must expose distinct, non-empty slot names to push by; got {names[:8]}")
         self.close()
         worker, workers = replica.dp.rank, replica.dp.size
+        self._shared = [s.name for s in slots if self.tp_group is not None and "#tp" not in s.name]
+        if self.tp_group is not None and self.tp_group.rank > 0:
+            slots = [s for s in slots if s.name not in self._shared]     # tp rank 0's shard set holds them
         params = {s.name: s.param.detach() for s in slots}
         fix = "start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size " \
               "(ps.start_servers(..., groups=pp * tp))"
@@ -110,6 +121,10 @@ class PSSyncStrategy:
             self._hooks.append(s.param.register_hook(self._touch(s.name)))
         self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
 
+    def _pushed(self, replica: Replica) -> list[Any]:
+        """The slots this rank pushes and pulls: all of them, except on tp ranks > 0 the replicated ones."""
+        return [s for s in replica.slots() if s.name in self._grads]
+
     def step(self, replica: Replica) -> None:
         if self.client is None:
             raise PSStrategyError("PSSyncStrategy.step before attach(replica)")
@@ -119,8 +134,7 @@ class PSSyncStrategy:
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         self._zero()                          # acked: the shard has read them; start the next sum from zero
         self._adopt(replica, read)
-        pushed = sum(g.nbytes for g in self._grads.values())
-        self.last_bytes = (pushed, sum(v.nbytes for v in read.params.values()))
+        self.last_bytes = (self.pushed_bytes, sum(v.nbytes for v in read.params.values()))
 
     def _touch(self, name: str) -> Any:
         """A gradient hook that notes what backward writes: a sparse gradient's rows, or 'all' for a dense one."""
@@ -143,6 +157,11 @@ class PSSyncStrategy:
         self._touched.clear()
 
     @property
+    def pushed_bytes(self) -> int:
+        """Bytes of the gradients this rank pushes each step (its slots, less replicated ones on tp ranks > 0)."""
+        return sum(g.nbytes for g in self._grads.values())
+
+    @property
     def dropped(self) -> bool:
         """The last push was a late backup gradient (not applied)."""
         return bool(self.history) and "dropped" in self.history[-1].status
@@ -152,10 +171,25 @@ class PSSyncStrategy:
         self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
 
     def _adopt(self, replica: Replica, read: Any) -> None:
-        """Point every slot's data at the pulled (read-only) values: no copy."""
-        for s in replica.slots():
+        """Point every pushed slot's data at the pulled (read-only) values: no copy. With tp > 1, tp rank 0 then
+        broadcasts the replicated tensors (LayerNorm, embeddings, row-parallel biases) to its tp peers, so every tp
+        rank of a worker computes with the same copy even when ASP/SSP reads race with other workers' pushes."""
+        for s in self._pushed(replica):
             s.param.data = torch.from_numpy(read.params[s.name])
         self.clock = int(read.clocks[0])
+        if self._shared:
+            shared = [s for s in replica.slots() if s.name in self._shared]
+            root = self.tp_group.rank == 0
+            flat = torch.cat([s.param.detach().reshape(-1) for s in shared]) if root else \
+                torch.empty(sum(s.param.numel() for s in shared))
+            self.tp_group.broadcast(flat, src=0)
+            if not root:
+                off = 0
+                for s in shared:
+                    with torch.no_grad():
+                        s.param.copy_(flat[off:off + s.param.numel()].view_as(s.param))
+                    s.param.grad = None              # computed like tp rank 0's, which pushes it
+                    off += s.param.numel()
 
     def shard_stats(self, series: bool = False) -> list[dict[str, Any]]:
         """Per shard: version, clocks, staleness summary (histogram, per worker), waits, counters; with `series`

@@ -152,13 +152,16 @@ def test_compare_with_a_parallel_setting(tmp_path, capsys):
 
 def test_sparse_gradients_take_every_path(tmp_path):
     """bow-1m's embedding has sparse gradients: local (accumulated sparse), allreduce (densified for the flat
-    all-reduce, and accumulated into dense buckets with overlap) and ps-bsp (accumulated into the push segment,
+    all-reduce, and accumulated into dense buckets with overlap), ZeRO (densified before the reduce-scatter) and
+    ps-bsp (accumulated into the push segment,
     only the touched rows zeroed after each push) all train the same model from the same batches."""
     base = ["workload.name=bow-1m", "workload.batch_size=8", "train.workers=2", "train.steps=5", "train.lr=0.5",
             "train.eval_every=10"]
     out = {}
     for label, extra in {"local": ["train.strategy=local"], "allreduce": ["train.strategy=allreduce"],
                          "overlap": ["train.strategy=allreduce", "parallel.overlap=true"],
+                         "zero=1": ["train.strategy=allreduce", "parallel.zero=1"],
+                         "zero=3": ["train.strategy=allreduce", "parallel.zero=3"],
                          "ps-bsp": ["train.strategy=ps-bsp"]}.items():
         rd = execute(small_config(*base, *extra), tmp_path, label=label, quiet=True)
         out[label] = ({(u["worker"], u["step"]): u["loss"] for u in read_jsonl(rd.metrics_path)},
@@ -168,3 +171,13 @@ def test_sparse_gradients_take_every_path(tmp_path):
         assert losses.keys() == ref.keys() and max(abs(losses[k] - ref[k]) for k in ref) < 1e-5, label
         assert acc == pytest.approx(ref_acc, abs=1e-6), label
     assert len(set(ref.values())) > 5            # it trained: the losses move
+
+
+@pytest.mark.timeout(120)
+def test_a_straggler_in_a_split_model_slows_it_without_compounding(tmp_path):
+    """A 3x straggler on worker 1 of a pipeline (dp=2 x pp=2): its two stage ranks pad to one deadline, so the run
+    finishes (per-rank padding used to compound, each step's wait feeding the next step's padding, until timeout)."""
+    cfg = small_config(*TF, "train.strategy=allreduce", "train.workers=2", "parallel.pp=2", "train.steps=24",
+                       "train.base_step_s=0.005", 'stragglers.factors={"1" = 3.0}', "train.timeout_s=60")
+    rd = execute(cfg, tmp_path, label="straggler pp", quiet=True)
+    assert len(read_jsonl(rd.metrics_path)) == 48

@@ -31,6 +31,7 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.tp=2", "workload.name=digits-mlp"], "use workload.name = text-transformer"),
     (["parallel.pp=5"], "exceeds the 4 layers of text-transformer"),
     (["parallel.pp=2", "train.strategy=ps-bsp-backup:1"], "ps-bsp-backup picks"),
+    (["train.strategy=ps-bsp-backup:1", "train.shards=2", "train.workers=3"], "use train.shards = 1"),
     (["train.engine=data"], "replaced by the [parallel] section"),
     (["parallel.tp=two"], "parallel.tp must be an integer"),
     (["parallel.nope=1"], "unknown key parallel.nope"),

@@ -192,3 +192,37 @@ def test_attach_rejects_shards_sized_for_another_dp_group():
     with _servers(1, 1, "bsp", SERVER_OPT["sgd"]) as servers:
         out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, args=(servers.group_addresses[0],))
     assert all(msg is not None and "num_workers = dp size" in msg for msg in out), out
+
+
+def _tp_worker(group, addresses, steps):
+    from parallelism.models import lm_loss
+    from parallelism.tensor import TensorParallelEngine
+    from tests.parallelism.par_helpers import TF_FACTORY, tf_batches
+    torch.set_num_threads(1)
+    mesh = DeviceMesh(group, dp=2, tp=2)
+    replica = TensorParallelEngine(loss_fn=lm_loss).build(TF_FACTORY, mesh)
+    strategy = PSSyncStrategy(addresses[slot_group(mesh)], timeout=TIMEOUT, tp_group=mesh.group("tp"))
+    try:
+        strategy.attach(replica)
+        for x, y in tf_batches(steps):
+            xb, yb = dp_shard(x, mesh.coord("dp"), 2), dp_shard(y, mesh.coord("dp"), 2)
+            train_step(replica, strategy, xb, yb)
+        strategy.refresh(replica)
+        return plain({"coords": mesh.coords, "replicated": {s.name: s.param.detach().clone()
+                                                            for s in replica.slots() if "#tp" not in s.name}})
+    finally:
+        strategy.close(replica)
+
+
+@pytest.mark.timeout(90)
+def test_tp_ranks_of_a_worker_share_one_copy_of_the_replicated_tensors_under_asp():
+    """dp=2 x tp=2 under PS-ASP: the two workers' pushes race, yet the two tp ranks of each worker always hold the
+    same LayerNorm / embedding / bias values (tp rank 0's shard set owns them and broadcasts), bit for bit."""
+    with _servers(2, 2, "asp", SERVER_OPT["sgd"]) as servers:
+        out = collectives.launch(_tp_worker, 4, backend="zmq", timeout=TIMEOUT,
+                                 args=(servers.group_addresses, 12))
+    for d in (0, 1):
+        a, b = [r["replicated"] for r in out if r["coords"]["dp"] == d]
+        assert a.keys() == b.keys() and len(a) > 4
+        for n in a:
+            assert (a[n] == b[n]).all(), n
