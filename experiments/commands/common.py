@@ -9,8 +9,9 @@ def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -
     if config_required:
         p.add_argument("config", help="TOML config file (examples: experiments/configs/*.toml)")
     else:
-        p.add_argument("--config", default=None, help="TOML config file (default: the built-in default)")
+        p.add_argument("--config", default=None,
+                       help="TOML config file (default: experiments/configs/compare_default.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set train.strategy=ps-ssp:2 (repeatable)")
+                   help="override one config value, e.g. --set train.workers=8 or --set parallel.tp=2 (repeatable)")
     p.add_argument("--simulate", action="store_true", help="run in the discrete-event simulator (virtual time)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

@@ -1,7 +1,7 @@
 """`pslab run CONFIG.toml [--set key=value ...] [--simulate]`: one run, written to a run directory.
 
     pslab run experiments/configs/compare_default.toml --set train.strategy=ps-ssp:2
-    pslab run experiments/configs/transformer_tp.toml --set parallel.tp=2 --set train.workers=2    # dp=2 x tp=2
+    pslab run experiments/configs/transformer_tp.toml --set parallel.tp=1 --set parallel.pp=2   # dp=2 x pp=2
 
 The run starts train.workers x parallel.tp x parallel.pp processes (train.workers is the data-parallel degree) and
 prints the accuracy, the staleness and the bytes per step by kind next to their formulas.
@@ -44,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
         model = v.get("model_per_step")
         print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
-    print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path})")
+    print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path}, into {rd.path / 'report'})")
     return 0

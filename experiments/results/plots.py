@@ -149,16 +149,20 @@ def plot_bytes_by_kind(runs: list[dict[str, Any]], out: Path) -> Path | None:
     kinds = [k for k in KIND_COLORS if any(k in d for d in data)]
     fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * len(runs) + 2.5), 4.8))
     xs = np.arange(len(runs))
-    for i, (which, hatch) in enumerate((("measured_per_step", None), ("model_per_step", "//"))):
+    for i, (which, alpha) in enumerate((("measured_per_step", 1.0), ("model_per_step", 0.4))):
         bottom = np.zeros(len(runs))
         for k in kinds:
             v = np.array([float((d.get(k) or {}).get(which) or 0.0) for d in data]) / 1e3
-            ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=KIND_COLORS[k], hatch=hatch,
+            ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=KIND_COLORS[k], alpha=alpha,
                    edgecolor="black", linewidth=0.4, label=k if i == 0 else None)
             bottom += v
-    ax.bar([np.nan], [0], color="white", edgecolor="black", hatch="//", label="formula (hatched)")
+        for x, total in zip(xs + (i - 0.5) * 0.38, bottom):
+            if total > 0:
+                ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=7)
+    ax.bar([np.nan], [0], color="lightgrey", edgecolor="black", label="right bar, lighter: formula")
+    ax.margins(y=0.12)
     ax.set_xticks(xs, [run_label(r) for r in runs], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("kB sent per step, all ranks\n(left: measured, right: formula)")
+    ax.set_ylabel("kB sent per step, all processes\n(left: measured, right: formula)")
     return _finish(fig, ax, out / "bytes_by_kind.png", "Communication per step by kind")
 
 

@@ -34,7 +34,8 @@ EXPLAIN = {
     "bytes_by_kind": "Bytes sent per training step, summed over all ranks, by kind of communication: the "
                      "data-parallel gradient all-reduce, ZeRO's reduce-scatter + all-gather, tensor parallelism's "
                      "per-layer activation all-reduces, pipeline boundaries, parameter-server push + pull. Left bar: "
-                     "what the backends counted; right (hatched): the textbook formula in the table above. Tensor "
+                     "what the backends counted; right (lighter): the textbook formula in the table above; each byte is "
+                     "counted once, where it is sent (a PS step: the worker's push and the shard's reply). Tensor "
                      "parallelism talks in every layer, pipeline parallelism only at stage boundaries -- why TP "
                      "stays on the fastest link.",
 }

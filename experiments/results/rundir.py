@@ -88,7 +88,7 @@ class RunDir:
     @classmethod
     def create(cls, root: Path | str, label: str, cfg: RunConfig, extra: dict[str, Any] | None = None) -> "RunDir":
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+        safe = "_".join(filter(None, "".join(c if c.isalnum() or c in "-." else "_" for c in label).split("_")))
         base = Path(root) / f"{stamp}-{safe}"
         Path(root).mkdir(parents=True, exist_ok=True)
         path, i = base, 1

@@ -67,9 +67,15 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
              f"{cfg.workload.seed}. " + (f"Straggler runs (dashed / hatched): worker {K - 1} is "
              f"{STRAGGLER_FACTOR:g}x slower. " if straggler else "") +
              ("Simulated in virtual time. " if simulate else
-              f"Real processes on this machine; each step's compute padded to {cfg.train.base_step_s * 1e3:g} ms. ") +
-             ("`local` is one process doing the same updates with no communication (its steps are padded like the "
-              "workers', so it is ideal BSP; it runs once, having no straggler to wait for). "
+              "Real processes on this machine; " + (f"each step's compute padded to {cfg.train.base_step_s * 1e3:g} ms. "
+                                                    if cfg.train.base_step_s > 0 else "no compute padding. ")) +
+             (f"Model split: {cfg.parallel.describe()} (`local` trains the unsplit model). "
+              if cfg.parallel.describe() else "") +
+             ("`local` is one process doing the same updates with no communication" +
+              (" (its steps are padded like the workers', so it is ideal BSP; it runs once, having no straggler to "
+               "wait for). " if straggler and cfg.train.base_step_s > 0 else
+               " (its steps are padded like the workers', so it is ideal BSP). " if cfg.train.base_step_s > 0 else
+               " (it computes the K gradients one after another). ")
               if "local" in planned else "") +
              "Throughput counts updates while all workers are still running. "
              f"Total time {elapsed:.0f} s.")

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["compare", "--strategies", "local,ps-nope"], "unknown strategy"),
     (["report", "no/such/dir"], "no such run directory"),
     (["compare", "--simulate", "--no-straggler", "--strategies", "local"], "nothing to run"),
+    (["compare", "--strategies", "local", "--set", "train.strategy=ps-asp"], "use --strategies"),
+    (["compare", "--strategies", " , "], "needs at least one strategy"),
     (["sweep", "--preset", "staleness", "--knob", "train.lr", "--values", "0.1"], "sweeps its own knob"),
     (["sweep", "--quick", "--knob", "train.lr", "--values", "0.1"], "--preset staleness only"),
 ])
