@@ -201,6 +201,11 @@ class DataParallelReplica(LocalReplica):
         if self.ddp is not None:
             self.ddp.reducer.finish()
 
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication thread of the overlapped sync, if enabled."""
+        if self.ddp is not None:
+            self.ddp.reducer.close()
+
 
 class DataParallelEngine:
     """Every rank of the mesh's dp axis holds the whole model; gradients are averaged over dp."""

@@ -27,9 +27,16 @@ def run_label(run: dict[str, Any]) -> str:
 
 
 def _color(run: dict[str, Any], runs: list[dict[str, Any]]) -> Any:
+    """One colour per strategy kind, the same in every report (local blue, allreduce orange, ps-bsp green, ps-ssp
+    red, ps-bsp-backup purple, ps-asp brown); when one kind appears with several arguments (a sweep over ps-ssp:s),
+    colours go by first appearance instead, so the variants differ."""
     strat = [r["config"]["train"]["strategy"] for r in runs]
     uniq = list(dict.fromkeys(strat))
-    return plt.get_cmap("tab10")(uniq.index(run["config"]["train"]["strategy"]) % 10)
+    kinds = [s.split(":")[0] for s in uniq]
+    mine = run["config"]["train"]["strategy"]
+    if len(set(kinds)) == len(kinds) and all(k in STRATEGY_ORDER for k in kinds):
+        return plt.get_cmap("tab10")(STRATEGY_ORDER.index(mine.split(":")[0]))
+    return plt.get_cmap("tab10")(uniq.index(mine) % 10)
 
 
 def _style(run: dict[str, Any]) -> str:

@@ -119,7 +119,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
         if cfg.strategy.uses_ps:
             assign_staleness(ups, result.get("series") or [])
             rd.metrics_path.write_text("".join(json.dumps(u, separators=(",", ":")) + "\n" for u in ups))
-        elapsed = max([1e-9] + [u["time_s"] for u in ups])
+        elapsed = max([1e-9] + [u["time_s"] for u in ups] + [e["time_s"] for e in evs])   # as runner.execute
         rd.write_summary({**summarize(ups, evs, elapsed, label, False), "strategy": cfg.strategy.label,
                           "role": role.source, **summary_fields(cfg, results)})
         print(f"run directory: {path}")

@@ -77,3 +77,18 @@ def test_recorded_staleness_matches_the_shards_own_statistics(runs):
         assert summary["shard_staleness_mean"] == pytest.approx(sum(taus) / len(taus))
         assert summary["shard_staleness_max"] == max(taus)
     assert runs["ps-asp"][2]["gate_wait_s_total"] == 0.0
+
+
+def test_backup_workers_drop_the_stragglers_late_gradients(tmp_path):
+    """ps-bsp-backup:1 with 3 workers and a 4x straggler: each clock proceeds on the first 2 gradients; the
+    straggler's late ones are recorded as dropped (no staleness: never applied), the shard counts the same drops,
+    and every applied update has staleness 0."""
+    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", 'stragglers.factors={"2" = 4.0}')
+    rd = execute(cfg, tmp_path, label="backup", quiet=True)
+    ups = read_jsonl(rd.metrics_path)
+    summary = json.loads((rd.path / "summary.json").read_text())
+    dropped = [u for u in ups if u.get("dropped")]
+    assert dropped and all(u["worker"] == 2 and u["staleness"] is None for u in dropped)
+    assert summary["dropped"] == len(dropped) == summary["shard_dropped"]
+    assert all(u["staleness"] == 0 for u in ups if not u.get("dropped"))
+    assert summary["final_test_acc"] is not None
