@@ -88,8 +88,9 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
         lines += [intro, ""]
     lines += ["## Summary", "", summary_table(runs), ""]
     if bytes_table(runs):
-        lines += ["## Bytes per step by kind", "", "Summed over all ranks; measured = what the process groups (and the "
-                  "PS client) counted, formula = the textbook figure for this layout (experiments/results/bytes.py).",
+        lines += ["## Bytes per step by kind", "", "Bytes sent per training step by all processes (ranks and PS "
+                  "shards), each byte counted where it is sent; measured = what the process groups (and the PS "
+                  "client) counted, formula = the textbook figure for this layout (experiments/results/bytes.py).",
                   "", bytes_table(runs), ""]
     if any((r.get("summary") or {}).get("simulated") for r in runs):
         lines += ["Runs marked *(virtual)* were simulated: time is virtual seconds from the compute and network "
