@@ -9,6 +9,7 @@ key is a `*.key` file in the directory. A socket without the keys cannot connect
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 import zmq.auth
@@ -26,8 +27,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def is_loopback(host: str) -> bool:
-    """Whether binding to `host` keeps a socket on this machine (127.0.0.0/8, localhost, ::1)."""
-    return host in LOOPBACK or host.startswith("127.")
+    """Whether binding to `host` keeps a socket on this machine: exactly one address in 127.0.0.0/8 or ::1, or
+    "localhost". Parsed with `ipaddress`, so "127.0.0.1:1;0.0.0.0" (two ZeroMQ endpoints), "127.evil" or a
+    wildcard are not loopback."""
+    h = host.strip()
+    if h == "localhost":
+        return True
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def load_keys(keys_dir: str) -> tuple[bytes, bytes]:

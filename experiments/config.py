@@ -14,6 +14,7 @@ Every value is validated here; a bad one raises ConfigError naming the key and w
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,10 +134,20 @@ class RunConfig:
             raise ConfigError(f"train.backend must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
         if t.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
-        if not t.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        if t.dc_lambda < 0:
-            raise ConfigError(f"train.dc_lambda must be >= 0, got {t.dc_lambda}")
+        if not (t.lr > 0 and math.isfinite(t.lr)):
+            raise ConfigError(f"train.lr must be a finite number > 0, got {t.lr}")
+        if not 0 <= t.momentum < 1:
+            raise ConfigError(f"train.momentum must be in [0, 1), got {t.momentum}")
+        if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {t.betas!r}")
+        if not (t.dc_lambda >= 0 and math.isfinite(t.dc_lambda)):
+            raise ConfigError(f"train.dc_lambda must be a finite number >= 0, got {t.dc_lambda}")
+        if not (t.timeout_s > 0 and math.isfinite(t.timeout_s)):
+            raise ConfigError(f"train.timeout_s must be a finite number of seconds > 0, got {t.timeout_s}")
+        if not (0 <= t.base_step_s <= 3600):
+            raise ConfigError(f"train.base_step_s must be between 0 and 3600 seconds, got {t.base_step_s}")
+        if w.seed < 0:
+            raise ConfigError(f"workload.seed must be >= 0, got {w.seed}")
         if s.kind == "ps-bsp-backup" and s.backup is not None and s.backup >= t.workers:
             raise ConfigError(f"strategy {s.label}: needs more workers than backups (train.workers = {t.workers})")
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}

@@ -37,16 +37,16 @@ class StragglerConfig:
         for w, f in self.factors.items():
             if not 0 <= int(w) < workers:
                 raise ConfigError(f"stragglers.factors: worker {w} out of range 0..{workers - 1}")
-            if not f > 0:
-                raise ConfigError(f"stragglers.factors: worker {w} factor must be > 0, got {f}")
+            if not 0 < f <= 1000:
+                raise ConfigError(f"stragglers.factors: worker {w} factor must be in (0, 1000], got {f}")
         if not 0.0 <= self.transient_prob <= 1.0:
             raise ConfigError(f"stragglers.transient_prob must be in [0, 1], got {self.transient_prob}")
-        if not self.transient_factor > 0:
-            raise ConfigError(f"stragglers.transient_factor must be > 0, got {self.transient_factor}")
+        if not 0 < self.transient_factor <= 1000:
+            raise ConfigError(f"stragglers.transient_factor must be in (0, 1000], got {self.transient_factor}")
         if self.delay not in DELAYS:
             raise ConfigError(f"stragglers.delay must be one of {', '.join(DELAYS)}, got {self.delay!r}")
-        if self.delay_mean_s < 0 or self.delay_sigma <= 0:
-            raise ConfigError("stragglers.delay_mean_s must be >= 0 and stragglers.delay_sigma > 0")
+        if not (0 <= self.delay_mean_s <= 3600) or not (0 < self.delay_sigma <= 10):
+            raise ConfigError("stragglers.delay_mean_s must be in [0, 3600] s and stragglers.delay_sigma in (0, 10]")
 
     @property
     def active(self) -> bool:

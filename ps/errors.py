@@ -43,6 +43,11 @@ class NotInitializedError(ProtocolError):
     """A push arrived before the parameters were initialised (the owner must call `init` first)."""
 
 
+class NonFiniteGradientError(ProtocolError):
+    """A push carried NaN or Inf: it is refused whole and the parameters are unchanged (the message names the
+    tensor); usually the learning rate is too large or the loss diverged."""
+
+
 class GateTimeoutError(PSError, TimeoutError):
     """A pull waited on the consistency gate longer than the server's request timeout (a worker is stuck or dead)."""
 
@@ -61,7 +66,7 @@ class RemoteError(PSError):
 
 ERROR_CLASSES: dict[str, type[PSError]] = {c.__name__: c for c in (
     PSError, ConfigError, ProtocolError, UnknownKeyError, ShapeError, DuplicateRequestError, ClockError,
-    NotInitializedError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
+    NotInitializedError, NonFiniteGradientError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
 
 
 def error_from_reply(kind: str, message: str, shard: int | None = None) -> PSError:

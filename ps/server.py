@@ -160,6 +160,8 @@ class ShardServer:
 
     def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         self.counters["errors"] += 1
+        if type(exc).__name__ == "NonFiniteGradientError":
+            self.counters["nonfinite_refused"] = self.counters.get("nonfinite_refused", 0) + 1
         kind = type(exc).__name__ if isinstance(exc, PSError) else "ProtocolError"
         self._send(identity, "error", seq, {"kind": kind, "error": str(exc)[:2000]})
 

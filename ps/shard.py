@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .consistency import Policy, policy_from_string
-from .errors import ClockError, ConfigError, ProtocolError, ShapeError, UnknownKeyError
+from .errors import ClockError, ConfigError, NonFiniteGradientError, ProtocolError, ShapeError, UnknownKeyError
 from .optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
 from .staleness import StalenessStats
 
@@ -47,6 +47,14 @@ def _as_tensor(v: Any) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.detach().to("cpu").clone().contiguous()
     return torch.from_numpy(np.array(v, copy=True, order="C"))
+
+
+def _all_finite(v: Any) -> bool:
+    """No NaN or Inf, in one read pass and without a copy: a float64 sum of float32/16 values cannot overflow, so it
+    is finite exactly when every element is."""
+    if isinstance(v, torch.Tensor):
+        return bool(torch.isfinite(v.sum(dtype=torch.float64)))
+    return bool(np.isfinite(np.sum(v, dtype=np.float64)))
 
 
 def _dtype_name(v: Any) -> str:
@@ -164,6 +172,10 @@ class ShardState:
                 raise ShapeError(f"gradient {k!r} has shape {tuple(g.shape)}, expected {self.shapes[k]}")
             if _dtype_name(g) != _dtype_name(p):
                 raise ShapeError(f"gradient {k!r} has dtype {_dtype_name(g)}, expected {_dtype_name(p)}")
+        for k, g in grads.items():     # a float64 sum is finite iff every float32/16 element is (no overflow)
+            if not _all_finite(g):
+                raise NonFiniteGradientError(f"gradient {k!r} from worker {worker} at clock {clock} holds NaN or "
+                                             f"Inf: push refused, parameters unchanged (lower the learning rate?)")
 
     def push(self, worker: int, clock: int, read_version: int, grads: Mapping[str, Any],
              now: float | None = None) -> PushResult:

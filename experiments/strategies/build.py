@@ -41,6 +41,11 @@ def world_size(cfg: RunConfig) -> int:
 def check_layout(cfg: RunConfig, wl: Workload) -> None:
     """Raise ConfigError if the model cannot be split as [parallel] asks."""
     p = cfg.parallel
+    per_worker = min(len(sh) for sh in wl.schedule.shards)
+    if cfg.workload.batch_size > per_worker:
+        raise ConfigError(f"workload.batch_size = {cfg.workload.batch_size} exceeds the {per_worker} training examples "
+                          f"each of the {cfg.train.workers} workers holds in {wl.name}: use a batch of at most "
+                          f"{per_worker}, or fewer workers")
     if cfg.strategy.kind == "ps-bsp-backup" and cfg.train.shards > 1:
         raise ConfigError("ps-bsp-backup picks the first N gradients of each clock on each shard, and two shards could "
                           "pick different workers (half a gradient applied): use train.shards = 1")

@@ -17,16 +17,22 @@ rank 0 of a PS run, the shards' own staleness series and statistics.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Sequence
 
 import torch
 
 from experiments.config import RunConfig, config_from_dict
+from experiments.errors import ExperimentError
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
 from experiments.stragglers import StragglerModel
 from experiments.workloads import Workload, batch_digest, get_workload
+
+
+class DivergedError(ExperimentError):
+    """The loss became NaN or Inf: the run stops instead of training a poisoned model."""
 
 
 def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
@@ -68,6 +74,10 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
                 x, y, idx = wl.batch(w, step)
                 done.append((w, replica.forward_backward(x, y), batch_digest(idx)))
             compute = (time.perf_counter() - tc) / len(workers)     # local's K passes would run in parallel
+            for w, loss, _ in done:
+                if not math.isfinite(loss):
+                    raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: training diverged (try a "
+                                        f"smaller train.lr than {t.lr})")
             # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(compute, base)) ---
             if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first rank's start to
                 pre = _traffic(mesh)   # the last one's end (per-rank spans would include the peers' padding)

@@ -59,3 +59,4 @@ def test_a_full_dev_shm_is_an_oserror_not_a_sigbus(monkeypatch):
     with pytest.raises(OSError):
         box.reserve(1 << 20)
     assert box.size == 0 and box.name == "" and set(os.listdir(shm.SHM_DIR)) == before
+

@@ -32,6 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
     (["compare", "--simulate", "--no-straggler", "--strategies", "local"], "nothing to run"),
     (["compare", "--strategies", "local", "--set", "train.strategy=ps-asp"], "use --strategies"),
     (["compare", "--strategies", " , "], "needs at least one strategy"),
+    (["run", "CFG", "--set", "train.lr=inf"], "train.lr must be a finite number > 0"),
+    (["run", "CFG", "--set", "train.momentum=-1"], "train.momentum must be in [0, 1)"),
+    (["run", "CFG", "--set", "train.betas=[0.9]"], "train.betas must be two numbers"),
+    (["run", "CFG", "--set", "train.betas=[0.9, 1.5]"], "train.betas must be two numbers"),
+    (["run", "CFG", "--set", "train.timeout_s=0"], "train.timeout_s must be"),
+    (["run", "CFG", "--set", "workload.seed=-1"], "workload.seed must be >= 0"),
+    (["run", "CFG", "--set", 'stragglers.factors={"1" = 1e300}'], "factor must be in (0, 1000]"),
+    (["run", "CFG", "--set", "workload.batch_size=5000"], "exceeds the"),
+    (["run", "CFG", "-q", "--out", "OUT", "--set", "train.lr=1e37", "--set", "train.steps=3", "--set", "train.workers=2"],
+     "training diverged"),
     (["sweep", "--preset", "staleness", "--knob", "train.lr", "--values", "0.1"], "sweeps its own knob"),
     (["sweep", "--quick", "--knob", "train.lr", "--values", "0.1"], "--preset staleness only"),
 ])
@@ -39,7 +49,7 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, argv, fragment):
     """Each bad value makes `pslab` print exactly one 'pslab: error:' line naming the problem and return 1."""
     cfg = tmp_path / "c.toml"
     cfg.write_text('[train]\nstrategy = "ps-asp"\n')
-    argv = [str(cfg) if a == "CFG" else a for a in argv]
+    argv = [str(cfg) if a == "CFG" else str(tmp_path / "runs") if a == "OUT" else a for a in argv]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pslab: error:") and fragment in err[0], err
