@@ -20,7 +20,7 @@ from tqdm import tqdm
 from experiments.config import RunConfig
 from experiments.results.records import assign_staleness, summarize
 from experiments.results.rundir import RunDir, read_jsonl
-from experiments.strategies.build import check_layout
+from experiments.strategies.build import check_layout, check_processes
 from experiments.strategies.launch import run_ranks, summary_fields
 from experiments.workloads import Workload, get_workload
 
@@ -81,14 +81,17 @@ def default_label(cfg: RunConfig, simulated: bool) -> str:
 
 
 def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None, simulate: bool | None = None,
-            quiet: bool = False) -> RunDir:
-    """Run `cfg` and return its run directory (summary.json written on success)."""
+            quiet: bool = False, force: bool = False) -> RunDir:
+    """Run `cfg` and return its run directory (summary.json written on success). `force`: allow more processes
+    than `check_processes` admits on this machine."""
     import torch
     torch.set_num_threads(1)  # this process too (and so the forked workers) — the machines here have 2 cores
     sim = cfg.simulate.enabled if simulate is None else simulate
     if sim:
         cfg.simulate.enabled = True
         cfg.validate()
+    if not sim:
+        check_processes(cfg, force)
     wl = _preload(cfg)
     if not sim:
         check_layout(cfg, wl)

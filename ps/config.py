@@ -3,6 +3,9 @@ starts one process per config, `pslab server` builds one from its flags)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -52,6 +55,21 @@ class ServerConfig:
             raise ConfigError("num_workers must be >= 1, shard_id >= 0 and checkpoint_every >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("checkpoint_every needs checkpoint_dir")
+        if self.request_timeout < 0 or self.idle_timeout < 0:
+            raise ConfigError(f"request_timeout and idle_timeout are seconds >= 0 (0: never), got "
+                              f"{self.request_timeout!r} and {self.idle_timeout!r}")
+        if self.bind.startswith("tcp://"):
+            port = self.bind.rsplit(":", 1)[-1]
+            if not (port.isdigit() and 0 <= int(port) <= 65535):
+                raise ConfigError(f"bind address {self.bind!r} needs a port 0..65535 (0: pick a free one)")
+        elif not os.path.isdir(os.path.dirname(self.bind[len("ipc://"):]) or "."):
+            raise ConfigError(f"bind address {self.bind!r}: the directory of the ipc path does not exist")
+        if self.checkpoint_dir:
+            d = Path(self.checkpoint_dir)
+            parent = next((q for q in (d, *d.parents) if q.exists()), Path("."))
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"checkpoint_dir {self.checkpoint_dir!r} is not writable (by this user): choose "
+                                  "another directory")
         host = self.bind[len("tcp://"):].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
         if not is_loopback(host) and not self.curve_keys_dir:
             raise ConfigError(f"binding to {self.bind} exposes the shard beyond this host: give curve_keys_dir "

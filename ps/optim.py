@@ -51,8 +51,15 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.name!r}; expected one of {', '.join(OPTIMIZERS)}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ConfigError(f"learning rate must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise ConfigError(f"learning rate must be a finite number > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), e.g. 0.9/0.999, got {self.betas!r}")
+        if not 0 < self.eps < 1 or not 0 <= self.weight_decay < float("inf"):
+            raise ConfigError(f"eps must be in (0, 1) and weight_decay a finite number >= 0, got eps={self.eps!r}, "
+                              f"weight_decay={self.weight_decay!r}")
         if self.dc_lambda is not None and self.dc_lambda < 0:
             raise ConfigError(f"DC-ASGD lambda must be >= 0, got {self.dc_lambda!r}")
         if not 0 <= self.dc_decay < 1:

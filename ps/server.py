@@ -57,7 +57,7 @@ class ShardServer:
         self.parked: list[_Parked] = []
         self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
-                         "internal_errors": 0}
+                         "internal_errors": 0, "nonfinite_refused": 0}
         self.address = ""
         self.restored_from: str | None = None
         self._last_ckpt_version = -1
@@ -91,8 +91,10 @@ class ShardServer:
             else:
                 self.sock.bind(b)
                 self.address = b
-        except BaseException:                  # e.g. address in use: leave no socket or ZAP thread behind
+        except BaseException as e:             # e.g. address in use: leave no socket or ZAP thread behind
             self._close()
+            if isinstance(e, zmq.ZMQError):
+                raise ConfigError(f"cannot bind to {self.config.bind}: {e.strerror}; choose another port") from None
             raise
         return self.address
 
@@ -160,8 +162,7 @@ class ShardServer:
 
     def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         self.counters["errors"] += 1
-        if type(exc).__name__ == "NonFiniteGradientError":
-            self.counters["nonfinite_refused"] = self.counters.get("nonfinite_refused", 0) + 1
+        self.counters["nonfinite_refused"] += type(exc).__name__ == "NonFiniteGradientError"
         kind = type(exc).__name__ if isinstance(exc, PSError) else "ProtocolError"
         self._send(identity, "error", seq, {"kind": kind, "error": str(exc)[:2000]})
 

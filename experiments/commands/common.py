@@ -15,3 +15,5 @@ def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -
                    help="override one config value, e.g. --set train.workers=8 or --set parallel.tp=2 (repeatable)")
     p.add_argument("--simulate", action="store_true", help="run in the discrete-event simulator (virtual time)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--force", action="store_true",
+                   help="start more processes than this machine sensibly runs (max(16, 8 x cores): ranks + shards)")

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     t0 = time.perf_counter()
     report, runs = run_compare(cfg, out, strategies, straggler=not args.no_straggler, simulate=args.simulate,
-                               quiet=args.quiet)
+                               quiet=args.quiet, force=args.force)
     print(summary_table(runs))
     print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if role is not None and not args.simulate:
         from experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
-    rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet)
+    rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet, force=args.force)
     s = json.loads((rd.path / "summary.json").read_text())
     acc = s.get("final_test_acc")
     print(f"{s['label']}: {s['updates']} updates in {s['time_s']:.2f} s{' (virtual)' if s['simulated'] else ''}, "

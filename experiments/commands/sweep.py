@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from experiments.studies.sweep import run_knob_sweep
     cfg = default_config(args.config, args.overrides)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
-    report, runs = run_knob_sweep(cfg, args.knob, values, seeds, out, args.simulate, args.quiet)
+    report, runs = run_knob_sweep(cfg, args.knob, values, seeds, out, args.simulate, args.quiet, force=args.force)
     print(summary_table(runs))
     print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -81,6 +81,13 @@ def environment() -> dict[str, Any]:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def safe_name(label: str) -> str:
+    """A label as one path component: letters, digits, '-', '.' kept, runs of anything else one '_' (so '../x'
+    cannot leave the output directory)."""
+    safe = "_".join(filter(None, "".join(c if c.isalnum() or c in "-." else "_" for c in label).split("_")))
+    return safe.strip(".") or "run"
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -88,7 +95,7 @@ class RunDir:
     @classmethod
     def create(cls, root: Path | str, label: str, cfg: RunConfig, extra: dict[str, Any] | None = None) -> "RunDir":
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        safe = "_".join(filter(None, "".join(c if c.isalnum() or c in "-." else "_" for c in label).split("_")))
+        safe = safe_name(label)
         base = Path(root) / f"{stamp}-{safe}"
         Path(root).mkdir(parents=True, exist_ok=True)
         path, i = base, 1

@@ -38,6 +38,17 @@ def world_size(cfg: RunConfig) -> int:
     return cfg.train.workers * cfg.parallel.model_parallel
 
 
+def check_processes(cfg: RunConfig, force: bool = False) -> None:
+    """A real run on this machine may start at most max(16, 8 x cores) processes (ranks + shards) unless forced."""
+    import os
+    cores = os.cpu_count() or 1
+    limit = max(16, 8 * cores)
+    n = world_size(cfg) + (cfg.train.shards * cfg.parallel.model_parallel if cfg.strategy.uses_ps else 0)
+    if n > limit and not force:
+        raise ConfigError(f"this run would start {n} processes on {cores} cores (limit {limit}): pass --force to "
+                          "start them anyway, or --simulate to study that many workers in virtual time")
+
+
 def check_layout(cfg: RunConfig, wl: Workload) -> None:
     """Raise ConfigError if the model cannot be split as [parallel] asks."""
     p = cfg.parallel

@@ -67,7 +67,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     import collectives
     from experiments.config import to_toml
     from experiments.results.records import assign_staleness, summarize
-    from experiments.results.rundir import RunDir, environment, read_jsonl
+    from experiments.results.rundir import RunDir, environment, read_jsonl, safe_name
     from experiments.runner import default_label
     from experiments.strategies.build import check_layout
     from experiments.strategies.launch import start_shards, summary_fields
@@ -86,7 +86,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
         cfg.validate()
     check_layout(cfg, get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed))
     label = label or default_label(cfg, False)
-    path = Path(out) / label.replace(" ", "_")
+    path = Path(out) / safe_name(label)
     path.mkdir(parents=True, exist_ok=True)
     if role.rank == 0:
         (path / "config.toml").write_text(to_toml(cfg.to_dict()))

@@ -39,7 +39,8 @@ def with_straggler(cfg: RunConfig, factor: float = STRAGGLER_FACTOR) -> RunConfi
 
 
 def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
-                straggler: bool = True, simulate: bool = False, quiet: bool = False) -> tuple[Path, list[dict]]:
+                straggler: bool = True, simulate: bool = False, quiet: bool = False,
+                force: bool = False) -> tuple[Path, list[dict]]:
     out = Path(out)
     planned = [s for s in strategies if not (s == "local" and simulate)]
     if not planned:
@@ -58,7 +59,7 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
             if s == "local":          # the single-process reference trains the unsplit model: same updates
                 c.parallel = ParallelConfig(activation_checkpointing=c.parallel.activation_checkpointing)
             c.validate()
-            rd = execute(c, out / "runs", simulate=simulate, quiet=quiet)
+            rd = execute(c, out / "runs", simulate=simulate, quiet=quiet, force=force)
             runs.append(RunDir(rd.path).load())
     elapsed = time.perf_counter() - t0
     K = cfg.train.workers

@@ -17,7 +17,8 @@ from experiments.runner import execute
 
 
 def run_knob_sweep(cfg: RunConfig, knob: str, values: list[str], seeds: list[int], out: Path,
-                   simulate: bool = False, quiet: bool = False) -> tuple[Path, list[dict[str, Any]]]:
+                   simulate: bool = False, quiet: bool = False,
+                   force: bool = False) -> tuple[Path, list[dict[str, Any]]]:
     if not values:
         raise ConfigError("sweep needs --values, e.g. --knob train.strategy --values ps-bsp,ps-asp")
     runs = []
@@ -29,7 +30,7 @@ def run_knob_sweep(cfg: RunConfig, knob: str, values: list[str], seeds: list[int
             c.workload.seed = seed
             c.validate()
             label = f"{knob.split('.')[-1]}={v} seed={seed}" + (" (simulated)" if simulate else "")
-            rd = execute(c, out / "runs", label=label, simulate=simulate, quiet=quiet)
+            rd = execute(c, out / "runs", label=label, simulate=simulate, quiet=quiet, force=force)
             run = RunDir(rd.path).load()
             runs.append(run)
             rows.append({"value": v, "seed": seed, "path": str(rd.path), **(run["summary"] or {})})

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["run", "CFG", "--set", "workload.seed=-1"], "workload.seed must be >= 0"),
     (["run", "CFG", "--set", 'stragglers.factors={"1" = 1e300}'], "factor must be in (0, 1000]"),
     (["run", "CFG", "--set", "workload.batch_size=5000"], "exceeds the"),
+    (["run", "CFG", "--set", "train.workers=100"], "would start 101 processes"),
+    (["run", "CFG", "--set", "train.shards=64"], "would start 68 processes"),
     (["run", "CFG", "-q", "--out", "OUT", "--set", "train.lr=1e37", "--set", "train.steps=3", "--set", "train.workers=2"],
      "training diverged"),
     (["sweep", "--preset", "staleness", "--knob", "train.lr", "--values", "0.1"], "sweeps its own knob"),
@@ -235,3 +237,12 @@ def test_torchrun_beyond_loopback_needs_curve_keys(tmp_path, capsys, monkeypatch
     assert main(["run", str(cfg), "--out", str(tmp_path / "runs")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "PSLAB_CURVE_KEYS" in err[0], err
+
+
+def test_labels_cannot_leave_the_output_directory():
+    """A run label is one path component whatever the user types (`--label ../x` under torchrun too)."""
+    from experiments.results.rundir import safe_name
+    for label in ("../x", "..", "a/b/../c", "/etc/passwd", "x\\y"):
+        name = safe_name(label)
+        assert "/" not in name and "\\" not in name and name not in ("", ".", ".."), (label, name)
+    assert safe_name("allreduce[tp=2] +straggler") == "allreduce_tp_2_straggler"
