@@ -52,6 +52,8 @@ def write_back(flat: torch.Tensor, orig: Tensor | None) -> None:
         orig.detach().copy_(flat.view(orig.shape))
 
 
+SMALL_BYTES = 32 << 10      # all-reduces and broadcasts of at most this many bytes take the one-step direct exchange
+
 class _Work:
     def __init__(self, fn: Any) -> None:
         self._fn, self._done, self._result = fn, False, None
@@ -69,7 +71,7 @@ class ZmqGroup(ProcessGroup):
     backend = "zmq"
 
     def __init__(self, transport: Transport, ranks: Sequence[int], gid: str = "w", *,
-                 small_bytes: int = 32 << 10, segment_bytes: int = 4 << 20,
+                 small_bytes: int = SMALL_BYTES, segment_bytes: int = 4 << 20,
                  traffic: TrafficCounter | None = None, owns_transport: bool = True) -> None:
         self.tr = transport
         self.ranks = tuple(ranks)

@@ -13,15 +13,15 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
 from experiments.config import RunConfig
-from experiments.results.records import assign_staleness, summarize
+from experiments.results.records import summarize
 from experiments.results.rundir import RunDir, read_jsonl
 from experiments.strategies.build import check_layout, check_processes
-from experiments.strategies.launch import run_ranks, summary_fields
+from experiments.strategies.launch import collect, run_ranks, summary_fields
 from experiments.workloads import Workload, get_workload
 
 # Forking while another thread holds a lock copies the lock held into the child. Our only extra thread is the
@@ -113,10 +113,7 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
             extra = summary_fields(cfg, results)
         ok = True
     finally:
-        rd.merge_parts("metrics")
-        rd.merge_parts("eval")
-        if results and cfg.strategy.uses_ps:
-            _fill_staleness(rd, (results[0] or {}).get("series") or [])
+        collect(cfg, rd, results)
         done = _count_lines([rd.metrics_path])       # the poller samples; end the bar on the true count
         if done > bar.n:
             bar.update(done - bar.n)
@@ -136,15 +133,6 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     summary.update(strategy=cfg.strategy.label, straggler=cfg.stragglers.active, wall_s=wall, **extra)
     rd.write_summary(summary)
     return rd
-
-
-def _fill_staleness(rd: RunDir, series: list[Any]) -> None:
-    """Staleness of every PS update from the shard's own (worker, tau, version) series (records.py)."""
-    ups = read_jsonl(rd.metrics_path)
-    assign_staleness(ups, series)
-    with open(rd.metrics_path, "w") as f:
-        for u in ups:
-            f.write(json.dumps(u, separators=(",", ":")) + "\n")
 
 
 def _preload(cfg: RunConfig) -> Workload:

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from collectives.zmq_group import SMALL_BYTES
 from experiments.config import RunConfig
 from experiments.workloads import Workload
+from parallelism.models import MLP, Attention
 
-SMALL_BYTES = 32 << 10     # collectives.zmq_group: all-reduces up to this size take the direct exchange
 KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull"}
 
 
@@ -38,9 +39,8 @@ def _allreduce(nbytes: float, n: int, N: str, S: str) -> tuple[float, str]:
     return 2 * (n - 1) / n * nbytes, f"2({N}−1)/{N}·{S}, ring"
 
 
-def _activations(wl: Workload, cfg: RunConfig) -> list[int]:
+def _activations(model: torch.nn.Module, wl: Workload) -> list[int]:
     """Bytes of the output of each top-level child of the model on one worker's batch (float tensors)."""
-    model = wl.make_model()
     x, _, _ = wl.batch(0, 0)
     out = []
     with torch.no_grad():
@@ -52,7 +52,6 @@ def _activations(wl: Workload, cfg: RunConfig) -> list[int]:
 
 def _replicated_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters tensor parallelism does not split: all but qkv, proj.weight, fc1, fc2.weight."""
-    from parallelism.models import MLP, Attention
     split = set()
     for m in model.modules():
         if isinstance(m, Attention):
@@ -75,22 +74,22 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
         else:
             parts = [_allreduce(s, D, "D", "S_r") for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
-    acts = _activations(wl, cfg) if (p.tp > 1 or p.pp > 1) else []
+    model = wl.make_model() if (p.tp > 1 or p.pp > 1) else None
+    acts = _activations(model, wl) if model is not None else []
     if p.tp > 1:
-        from parallelism.models import Attention, MLP
-        blocks = sum(1 for m in wl.make_model().modules() if isinstance(m, (Attention, MLP)))
+        blocks = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
         a = acts[1] if len(acts) > 1 else acts[0]
         per, rule = _allreduce(a, p.tp, "T", "A")
         total = D * p.tp * blocks * 2 * per
         formula = (f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and MLP) · {rule}; "
                    f"A = b·S·d·4 B")
         if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
-            total += D * (p.tp - 1) * _replicated_bytes(wl.make_model())
+            total += D * (p.tp - 1) * _replicated_bytes(model)
             formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
         out["tp activations"] = (total, formula)
     if p.pp > 1:
         from parallelism.pipeline import split_stages
-        bounds = split_stages(wl.make_model(), p.pp)
+        bounds = split_stages(model, p.pp)
         cuts = [acts[end - 1] for _, end in bounds[:-1]]
         out["pp boundaries"] = (D * 2.0 * sum(cuts), "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
     return out

@@ -59,6 +59,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace `path` with these records, one JSON object a line."""
+    Path(path).write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
 def git_revision() -> str | None:
     try:
         here = Path(__file__).resolve().parent.parent
@@ -132,9 +137,7 @@ class RunDir:
         records = [r for p in parts for r in read_jsonl(p)]
         records += read_jsonl(self.path / f"{kind}.jsonl")
         records.sort(key=lambda r: (r.get("time_s", 0.0), r.get("worker", 0), r.get("step", 0)))
-        with open(self.path / f"{kind}.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        write_jsonl(self.path / f"{kind}.jsonl", records)
         for p in parts:
             p.unlink()
         return len(records)

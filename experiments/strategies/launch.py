@@ -49,6 +49,19 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
             servers.stop()
 
 
+def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:
+    """After the ranks ended (or were interrupted): merge the part files, and give every PS update its staleness
+    from the shard's own (worker, tau, version) series, which rank 0 returned (results/records.py)."""
+    from experiments.results.records import assign_staleness
+    from experiments.results.rundir import read_jsonl, write_jsonl
+    rd.merge_parts("metrics")
+    rd.merge_parts("eval")
+    if results and cfg.strategy.uses_ps:
+        ups = read_jsonl(rd.metrics_path)
+        assign_staleness(ups, (results[0] or {}).get("series") or [])
+        write_jsonl(rd.metrics_path, ups)
+
+
 def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     """What the ranks measured beyond the records: bytes per step by kind (with the formula), and for PS runs the
     shards' own statistics (slot group 0, shard 0)."""

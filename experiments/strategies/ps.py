@@ -78,7 +78,6 @@ class PSSyncStrategy:
     tp_group: Any = None          # with tp > 1: the tensor-parallel group, to share the replicated tensors
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
-    clock: int = field(default=0, init=False)                      # this worker's clock (backup-BSP may move it up)
     last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step
     _grads: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _touched: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -157,6 +156,11 @@ class PSSyncStrategy:
         self._touched.clear()
 
     @property
+    def clock(self) -> int:
+        """This worker's clock on its shards (after a read; backup-BSP may move it past a clock)."""
+        return self.client.clocks[0] if self.client is not None else 0
+
+    @property
     def pushed_bytes(self) -> int:
         """Bytes of the gradients this rank pushes each step (its slots, less replicated ones on tp ranks > 0)."""
         return sum(g.nbytes for g in self._grads.values())
@@ -176,7 +180,6 @@ class PSSyncStrategy:
         rank of a worker computes with the same copy even when ASP/SSP reads race with other workers' pushes."""
         for s in self._pushed(replica):
             s.param.data = torch.from_numpy(read.params[s.name])
-        self.clock = int(read.clocks[0])
         if self._shared:
             shared = [s for s in replica.slots() if s.name in self._shared]
             root = self.tp_group.rank == 0

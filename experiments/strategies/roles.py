@@ -66,11 +66,11 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
 
     import collectives
     from experiments.config import to_toml
-    from experiments.results.records import assign_staleness, summarize
+    from experiments.results.records import summarize
     from experiments.results.rundir import RunDir, environment, read_jsonl, safe_name
     from experiments.runner import default_label
     from experiments.strategies.build import check_layout
-    from experiments.strategies.launch import start_shards, summary_fields
+    from experiments.strategies.launch import collect, start_shards, summary_fields
     from experiments.strategies.loop import train_worker
     from experiments.workloads import get_workload
     if cfg.strategy.kind == "local":
@@ -113,12 +113,8 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
             servers.stop()
     if role.rank == 0:
         rd = RunDir(path)
-        rd.merge_parts("metrics")
-        rd.merge_parts("eval")
+        collect(cfg, rd, results)
         ups, evs = read_jsonl(rd.metrics_path), read_jsonl(rd.eval_path)
-        if cfg.strategy.uses_ps:
-            assign_staleness(ups, result.get("series") or [])
-            rd.metrics_path.write_text("".join(json.dumps(u, separators=(",", ":")) + "\n" for u in ups))
         elapsed = max([1e-9] + [u["time_s"] for u in ups] + [e["time_s"] for e in evs])   # as runner.execute
         rd.write_summary({**summarize(ups, evs, elapsed, label, False), "strategy": cfg.strategy.label,
                           "role": role.source, **summary_fields(cfg, results)})
