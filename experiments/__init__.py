@@ -2,7 +2,7 @@
 
 Where is X? (paths from here)
 
-    cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench
+    cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench, workloads
     config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate], validation
     errors.py                       ExperimentError / ConfigError: one line, exit 1
     stragglers.py                   the step-time model (per-worker factors, transient slow-downs, random delays)
@@ -10,7 +10,7 @@ Where is X? (paths from here)
     configs/*.toml                  example configs; compare_default.toml is `pslab compare`'s default workload
 
     workloads/                      (model factory, dataset, per-worker batch schedule, seed) — identical everywhere
-        data.py, models.py, schedule.py
+        data.py, models.py, schedule.py, quadratic.py (the emulator's exact test bed)
 
     strategies/                     real runs: every strategy through ONE loop
         loop.py                     the training loop every rank runs (the ps-asp worker loop is this one too)
@@ -24,13 +24,17 @@ Where is X? (paths from here)
     sim/                            virtual time, labelled as simulated
         ps.py                       discrete-event PS simulator (the real ps.ShardState)
         network.py                  the simulator's network model (links, latency, bandwidth)
+        timing.py                   timing-only mode: ps.py's event loop without tensors (same records, ~10^5/s)
+        laws.py                     analytic staleness laws (K - 1, Geometric(1/K), c(K - 1), SSP bounds)
         allreduce.py                ring all-reduce BSP in virtual time
-        dai.py                      single-process staleness emulator (Dai et al. 2019)
+        dai.py                      single-process staleness emulator, K workers (Dai et al. 2019)
+        delays.py, coherence.py     its delay laws (uniform, constant, geometric, exponential); gradient coherence
 
     studies/                        experiments made of many runs
         compare.py                  `pslab compare`: sync vs async, with and without a straggler
         sweep.py                    `pslab sweep --knob`: one config key over values and seeds
         staleness.py                `pslab sweep --preset staleness`: steps-to-target vs s
+        momentum.py, coherence.py   `--preset momentum` (asynchrony begets momentum), `--preset coherence`
 
     results/                        what runs leave behind
         rundir.py                   run directories, JSON-lines writers, environment capture
@@ -38,7 +42,7 @@ Where is X? (paths from here)
         bytes.py                    bytes per step by kind, measured next to the formula
         plots.py, report.py         PNG plots and report.md
 
-    bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP
+    bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP, sim
 
 Imports point down: experiments -> ps / parallelism -> collectives.
 """

@@ -2,11 +2,12 @@
 
     [workload]    name, batch_size, seed
     [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
-                  momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s
+                  lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
+                  target_acc
     [parallel]    tp, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (see ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [simulate]    enabled, compute_s, latency_intra_s, latency_inter_s, bandwidth_intra_Bps,
-                  bandwidth_inter_Bps, workers_per_host
+                  bandwidth_inter_Bps, workers_per_host, timing_only
 
 Every value is validated here; a bad one raises ConfigError naming the key and what is allowed.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import ConfigError
-from experiments.strategies.spec import Strategy, parse_strategy
+from experiments.strategies.spec import LR_RULES, Strategy, parse_strategy
 from experiments.stragglers import StragglerConfig
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -44,7 +45,10 @@ class TrainConfig:
     shards: int = 1
     backend: str = "zmq"      # allreduce backend: zmq | torch
     optimizer: str = "sgd"
-    lr: float = 0.1
+    lr: float = 0.1           # learning rate per gradient (see lr_rule)
+    backup_abort: bool = False  # ps-bsp-backup: a straggler gives up a gradient whose clock is already committed
+    lr_rule: str = "linear"   # linear | sqrt | none: a step averaging G gradients uses lr x G | lr x sqrt(G) | lr
+                              # (G = workers for local/allreduce/ps-bsp/ps-ssp-agg, 1 for ps-asp/ps-ssp)
     momentum: float = 0.9
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     staleness_lr: bool = False  # lr / tau for tau > 0 (Zhang et al. 2016)
@@ -54,6 +58,8 @@ class TrainConfig:
     eval_every: int = 20        # evaluate test accuracy every this many global updates
     base_step_s: float = 0.0    # real runs: pad each step's compute to at least this many seconds
     timeout_s: float = 300.0
+    target_acc: float | None = None  # simulator: stop once an evaluation reaches this test accuracy (0..1]; every
+                                     # run: time_to_target_s / updates_to_target in the summary
 
 
 @dataclass
@@ -100,6 +106,7 @@ class SimulateConfig:
     bandwidth_intra_Bps: float = 10e9
     bandwidth_inter_Bps: float = 1.25e9  # 10 Gbit/s
     workers_per_host: int = 8            # shards live on host 0
+    timing_only: bool = False            # no gradients, no optimizer: gate, versions, staleness, time (sim/timing.py)
 
 
 @dataclass
@@ -136,6 +143,11 @@ class RunConfig:
             raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
         if not (t.lr > 0 and math.isfinite(t.lr)):
             raise ConfigError(f"train.lr must be a finite number > 0, got {t.lr}")
+        if t.backup_abort and self.strategy.kind != "ps-bsp-backup":
+            raise ConfigError(f"train.backup_abort applies to backup workers (ps-bsp-backup:<b>), not {self.strategy}")
+        if t.lr_rule not in LR_RULES:
+            raise ConfigError(f"train.lr_rule must be one of {', '.join(LR_RULES)} (linear: a step that averages G "
+                              f"gradients uses G x lr), got {t.lr_rule!r}")
         if not 0 <= t.momentum < 1:
             raise ConfigError(f"train.momentum must be in [0, 1), got {t.momentum}")
         if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
@@ -160,6 +172,12 @@ class RunConfig:
         for k in ("bandwidth_intra_Bps", "bandwidth_inter_Bps", "workers_per_host"):
             if not getattr(m, k) > 0:
                 raise ConfigError(f"simulate.{k} must be > 0")
+        ta = t.target_acc
+        if ta is not None and (isinstance(ta, bool) or not isinstance(ta, (int, float)) or not 0 < ta <= 1):
+            raise ConfigError(f"train.target_acc must be a test accuracy in (0, 1], e.g. 0.9, got {ta!r}")
+        if ta is not None and m.timing_only:
+            raise ConfigError("train.target_acc needs trained weights to evaluate: a timing-only simulation "
+                              "(simulate.timing_only) computes no gradients; drop one of them")
         return self
 
 
@@ -304,7 +322,7 @@ def to_toml(d: dict[str, Any]) -> str:
     out = []
     for section, values in d.items():
         out.append(f"[{section}]")
-        out += [f"{k} = {val(v)}" for k, v in values.items()]
+        out += [f"{k} = {val(v)}" for k, v in values.items() if v is not None]   # None: the default
         out.append("")
     return "\n".join(out)
 

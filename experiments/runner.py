@@ -18,10 +18,12 @@ from typing import Any
 from tqdm import tqdm
 
 from experiments.config import RunConfig
+from experiments.errors import ConfigError
 from experiments.results.records import summarize
 from experiments.results.rundir import RunDir, read_jsonl
 from experiments.strategies.build import check_layout, check_processes
 from experiments.strategies.launch import collect, run_ranks, summary_fields
+from experiments.strategies.spec import lr_fields
 from experiments.workloads import Workload, get_workload
 
 # Forking while another thread holds a lock copies the lock held into the child. Our only extra thread is the
@@ -76,7 +78,7 @@ def default_label(cfg: RunConfig, simulated: bool) -> str:
     if cfg.stragglers.active:
         lab += " +straggler"
     if simulated:
-        lab += " (simulated)"
+        lab += " (timing-only)" if cfg.simulate.timing_only else " (simulated)"
     return lab
 
 
@@ -86,7 +88,9 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     than `check_processes` admits on this machine."""
     import torch
     torch.set_num_threads(1)  # this process too (and so the forked workers) — the machines here have 2 cores
-    sim = cfg.simulate.enabled if simulate is None else simulate
+    sim = (cfg.simulate.enabled or cfg.simulate.timing_only) if simulate is None else simulate
+    if cfg.simulate.timing_only and not sim:
+        raise ConfigError("simulate.timing_only is a mode of the simulator: add --simulate (or use --timing-only)")
     if sim:
         cfg.simulate.enabled = True
         cfg.validate()
@@ -129,8 +133,10 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
         elapsed = max([extra["virtual_time_s"]] + [u["time_s"] for u in updates])
     else:
         elapsed = max([1e-9] + [u["time_s"] for u in updates] + [e["time_s"] for e in evals])
-    summary = summarize(updates, evals, elapsed, label, sim)
-    summary.update(strategy=cfg.strategy.label, straggler=cfg.stragglers.active, wall_s=wall, **extra)
+    summary = summarize(updates, evals, elapsed, label, sim, target_acc=cfg.train.target_acc)
+    summary.update(strategy=cfg.strategy.label, straggler=cfg.stragglers.active, wall_s=wall, **extra,
+                   train_examples=wl.data.n_train,
+                   **lr_fields(cfg.train, summary["updates"] - summary["dropped"], cfg.workload.batch_size))
     rd.write_summary(summary)
     return rd
 

@@ -42,8 +42,8 @@ Core (sans-IO)::
 
 Consistency policies (ps.consistency)::
 
-    policy_from_string("asp" | "bsp" | "ssp:3" | "ssp-eager:3" | "bsp-backup:1") -> Policy
-    ASP(), BSP(), SSP(s, eager=False), BackupBSP(backups=b)
+    policy_from_string("asp" | "bsp" | "ssp:3" | "ssp-agg:3" | "bsp-backup:1") -> Policy
+    ASP(), BSP(), SSP(s) (Ho et al., read-my-writes), SSP(s, eager=False) (aggregate), BackupBSP(backups=b)
 
 Optimizers (ps.optim), state lives on the shard::
 

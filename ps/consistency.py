@@ -11,12 +11,17 @@ Clocks. Worker w's clock c_w is the number of pushes it has made; its push for c
                the concatenated K*b batch). Staleness is always 0.
     SSP(s)     (Ho et al., NIPS 2013) a read at clock c may proceed only while min_clock >= c - s, so no worker is
                ever more than s clocks ahead of the slowest. A read at clock c contains every update stamped
-               <= c - s - 1. s = 0 is BSP.
-               Default (aggregate) mode: clock c's gradients are averaged and applied as one step once all K have
-               arrived, clocks in order -- exactly BSP's update, only the gate is looser, so SSP(0) is BSP for every
-               optimizer and tau <= s. A worker then sees its own writes only once their clock is complete.
-               eager mode ("ssp-eager:s"): every push is applied at once as one step, as ASP does, so a worker
-               always reads its own writes (Ho et al.'s read-my-writes); only the gate differs from ASP.
+               <= c - s - 1.
+               "ssp:s" is Ho et al.'s SSP: every push is applied at once as one step, as under ASP, so a worker
+               always reads its own writes (read-my-writes) and fast workers move the model on without waiting for
+               a straggler's clock; only the gate differs from ASP. Per-update staleness in versions is bounded by
+               tau <= (K - 1)(2s + 1): at the read, every other worker has pushed >= c - s times; when the push
+               lands, none has pushed more than c + s + 1 times. With lr eta/K, SSP(0) equals BSP(eta) for SGD
+               (the K clock-c gradients are all computed on the version holding every clock c-1 push).
+               "ssp-agg:s" (aggregate): clock c's gradients are averaged and applied as one step once all K have
+               arrived, clocks in order -- exactly BSP's update, only the gate is looser, so ssp-agg:0 is BSP for
+               every optimizer and tau <= s (in clocks = versions). A worker then sees its own writes only once
+               their clock is complete, and the model only advances when the slowest worker completes a clock.
     BackupBSP  (Chen et al. 2016, "Revisiting distributed synchronous SGD") N + b workers; clock c is applied as the
                average of the FIRST N gradients stamped c; later ones are dropped and counted. A read at clock c
                waits until clock c-1 is committed; a worker that fell behind is moved up to the committed clock.
@@ -62,8 +67,10 @@ class ASP(Policy):
 
 @dataclass(frozen=True)
 class SSP(Policy):
+    """Ho et al.'s SSP (eager=True: each push is one step, read-my-writes); eager=False: the aggregate variant."""
+
     staleness: int = 0
-    eager: bool = False
+    eager: bool = True
     name: str = field(default="ssp", kw_only=True)
     aggregate: bool = field(default=True, kw_only=True)
 
@@ -71,7 +78,7 @@ class SSP(Policy):
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ConfigError(f"SSP staleness bound must be an integer >= 0, got {self.staleness!r}")
         object.__setattr__(self, "aggregate", not self.eager)
-        object.__setattr__(self, "name", f"ssp{'-eager' if self.eager else ''}:{self.staleness}")
+        object.__setattr__(self, "name", f"ssp{'' if self.eager else '-agg'}:{self.staleness}")
 
     def may_read(self, clock: int, clocks: list[int], committed_clock: int) -> bool:
         return min(clocks) >= clock - self.staleness
@@ -83,6 +90,8 @@ class SSP(Policy):
 @dataclass(frozen=True)
 class BSP(SSP):
     """SSP with s = 0 and clock aggregation."""
+
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.staleness != 0 or self.eager:
@@ -110,7 +119,7 @@ class BackupBSP(Policy):
 
 
 def policy_from_string(text: str | Policy) -> Policy:
-    """Parse "asp", "bsp", "ssp:S", "ssp-eager:S" or "bsp-backup:B" (a Policy passes through unchanged)."""
+    """Parse "asp", "bsp", "ssp:S" (Ho et al.), "ssp-agg:S" or "bsp-backup:B" (a Policy passes through unchanged)."""
     if isinstance(text, Policy):
         return text
     t = str(text).strip().lower()
@@ -120,11 +129,11 @@ def policy_from_string(text: str | Policy) -> Policy:
             return ASP()
         if name == "bsp" and not arg:
             return BSP()
-        if name in ("ssp", "ssp-eager") and arg:
-            return SSP(staleness=int(arg), eager=name == "ssp-eager")
+        if name in ("ssp", "ssp-agg") and arg:
+            return SSP(staleness=int(arg), eager=name == "ssp")
         if name == "bsp-backup":
             return BackupBSP(backups=int(arg) if arg else 1)
     except ValueError:
         pass
-    raise ConfigError(f"unknown consistency policy {text!r}; expected asp, bsp, ssp:S, ssp-eager:S or "
+    raise ConfigError(f"unknown consistency policy {text!r}; expected asp, bsp, ssp:S, ssp-agg:S or "
                       f"bsp-backup:B with integers S, B >= 0")

@@ -3,6 +3,7 @@
     pslab bench collectives   zmq ring collectives vs torch.distributed gloo (time, algbw, busbw, ratio)
     pslab bench ps            parameter-server push+pull rate vs the torch.distributed.rpc PS pattern
     pslab bench dp            data-parallel training samples/s vs torch DistributedDataParallel on gloo
+    pslab bench sim           timing-only simulator updates/s vs the training-mode simulator (same config)
 
 Arguments after WHAT go to that benchmark (`pslab bench collectives --help`).
 """
@@ -13,11 +14,11 @@ import argparse
 import importlib
 
 BENCHES = {"collectives": "zmq collectives vs gloo", "ps": "parameter server vs torch RPC PS",
-           "dp": "data parallel vs torch DDP"}
+           "dp": "data parallel vs torch DDP", "sim": "timing-only vs training-mode simulator"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp)",
+    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp, sim)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (try --help)")

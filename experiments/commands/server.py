@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tcp://HOST:PORT (port 0: pick a free one) or ipc://PATH (default: %(default)s)")
     p.add_argument("--shard", type=int, default=0, help="this shard's index (default: 0)")
     p.add_argument("--workers", type=int, required=True, help="number of workers that will connect")
-    p.add_argument("--policy", default="asp", help="asp | bsp | ssp:S | ssp-eager:S | bsp-backup:B (default: asp)")
+    p.add_argument("--policy", default="asp", help="asp | bsp | ssp:S (Ho et al.: each push applied at once) | ssp-agg:S (each clock averaged into one step) | bsp-backup:B (default: asp)")
     p.add_argument("--optimizer", default="sgd:lr=0.01",
                    help="sgd|momentum|adam[:key=value,...], keys: lr, momentum, betas=B1/B2, eps, weight_decay, "
                         "nesterov, staleness_lr, dc_lambda, dc_adaptive, dc_decay (default: %(default)s)")

@@ -3,7 +3,10 @@
 Each run is the dict `RunDir.load()` returns. Colour = strategy, line style = condition (solid: no straggler,
 dashed: with straggler), so one figure can overlay both conditions. Training loss per update is noisy (each update
 is one worker's mini-batch), so curves show its running mean over a window of ~5 updates per worker. Runs made by the
-simulator are labelled "(simulated)" and their time axis is virtual seconds.
+simulator are labelled "(simulated)" and their time axis is virtual seconds; timing-only simulations have no loss
+and no evaluations, so their report has no loss or accuracy plot. The per-worker staleness histograms carry the
+analytic laws of `experiments.sim.laws` (ASP: mean K − 1, Geometric(1/K) for exponential compute times, a persistent
+straggler's spike at c(K − 1); the SSP bound).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-STRATEGY_ORDER = ["local", "allreduce", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp"]
+STRATEGY_ORDER = ["local", "allreduce", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp", "ps-ssp-agg"]
 
 
 def run_label(run: dict[str, Any]) -> str:
@@ -28,7 +31,7 @@ def run_label(run: dict[str, Any]) -> str:
 
 def _color(run: dict[str, Any], runs: list[dict[str, Any]]) -> Any:
     """One colour per strategy kind, the same in every report (local blue, allreduce orange, ps-bsp green, ps-ssp
-    red, ps-bsp-backup purple, ps-asp brown); when one kind appears with several arguments (a sweep over ps-ssp:s),
+    red, ps-bsp-backup purple, ps-asp brown, ps-ssp-agg pink); when one kind appears with several arguments (a sweep over ps-ssp:s),
     colours go by first appearance instead, so the variants differ."""
     strat = [r["config"]["train"]["strategy"] for r in runs]
     uniq = list(dict.fromkeys(strat))
@@ -79,23 +82,38 @@ def _finish(fig: Any, ax: Any, path: Path, title: str, legend: bool = True) -> P
     return path
 
 
-def plot_loss(runs: list[dict[str, Any]], out: Path, x: str) -> Path:
+def _epochs_per_gradient(run: dict[str, Any]) -> float | None:
+    """Epochs one applied gradient stands for: batch size / training examples (None if the run does not say)."""
+    n = (run.get("summary") or {}).get("train_examples")
+    b = ((run.get("config") or {}).get("workload") or {}).get("batch_size")
+    return b / n if n and b else None
+
+
+def plot_loss(runs: list[dict[str, Any]], out: Path, x: str) -> Path | None:
+    """Training loss against x = "time", "updates" (gradients applied) or "epochs" (samples seen / train size)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         ups = _applied(r)
-        if not ups:
+        per = _epochs_per_gradient(r)
+        if not ups or (x == "epochs" and per is None) or ups[0].get("loss") is None:   # timing-only: no loss
             continue
         workers = max(1, (r.get("summary") or {}).get("workers") or 1)
         y = _smooth(np.array([u["loss"] for u in ups], float), 5 * workers)
-        xs = np.array([u["time_s"] for u in ups]) if x == "time" else np.arange(1, len(ups) + 1)
+        n = np.arange(1, len(ups) + 1)
+        xs = np.array([u["time_s"] for u in ups]) if x == "time" else n * per if x == "epochs" else n
         ax.plot(xs, y, _style(r), color=_color(r, runs), label=run_label(r), lw=1.4)
-    ax.set_xlabel(_time_label(runs) if x == "time" else "gradients applied (updates)")
+    ax.set_xlabel({"time": _time_label(runs), "updates": "gradients applied (updates)",
+                   "epochs": "samples seen (epochs of the training set)"}[x])
     ax.set_ylabel("training loss (cross-entropy, running mean)")
-    name = "loss_vs_time.png" if x == "time" else "loss_vs_updates.png"
-    return _finish(fig, ax, out / name, "Training loss vs " + ("time" if x == "time" else "updates"))
+    if not ax.lines:
+        plt.close(fig)
+        return None
+    return _finish(fig, ax, out / f"loss_vs_{x}.png", f"Training loss vs {x}")
 
 
-def plot_accuracy(runs: list[dict[str, Any]], out: Path) -> Path:
+def plot_accuracy(runs: list[dict[str, Any]], out: Path) -> Path | None:
+    if not any(r["evals"] for r in runs):
+        return None                                         # timing-only runs evaluate nothing
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         ev = r["evals"]
@@ -203,12 +221,105 @@ def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
     return path
 
 
+def plot_coherence(series: dict[str, list[tuple[int, dict[int, float]]]], out: Path) -> Path:
+    """Gradient coherence cos(grad F(x_k), grad F(x_{k-m})) (`experiments.sim.coherence`): one panel per model
+    (label -> [(step k, {lag m: cos})]) with a line per lag over k, and a last panel with the mean over k vs m,
+    one line per model (Dai et al. 2019, Fig. 5: deeper models decorrelate faster)."""
+    if not series:
+        raise ValueError("no coherence series to plot")
+    n = len(series)
+    fig, axes = plt.subplots(1, n + 1, figsize=(3.6 * (n + 1), 3.4), squeeze=False)
+    for j, (ax, (label, rows)) in enumerate(zip(axes[0], series.items())):
+        lags = sorted({m for _, row in rows for m in row})
+        for i, m in enumerate(lags):
+            pts = [(k, row[m]) for k, row in rows if m in row]
+            ax.plot([k for k, _ in pts], [c for _, c in pts], color=plt.get_cmap("viridis")(i / max(1, len(lags) - 1)),
+                    lw=1.2, label=f"m = {m}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step k", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, title="lag", title_fontsize=7)
+        mean = {m: float(np.nanmean([row[m] for _, row in rows if m in row])) for m in lags}
+        axes[0][n].plot(list(mean), list(mean.values()), marker="o", color=f"C{j}", label=label)
+    axes[0][0].set_ylabel("cos(grad F(x_k), grad F(x_{k-m}))", fontsize=8)
+    last = axes[0][n]
+    last.set_xscale("log", base=2)
+    last.set_xlabel("lag m (steps)", fontsize=8)
+    last.set_ylabel("mean over k", fontsize=8)
+    last.set_title("coherence vs lag, per model", fontsize=9)
+    last.grid(True, alpha=0.3)
+    last.legend(fontsize=7)
+    fig.suptitle("Gradient coherence on a fixed evaluation batch (Dai et al. 2019)", fontsize=10)
+    fig.tight_layout()
+    path = out / "coherence.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_staleness_per_worker(runs: list[dict[str, Any]], out: Path, max_workers: int = 4,
+                               max_runs: int = 12) -> Path | None:
+    """Per-worker staleness pmf over the steady window (all workers running), one row per PS run and one column per
+    worker (all if K <= max_workers, else the first ones and every straggler), with the analytic overlay of
+    `experiments.sim.laws`: the predicted mean (dashed), Geometric(1/K) (line) when compute times are exponential,
+    the strategy's bound (red); the measured mean dotted. None if no run has PS staleness."""
+    from experiments.results.records import steady_window_end
+    from experiments.sim.laws import overlay
+    ps = [r for r in runs if str(r["config"]["train"]["strategy"]).startswith("ps-")
+          and any(u.get("staleness") is not None for u in r["updates"])][:max_runs]
+    if not ps:
+        return None
+    K = max(int(r["config"]["train"]["workers"]) for r in ps)
+    slow = sorted({int(w) for r in ps for w in (r["config"].get("stragglers") or {}).get("factors") or {}})
+    slow = [w for w in slow if w < K][:max_workers - 1]
+    cols = sorted(slow + [w for w in range(K) if w not in slow][:max_workers - len(slow)])
+    fig, axes = plt.subplots(len(ps), len(cols), figsize=(2.6 * len(cols) + 0.6, 2.1 * len(ps) + 0.7),
+                             squeeze=False)
+    for row, r in zip(axes, ps):
+        t_end = steady_window_end(r["updates"]) or 0.0
+        for ax, w in zip(row, cols):
+            taus = np.array([u["staleness"] for u in r["updates"] if u["worker"] == w and u.get("staleness")
+                             is not None and u["time_s"] <= t_end], int)
+            ax.set_title(f"{run_label(r)}: worker {w}", fontsize=7)
+            ax.tick_params(labelsize=6)
+            if not len(taus):
+                continue
+            k = np.arange(int(taus.max()) + 1)
+            ov = overlay(r["config"], w, int(taus.max()))
+            ax.bar(k, np.bincount(taus) / len(taus), width=1.0, color=_color(r, runs), alpha=0.7, lw=0)
+            ax.axvline(taus.mean(), color="black", ls=":", lw=1, label=f"mean {taus.mean():.2f}")
+            if ov.pmf is not None:
+                ax.plot(k, ov.pmf, color="black", lw=1, label=ov.pmf_label)
+            if ov.mean is not None:
+                ax.axvline(ov.mean, color="tab:blue", ls="--", lw=1, label=f"{ov.mean_label} = {ov.mean:.3g}")
+            right = max(int(taus.max()), ov.mean or 0) + 1.5
+            if ov.bound is not None and 0 < ov.bound <= 2 * right:
+                ax.axvline(ov.bound, color="tab:red", lw=1.2, label=f"bound {ov.bound}")
+                right = ov.bound + 1.5
+            elif ov.bound:                                    # far off to the right: say so, keep the scale
+                ax.plot([], [], color="tab:red", lw=1.2, label=f"bound {ov.bound} (off scale)")
+            ax.set_xlim(-0.5, right)
+            ax.legend(fontsize=5.5, loc="upper right")
+    for ax in axes[-1]:
+        ax.set_xlabel("staleness τ (versions)", fontsize=7)
+    fig.suptitle("Staleness per worker while all workers run, with the analytic laws", fontsize=9)
+    fig.tight_layout()
+    path = out / "staleness_per_worker.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     """Write every comparison plot into `out`; returns {plot name: path}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return {"loss_vs_time": plot_loss(runs, out, "time"), "loss_vs_updates": plot_loss(runs, out, "updates"),
+    plots = {"loss_vs_time": plot_loss(runs, out, "time"), "loss_vs_updates": plot_loss(runs, out, "updates"),
+            **({"loss_vs_epochs": plot_loss(runs, out, "epochs")} if any(_epochs_per_gradient(r) for r in runs)
+               else {}),
             "test_accuracy": plot_accuracy(runs, out), "throughput": plot_throughput(runs, out),
             "staleness_hist": plot_staleness(runs, out), "wait_time": plot_wait(runs, out),
             "bytes_per_worker": plot_bytes(runs, out),
-            **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {})}
+            **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {}),
+            "staleness_per_worker": plot_staleness_per_worker(runs, out)}
+    return {k: v for k, v in plots.items() if v is not None}

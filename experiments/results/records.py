@@ -4,6 +4,7 @@ runner (the training loop, the PS simulator, the all-reduce simulator) — and t
     worker      data-parallel worker (0..K-1)             step    its clock when it read (0-based)
     clock       step + 1                                   time_s  seconds since the start barrier (or virtual)
     loss        training loss on batch(worker, step)       batch   digest of that batch's example indices
+                (both null in a timing-only simulation: no batch is drawn)
     staleness   τ = (version when applied) − (version read); 0 for all-reduce and local; None if never applied
     bytes_sent / bytes_recv   payload bytes this update moved on the worker's first rank (pp = tp = 0): its process
                 groups as the backend counted them, plus PS push / pull (all ranks: summary.json bytes_by_kind)
@@ -27,12 +28,12 @@ class UpdateRecord:
     step: int
     clock: int
     time_s: float
-    loss: float
+    loss: float | None
     staleness: int | None
     bytes_sent: int
     bytes_recv: int
     wait_s: float
-    batch: str
+    batch: str | None
     dropped: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -59,37 +60,60 @@ def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[An
         pos[w] = i + 1
 
 
+def time_to_accuracy(evals: list[dict[str, Any]], target: float) -> tuple[float, int] | None:
+    """(time_s, updates) of the first evaluation whose test accuracy reaches `target`; None if none does."""
+    for e in evals:
+        if e.get("test_acc") is not None and e["test_acc"] >= target:
+            return float(e["time_s"]), int(e["updates"])
+    return None
+
+
+def steady_window_end(updates: list[dict[str, Any]]) -> float | None:
+    """End of the steady window -- while every worker is still working: the time the first worker finishes (its
+    last applied update); None if nothing was applied."""
+    last: dict[int, float] = {}
+    for u in updates:
+        if not u.get("dropped"):
+            last[u["worker"]] = max(last.get(u["worker"], 0.0), u["time_s"])
+    return min(last.values()) if last else None
+
+
 def steady_throughput(updates: list[dict[str, Any]]) -> float | None:
     """Updates per second while every worker is still working: count up to the time the first worker finishes.
     With a straggler this separates BSP (everyone held to the straggler's pace) from ASP (the others run on)."""
-    applied = [u for u in updates if not u.get("dropped")]
-    if not applied:
+    t_end = steady_window_end(updates)
+    if t_end is None:
         return None
-    last: dict[int, float] = {}
-    for u in applied:
-        last[u["worker"]] = max(last.get(u["worker"], 0.0), u["time_s"])
-    t_end = min(last.values())
-    n = sum(1 for u in applied if u["time_s"] <= t_end)
+    n = sum(1 for u in updates if not u.get("dropped") and u["time_s"] <= t_end)
     return n / t_end if t_end > 0 else None
 
 
 def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wall_s: float,
-              label: str, simulated: bool) -> dict[str, Any]:
-    """Totals a teacher puts on a slide: updates/s, final loss/accuracy, mean/max staleness, waiting, bytes."""
+              label: str, simulated: bool, target_acc: float | None = None) -> dict[str, Any]:
+    """Totals a teacher puts on a slide: updates/s, final loss/accuracy, mean/max staleness (whole run, and over the
+    steady window of `steady_window_end`, which leaves out a straggler's solo tail at tau = 0), waiting, bytes, and
+    with `target_acc` the time and updates to reach it (None if not reached). Loss may be None (timing-only runs)."""
     ups = list(updates)
     n = len(ups)
     stal = [u["staleness"] for u in ups if u.get("staleness") is not None]
+    t_end = steady_window_end(ups)
+    steady = [u["staleness"] for u in ups if u.get("staleness") is not None and u["time_s"] <= (t_end or 0.0)]
     workers = sorted({u["worker"] for u in ups})
-    tail = ups[-max(1, n // 10):] if n else []
+    tail = [u["loss"] for u in ups[-max(1, n // 10):] if u.get("loss") is not None] if n else []
     last_eval = evals[-1] if evals else {}
+    hit = time_to_accuracy(evals, target_acc) if target_acc is not None else None
     return {
         "label": label, "simulated": simulated, "updates": n, "workers": len(workers), "time_s": wall_s,
         "updates_per_s_total": n / wall_s if wall_s > 0 else None,
         "updates_per_s": steady_throughput(ups),
         "dropped": sum(1 for u in ups if u.get("dropped")),
-        "final_train_loss": sum(u["loss"] for u in tail) / len(tail) if tail else None,
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
         "final_test_loss": last_eval.get("test_loss"), "final_test_acc": last_eval.get("test_acc"),
         "staleness_mean": sum(stal) / len(stal) if stal else None, "staleness_max": max(stal) if stal else None,
+        "staleness_mean_steady": sum(steady) / len(steady) if steady else None,
+        "staleness_max_steady": max(steady) if steady else None,
+        "target_acc": target_acc, "time_to_target_s": hit[0] if hit else None,
+        "updates_to_target": hit[1] if hit else None,
         "wait_s_total": sum(u.get("wait_s") or 0.0 for u in ups),
         "bytes_per_worker": (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
                              / len(workers)) if workers else 0,

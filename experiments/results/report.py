@@ -11,18 +11,32 @@ EXPLAIN = {
     "loss_vs_time": "Training loss against wall-clock time. Asynchronous strategies do not wait for the slowest "
                     "worker, so with a straggler their curve falls faster in time; synchronous ones (allreduce, "
                     "ps-bsp, and SSP once the bound is reached) move at the pace of the slowest worker.",
-    "loss_vs_updates": "Training loss against the number of gradients applied. BSP (allreduce, ps-bsp, and SSP in "
-                       "pslab's aggregate mode) averages the K workers' gradients of a clock into ONE optimizer "
-                       "step -- large-batch SGD -- while ASP takes one step per gradient, so at the same learning "
-                       "rate ASP makes K times as many steps per gradient and can fall faster per gradient here; "
-                       "its price is staleness (next plot), which grows with K and hurts more for deeper models "
-                       "and larger learning rates (see `pslab sweep --preset staleness`).",
+    "loss_vs_updates": "Training loss against the number of gradients applied. Averaging strategies (local, "
+                       "allreduce, ps-bsp, ps-ssp-agg) fold the K workers' gradients of a clock into ONE optimizer "
+                       "step -- large-batch SGD -- while ASP and SSP apply each gradient as its own step. The "
+                       "table's lr column says how the comparison is made fair: under the linear scaling rule "
+                       "(default) an averaging step uses K x the per-gradient lr, so each gradient moves the model "
+                       "equally far and the curves differ only by what synchronisation does -- staleness (next "
+                       "plots), which grows with K and hurts more for deeper models and larger learning rates (see "
+                       "`pslab sweep --preset staleness`). With train.lr_rule = none an averaging step uses the "
+                       "same lr as one ASP gradient, so it learns K times less per gradient.",
+    "loss_vs_epochs": "Training loss against samples seen (gradients applied x batch size, in epochs of the "
+                      "training set), the x-axis of Dai et al. and Ho et al.: at the same samples, a strategy that "
+                      "averages K gradients per step has made K times fewer optimizer steps, which the linear "
+                      "scaling rule (train.lr_rule) compensates by a K times larger step.",
     "test_accuracy": "Test accuracy on held-out data, evaluated periodically during training.",
     "throughput": "Gradients applied per second while all workers are still running (the straggler's solo tail "
                   "after the others have finished is left out). BSP's throughput is capped by the slowest worker; "
                   "ASP's is not.",
     "staleness_hist": "For each update, how many versions the shard had advanced between the worker's read and the "
-                      "update being applied. BSP: always 0. ASP with K equal workers: about K − 1. SSP(s): bounded.",
+                      "update being applied. BSP: always 0. ASP with K equal workers: about K − 1. SSP(s) (Ho et al.: one version per "
+                      "gradient): at most (K − 1)(2s + 1); ps-ssp-agg:s (one version per clock): at most s.",
+    "staleness_per_worker": "The staleness distribution of single workers while all workers still run (a "
+                            "straggler's solo tail left out), next to theory: ASP with K equal workers has mean "
+                            "K − 1, and with exponential compute times exactly Geometric(1/K), P(τ = k) = "
+                            "(1/K)(1 − 1/K)^k; a persistent straggler c times slower sees the others push c times "
+                            "each, a spike at c(K − 1), while the fast workers average K − 2 + 1/c; the red line is "
+                            "the strategy's bound (experiments/sim/laws.py).",
     "wait_time": "Mean over workers of the time each spent blocked (at the PS consistency gate, or in the "
                  "all-reduce waiting for its peers), transfers included -- the price of synchrony. With a straggler "
                  "it is the fast workers that wait for the slow one.",
@@ -60,18 +74,33 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def summary_table(runs: list[dict[str, Any]]) -> str:
-    head = ("| run | workers | updates | time (s) | updates/s (all running) | final train loss | test acc (%) | "
-            "staleness mean / max | wait per worker (s) | MB per worker |")
-    rows = [head, "|" + "---|" * 10]
+def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -> str:
+    """One row per run. `lr / gradient (step)`: what each gradient moves the model by, and the optimizer step's lr
+    (they differ by the number of gradients a step averages, see train.lr_rule); with `target_acc`, the time and
+    the samples it took to first reach that test accuracy."""
+    from experiments.results.records import time_to_accuracy
+    target = f" | time to {100 * target_acc:g} % (s) | samples to {100 * target_acc:g} %" if target_acc else ""
+    head = ("| run | workers | gradients / optimizer steps | samples | lr / gradient (step) | time (s) | "
+            "updates/s (all running)" + target + " | final train loss | test acc (%) | staleness mean / max | "
+            "wait per worker (s) | MB per worker |")
+    rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in runs:
         s = r.get("summary") or {}
         acc = s.get("final_test_acc")
         w = max(1, s.get("workers") or 1)
         time_s = _fmt(s.get("time_s")) + (" (virtual)" if s.get("simulated") else "")
+        lr = (f"{_fmt(s.get('lr_per_gradient'))} ({_fmt(s.get('lr_step'))})" if s.get("lr_step") is not None
+              else "—")
+        cells = ""
+        if target_acc:
+            hit = time_to_accuracy(r.get("evals") or [], target_acc)
+            b = ((r.get("config") or {}).get("workload") or {}).get("batch_size")
+            cells = (f" | {_fmt(hit[0]) if hit else 'not reached'} | "
+                     f"{_fmt(hit[1] * b) if hit and b else '—'}")
         rows.append(
-            f"| {run_label(r)} | {_fmt(s.get('workers'))} | {_fmt(s.get('updates'))} | {time_s} | "
-            f"{_fmt(s.get('updates_per_s'))} | {_fmt(s.get('final_train_loss'))} | "
+            f"| {run_label(r)} | {_fmt(s.get('workers'))} | {_fmt(s.get('updates'))} / "
+            f"{_fmt(s.get('optimizer_steps'))} | {_fmt(s.get('samples'))} | {lr} | {time_s} | "
+            f"{_fmt(s.get('updates_per_s'))}{cells} | {_fmt(s.get('final_train_loss'))} | "
             f"{_fmt(100 * acc if acc is not None else None)} | "
             f"{_fmt(s.get('staleness_mean'), 2)} / {_fmt(s.get('staleness_max'))} | "
             f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} |")
@@ -79,14 +108,22 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
 
 
 def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comparison",
-                 intro: str = "") -> Path:
+                 intro: str = "", target_acc: float | None = None, sections: list[str] | None = None) -> Path:
+    """report.md in `out`: intro, the summary table, `sections` (markdown blocks placed after it), bytes, plots."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_all(runs, out)
     lines = [f"# {title}", ""]
     if intro:
         lines += [intro, ""]
-    lines += ["## Summary", "", summary_table(runs), ""]
+    if any((r.get("summary") or {}).get("timing_only") for r in runs):
+        lines += ["Timing-only simulation: no gradients were computed and no optimizer ran -- the consistency gate, "
+                  "versions, staleness, compute and network times are the simulator's own (identical to a training "
+                  "simulation of the same schedule), but there is no loss or accuracy, so no loss or accuracy "
+                  "plot.", ""]
+    lines += ["## Summary", "", summary_table(runs, target_acc), ""]
+    for block in sections or []:
+        lines += [block, ""]
     if bytes_table(runs):
         lines += ["## Bytes per step by kind", "", "Bytes sent per training step by all processes (ranks and PS "
                   "shards), each byte counted where it is sent; measured = what the process groups (and the PS "

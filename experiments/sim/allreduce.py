@@ -8,6 +8,8 @@ StragglerModel.step_time(w, t, compute_s); the ring starts when the slowest is d
 (reduce-scatter then all-gather, N - 1 steps each, one chunk of M/N per step; the inter-host link when the workers
 span several hosts). Then every replica applies the averaged gradient with the same torch.optim step as `local`.
 Worker w waits max_v c_v - c_w for the slowest; it sends and receives 2 (N - 1)/N * M bytes per step.
+`train.target_acc` stops the run at the first evaluation that reaches it; `simulate.timing_only` skips the gradients
+and the optimizer (loss null, no evaluations): the times are the same.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def ring_time(nbytes: int, n: int, latency: float, bandwidth: float) -> float:
 
 def simulate_allreduce(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     t, m = cfg.train, cfg.simulate
-    K = t.workers
+    K, timing = t.workers, m.timing_only
     wl = get_workload(cfg.workload.name, K, cfg.workload.batch_size, cfg.workload.seed)
     model = wl.make_model()
     params = list(model.named_parameters())
@@ -43,26 +45,34 @@ def simulate_allreduce(cfg: RunConfig, rundir: RunDir, progress: Callable[[int],
     per_rank = int(round(2 * (K - 1) / K * nbytes))
     now, updates = 0.0, 0
     with JsonlWriter(rundir.metrics_path) as mw, JsonlWriter(rundir.eval_path) as ew:
-        ew.write({"updates": 0, "time_s": 0.0, **wl.evaluate(model)})
+        if not timing:
+            ev = wl.evaluate(model)
+            ew.write({"updates": 0, "time_s": 0.0, **ev})
+            if t.target_acc is not None and ev["test_acc"] >= t.target_acc:
+                return {"virtual_time_s": now, "ring_time_s": t_ring, "stopped_at_target": True}
         for step in range(t.steps):
             results, times = [], []
             for w in range(K):
-                loss, grads, digest = compute_grads(wl, model, w, step)
-                results.append((loss, grads, digest))
+                results.append((None, None, None) if timing else compute_grads(wl, model, w, step))
                 times.append(straggle.step_time(w, step, m.compute_s))
             slowest = max(times)
             now += slowest + t_ring
-            for (_, p) in params:
-                p.grad = None
-            for n, p in params:
-                p.grad = sum(torch.from_numpy(r[1][n]) for r in results).view_as(p) / K
-            opt.step()
+            if not timing:
+                for (_, p) in params:
+                    p.grad = None
+                for n, p in params:
+                    p.grad = sum(torch.from_numpy(r[1][n]) for r in results).view_as(p) / K
+                opt.step()
             for w, (loss, _, digest) in enumerate(results):
                 mw.write(UpdateRecord(w, step, step + 1, now, loss, 0, per_rank, per_rank, slowest - times[w],
                                       digest).to_json())
             before, updates = updates, updates + K
-            if updates // t.eval_every > before // t.eval_every or step == t.steps - 1:
-                ew.write({"updates": updates, "time_s": now, **wl.evaluate(model)})
             if progress:
                 progress(K)
-    return {"virtual_time_s": now, "ring_time_s": t_ring}
+            if not timing and (updates // t.eval_every > before // t.eval_every or step == t.steps - 1):
+                ev = wl.evaluate(model)
+                ew.write({"updates": updates, "time_s": now, **ev})
+                if t.target_acc is not None and ev["test_acc"] >= t.target_acc:
+                    return {"virtual_time_s": now, "ring_time_s": t_ring, "stopped_at_target": True}
+    return {"virtual_time_s": now, "ring_time_s": t_ring, "stopped_at_target": False,
+            **({"timing_only": True} if timing else {})}

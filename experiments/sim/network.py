@@ -27,10 +27,15 @@ class Link:
 
     def send(self, now: float, nbytes: int, latency: float, bandwidth: float) -> float:
         """Occupy the link for nbytes/bandwidth starting when it is free; return the arrival time."""
+        return self.occupy(now, nbytes, nbytes / bandwidth) + latency
+
+    def occupy(self, now: float, nbytes: int, duration: float) -> float:
+        """Hold the link for `duration` seconds from when it is free; return when it is free again. (The
+        timing-only simulator inlines these three lines in its event loop: keep them in step.)"""
         start = max(now, self.free_at)
-        self.free_at = start + nbytes / bandwidth
+        self.free_at = start + duration
         self.bytes += nbytes
-        return self.free_at + latency
+        return self.free_at
 
 
 class Network:
@@ -46,6 +51,13 @@ class Network:
         if self.host(worker) == 0:
             return self.cfg.latency_intra_s, self.cfg.bandwidth_intra_Bps
         return self.cfg.latency_inter_s, self.cfg.bandwidth_inter_Bps
+
+    def route(self, worker: int, nbytes: int) -> tuple[int, float, float]:
+        """(bytes on the wire, seconds on the link, latency) of an nbytes-payload message between `worker` and a
+        shard: what `to_shard` / `from_shard` charge, for callers that precompute it."""
+        lat, bw = self._lb(worker)
+        n = nbytes + HEADER_BYTES
+        return n, n / bw, lat
 
     def to_shard(self, now: float, worker: int, shard: int, nbytes: int) -> float:
         lat, bw = self._lb(worker)

@@ -8,9 +8,19 @@ Worker w's life, in virtual time:
     -> push gradient --net--> shard applies it (ps optimizer; staleness recorded by the shard); next read request
        follows the push on the same FIFO link.
 
+Backup workers (ps-bsp-backup:b): by default a straggler's gradient for a clock committed without it still travels
+to the shards and is dropped there; with train.backup_abort (Chen et al. 2016's idealised model) every worker
+computing a clock that all shards have committed gives it up at that instant (a dropped record, nothing pushed) and
+reads again.
+
 Events sit in a heap ordered by (time, sequence number); sequence numbers are assigned in a deterministic order
 and all randomness is seeded, so the same config gives a byte-identical metrics file. Nothing here depends on the
 wall clock or on the machine: 64+ workers on 2 cores only cost 64x the gradient computations.
+
+Every train.eval_every applied updates the shards' live parameters are evaluated; with `train.target_acc` the run
+stops at the first evaluation whose test accuracy reaches it (gradients still in flight are abandoned, not recorded),
+so time to accuracy is resolved to eval_every updates. `[simulate] timing_only` runs `experiments.sim.timing`
+instead: this loop without tensors, giving the same records but for loss.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ class WorkerState:
     gate_wait: float = 0.0
     bytes_recv: int = 0
     done: bool = False
+    computing: Any = None          # (token, loss, digest) of the gradient in flight; None when not computing
+    token: int = 0                 # bumps per compute: an aborted compute's COMPUTE_DONE is ignored
 
 
 class Simulator:
@@ -69,6 +81,7 @@ class Simulator:
         self.pending: list[deque] = [deque() for _ in range(self.K)]  # records awaiting their update on shard 0
         self.applied = 0
         self.now = 0.0
+        self.reached = False           # an evaluation reached train.target_acc: stop
 
     # -- event plumbing ------------------------------------------------------------------------------------------
     def _at(self, when: float, kind: int, worker: int, shard: int = 0, payload: Any = None) -> None:
@@ -110,11 +123,16 @@ class Simulator:
         set_params(self.model, params)
         loss, grads, digest = compute_grads(self.wl, self.model, w, ws.clock)
         dt = self.straggle.step_time(w, ws.clock, self.cfg.simulate.compute_s)
-        self._at(self.now + dt, COMPUTE_DONE, w, 0, (loss, grads, digest))
+        ws.token += 1
+        ws.computing = (ws.token, loss, digest)
+        self._at(self.now + dt, COMPUTE_DONE, w, 0, (ws.token, loss, grads, digest))
 
     def _on_compute_done(self, w: int, payload: Any) -> None:
         ws = self.workers[w]
-        loss, grads, digest = payload
+        token, loss, grads, digest = payload
+        if ws.computing is None or token != ws.computing[0]:
+            return                                   # aborted (backup_abort): its clock was committed without it
+        ws.computing = None
         pieces = self.partition_split(grads)
         sent = 0
         for s, piece in enumerate(pieces):
@@ -142,7 +160,23 @@ class Simulator:
             for worker, tau in pr.staleness:
                 if self.pending[worker]:
                     self._emit(self.pending[worker].popleft(), int(tau))
+        if self.cfg.train.backup_abort and pr.staleness:
+            self._abort_committed()
         self._recheck(s)
+
+    def _abort_committed(self) -> None:
+        """backup_abort (Chen et al. 2016's idealised model): a worker computing a clock that every shard has now
+        committed gives it up at once -- a dropped record, no push -- and reads again (moved up to the clock)."""
+        committed = min(st.committed_clock for st in self.shards)
+        for w, ws in enumerate(self.workers):
+            if ws.computing is not None and ws.clock < committed:
+                _, loss, digest = ws.computing
+                ws.computing = None
+                self._emit(UpdateRecord(w, ws.clock, ws.clock + 1, 0.0, loss, None, 0, ws.bytes_recv, ws.gate_wait,
+                                        digest), None, dropped=True)
+                if self.progress:
+                    self.progress(1)
+                self._send_read(w)
 
     def _emit(self, rec: UpdateRecord, tau: int | None, dropped: bool = False) -> None:
         rec.time_s, rec.staleness, rec.dropped = self.now, tau, dropped
@@ -154,7 +188,10 @@ class Simulator:
 
     def _evaluate(self) -> None:
         set_params(self.model, self.partition_join(self.current_params()))
-        self.ew.write({"updates": self.applied, "time_s": self.now, **self.wl.evaluate(self.model)})
+        ev = self.wl.evaluate(self.model)
+        self.ew.write({"updates": self.applied, "time_s": self.now, **ev})
+        target = self.cfg.train.target_acc
+        self.reached = target is not None and ev["test_acc"] >= target
 
     # -- the partition: {name: flat array} <-> per shard {key: flat piece} ---------------------------------------
     def partition_split(self, flat: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -183,7 +220,7 @@ class Simulator:
             self._evaluate()
             for w in range(self.K):
                 self._send_read(w)
-            while self.heap:
+            while self.heap and not self.reached:
                 when, _, kind, w, s, payload = heapq.heappop(self.heap)
                 self.now = when
                 if kind == READ_ARRIVE:
@@ -195,6 +232,8 @@ class Simulator:
                     self._on_compute_done(w, payload)
                 else:
                     self._on_push(w, s, payload)
+            if self.reached:
+                return self._result()
             stuck = [w for w, ws in enumerate(self.workers) if not ws.done]
             if stuck:
                 raise ExperimentError(f"simulation stopped with workers {stuck} blocked at the consistency gate "
@@ -206,7 +245,10 @@ class Simulator:
                     self.mw.write(rec.to_json())
             if self.applied % self.cfg.train.eval_every:
                 self._evaluate()
-        return {"virtual_time_s": self.now, "applied_updates": self.applied,
+        return self._result()
+
+    def _result(self) -> dict[str, Any]:
+        return {"virtual_time_s": self.now, "applied_updates": self.applied, "stopped_at_target": self.reached,
                 "shard_stats": [shard_summary(st) for st in self.shards]}
 
 
@@ -224,4 +266,7 @@ def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | N
     if not cfg.strategy.uses_ps:
         raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "
                               f"{cfg.strategy}: `local` is already a single process, run it without --simulate")
+    if cfg.simulate.timing_only:
+        from experiments.sim.timing import simulate_timing
+        return simulate_timing(cfg, rundir, progress)
     return Simulator(cfg, progress).run(rundir)

@@ -123,4 +123,4 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
-                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None)
+                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None, abort=cfg.train.backup_abort)

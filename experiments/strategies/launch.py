@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from experiments.config import RunConfig
-from experiments.errors import ExperimentError
+from experiments.errors import DIVERGED, DivergedError, ExperimentError
 from experiments.results.rundir import RunDir
 
 # "fork": ranks and shards start in milliseconds with torch and the datasets already loaded (the parent only runs
@@ -43,7 +43,8 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
                                   args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.timeout_s,
                                   start_method=START_METHOD)
     except collectives.LaunchError as e:
-        raise ExperimentError(f"{cfg.strategy} run failed: {str(e).splitlines()[0]}") from e
+        first = str(e).splitlines()[0]
+        raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
     finally:
         if servers is not None:
             servers.stop()

@@ -24,15 +24,11 @@ from typing import Any, Sequence
 import torch
 
 from experiments.config import RunConfig, config_from_dict
-from experiments.errors import ExperimentError
+from experiments.errors import DIVERGED, DivergedError
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
 from experiments.stragglers import StragglerModel
 from experiments.workloads import Workload, batch_digest, get_workload
-
-
-class DivergedError(ExperimentError):
-    """The loss became NaN or Inf: the run stops instead of training a poisoned model."""
 
 
 def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
@@ -76,7 +72,7 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
             compute = (time.perf_counter() - tc) / len(workers)     # local's K passes would run in parallel
             for w, loss, _ in done:
                 if not math.isfinite(loss):
-                    raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: training diverged (try a "
+                    raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: {DIVERGED} (try a "
                                         f"smaller train.lr than {t.lr})")
             # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(compute, base)) ---
             if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first rank's start to
@@ -86,8 +82,8 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
                 tc = start
             target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in workers)
             left = target - (time.perf_counter() - tc)
-            if left > 0:
-                time.sleep(left)
+            if left > 0:                 # a PS backup worker with abort polls its clock while it pads
+                getattr(strategy, "pad", time.sleep)(left)
             # -- phase 3: synchronise and update (all-reduce + optimizer, or push_pull to the shards) ------------
             tw = time.perf_counter()
             strategy.step(replica)

@@ -30,10 +30,18 @@ tp-rank-0 shard set: tp rank 0 pushes their gradient (equal on every tp rank) an
 tp peers after each read — one copy, on the tensor-parallel link, so the peers never train on a different version.
 Pulled weights lie in read-only shared memory: nothing may write a parameter in place while attached (the shards
 run the optimizer); a write would fault. `close(replica)` gives them memory of their own again.
+
+Backup workers (ps-bsp-backup:b). By default a straggler finishes and pushes its gradient even when its clock was
+committed without it (TensorFlow's SyncReplicasOptimizer behaviour): the shard drops it and counts it. With
+`abort` (train.backup_abort, Chen et al. 2016's idealised model) the worker gives the gradient up as soon as it
+learns that the clock is committed: `pad` (the loop's straggler padding) asks the shards every ABORT_POLL_S, and
+`step` asks once more before pushing; an aborted step pushes nothing and only pulls, which moves the worker up to
+the committed clock. Compute already spent in backward is not interrupted (the check runs between phases).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -47,6 +55,9 @@ from parallelism.mesh import DeviceMesh
 
 # the pulled weights are read-only views (the worker never writes its weights: the shards run the optimizer)
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
+
+
+ABORT_POLL_S = 0.005      # backup abort: how often a padding straggler asks whether its clock is committed
 
 
 class PSStrategyError(ExperimentError):
@@ -76,6 +87,7 @@ class PSSyncStrategy:
     timeout: float = 60.0
     curve_keys_dir: str | None = None
     tp_group: Any = None          # with tp > 1: the tensor-parallel group, to share the replicated tensors
+    abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
     last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step
@@ -83,6 +95,7 @@ class PSSyncStrategy:
     _touched: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
     _shared: list[str] = field(default_factory=list, init=False, repr=False)
+    _aborted: bool = field(default=False, init=False, repr=False)
 
     def attach(self, replica: Replica) -> None:
         import ps
@@ -128,12 +141,39 @@ class PSSyncStrategy:
         if self.client is None:
             raise PSStrategyError("PSSyncStrategy.step before attach(replica)")
         clock = self.client.clocks[0]
+        if self.abort and (self._aborted or self._committed_without_me()):
+            self._aborted = False             # nothing pushed: the pull moves this worker up to the committed clock
+            read = self.client.pull(copy=False).result(self.timeout)
+            self.history.append(PSStep(clock, ["aborted"], list(read.versions), []))
+            self._zero()
+            self._adopt(replica, read)
+            self.last_bytes = (0, sum(v.nbytes for v in read.params.values()))
+            return
         acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
         self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         self._zero()                          # acked: the shard has read them; start the next sum from zero
         self._adopt(replica, read)
         self.last_bytes = (self.pushed_bytes, sum(v.nbytes for v in read.params.values()))
+
+    def pad(self, seconds: float) -> None:
+        """The loop's straggler padding: sleep `seconds`; with `abort`, stop early once this worker's clock has
+        been committed without it (then `step` pushes nothing)."""
+        end = time.perf_counter() + seconds
+        while self.abort and self.client is not None:
+            if self._committed_without_me():
+                self._aborted = True
+                return
+            left = end - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, ABORT_POLL_S))
+        time.sleep(max(0.0, end - time.perf_counter()))
+
+    def _committed_without_me(self) -> bool:
+        """Every shard has committed this worker's current clock (backup-BSP took the first N gradients)."""
+        clock = self.client.clocks[0]
+        return all(int(m.get("committed", 0)) > clock for m in self.client.stats().result(self.timeout))
 
     def _touch(self, name: str) -> Any:
         """A gradient hook that notes what backward writes: a sparse gradient's rows, or 'all' for a dense one."""
@@ -167,8 +207,8 @@ class PSSyncStrategy:
 
     @property
     def dropped(self) -> bool:
-        """The last push was a late backup gradient (not applied)."""
-        return bool(self.history) and "dropped" in self.history[-1].status
+        """The last step's gradient was not applied: a late backup push (dropped) or given up before it (aborted)."""
+        return bool(self.history) and bool({"dropped", "aborted"} & set(self.history[-1].status))
 
     def refresh(self, replica: Replica) -> None:
         """Read the shards' current weights into the replica (e.g. after every worker has finished)."""

@@ -72,6 +72,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     from experiments.strategies.build import check_layout
     from experiments.strategies.launch import collect, start_shards, summary_fields
     from experiments.strategies.loop import train_worker
+    from experiments.strategies.spec import lr_fields
     from experiments.workloads import get_workload
     if cfg.strategy.kind == "local":
         raise ConfigError(f"under {role.source} (RANK/WORLD_SIZE set) pslab run supports strategies allreduce and "
@@ -84,7 +85,8 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     if cfg.train.workers != role.world_size // mp:
         cfg.train.workers = role.world_size // mp   # the environment decides how many workers there are
         cfg.validate()
-    check_layout(cfg, get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed))
+    wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
+    check_layout(cfg, wl)
     label = label or default_label(cfg, False)
     path = Path(out) / safe_name(label)
     path.mkdir(parents=True, exist_ok=True)
@@ -116,8 +118,10 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
         collect(cfg, rd, results)
         ups, evs = read_jsonl(rd.metrics_path), read_jsonl(rd.eval_path)
         elapsed = max([1e-9] + [u["time_s"] for u in ups] + [e["time_s"] for e in evs])   # as runner.execute
-        rd.write_summary({**summarize(ups, evs, elapsed, label, False), "strategy": cfg.strategy.label,
-                          "role": role.source, **summary_fields(cfg, results)})
+        summary = summarize(ups, evs, elapsed, label, False)
+        rd.write_summary({**summary, "strategy": cfg.strategy.label, "role": role.source,
+                          **summary_fields(cfg, results), "train_examples": wl.data.n_train,
+                          **lr_fields(cfg.train, summary["updates"] - summary["dropped"], cfg.workload.batch_size)})
         print(f"run directory: {path}")
     return 0
 

@@ -5,8 +5,21 @@
     allreduce          ring all-reduce BSP over `collectives` (backend zmq or torch)
     ps-bsp             parameter server, bulk synchronous: read at clock c waits for all clock c-1 pushes
     ps-asp             parameter server, asynchronous: nobody waits
-    ps-ssp:<s>         stale synchronous parallel, bound s >= 0 (s = 0 is BSP)
+    ps-ssp:<s>         stale synchronous parallel (Ho et al. 2013), bound s >= 0: every push applied at once
+                       (read-my-writes), a read waits only while it is more than s clocks ahead of the slowest
+    ps-ssp-agg:<s>     SSP with each clock's K gradients averaged into one step once all have arrived (ssp-agg:0
+                       is BSP bitwise; the model advances only as the slowest worker completes a clock)
     ps-bsp-backup:<b>  BSP that proceeds on the first N of N+b gradients per clock (b >= 1 backup workers)
+
+Learning rates (`train.lr_rule`, Goyal et al. 2017's linear scaling rule by default). `train.lr` is the learning
+rate PER GRADIENT. A strategy whose optimizer step averages G gradients (G = K for local, allreduce, ps-bsp and
+ps-ssp-agg; K - b for ps-bsp-backup:b; 1 for ps-asp and ps-ssp) steps with
+
+    linear:  lr_step = G * lr      (the same distance per gradient as one-gradient steps: BSP(G lr) = SSP(0)(lr)
+                                    for SGD, so a comparison changes only the synchronisation)
+    sqrt:    lr_step = sqrt(G) * lr (Krizhevsky 2014 / Hoffer et al. 2017; often used with Adam)
+    none:    lr_step = lr          (every strategy steps with the same lr: averaging strategies then learn
+                                    G times less per gradient)
 
 The optimizer is described once, as `ps.OptimizerSpec` (`optimizer_spec(train)`): the shards run it server-side,
 and `local` / `allreduce` build the same torch.optim optimizer from it (`torch_optimizer`), so a comparison never
@@ -26,14 +39,15 @@ if TYPE_CHECKING:
     from experiments.config import TrainConfig
     from ps.optim import OptimizerSpec
 
-KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-bsp-backup")
-_HELP = "local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-bsp-backup:<b>"
+KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup")
+_HELP = "local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>"
+LR_RULES = ("linear", "sqrt", "none")
 
 
 @dataclass(frozen=True)
 class Strategy:
     kind: str
-    staleness: int | None = None  # ps-ssp
+    staleness: int | None = None  # ps-ssp, ps-ssp-agg
     backup: int | None = None     # ps-bsp-backup
 
     @property
@@ -42,15 +56,16 @@ class Strategy:
 
     @property
     def policy(self) -> str:
-        """The shards' consistency policy in `ps.policy_from_string` syntax: 'ps-ssp:3' -> 'ssp:3'."""
+        """The shards' consistency policy in `ps.policy_from_string` syntax: 'ps-ssp:3' -> 'ssp:3',
+        'ps-ssp-agg:3' -> 'ssp-agg:3'."""
         if not self.uses_ps:
             raise ConfigError(f"{self.label} is not a parameter-server strategy")
         return self.label[3:]
 
     @property
     def label(self) -> str:
-        if self.kind == "ps-ssp":
-            return f"ps-ssp:{self.staleness}"
+        if self.kind in ("ps-ssp", "ps-ssp-agg"):
+            return f"{self.kind}:{self.staleness}"
         if self.kind == "ps-bsp-backup":
             return f"ps-bsp-backup:{self.backup}"
         return self.kind
@@ -58,9 +73,19 @@ class Strategy:
     def __str__(self) -> str:
         return self.label
 
+    def gradients_per_step(self, workers: int) -> int:
+        """How many gradients one optimizer step averages: K for the averaging strategies, K - b with b backups
+        (the first K - b gradients of a clock), 1 for those that apply every gradient at once."""
+        if self.kind in ("ps-asp", "ps-ssp"):
+            return 1
+        if self.kind == "ps-bsp-backup":
+            return max(1, workers - int(self.backup or 0))
+        return workers
+
 
 # strategies that take an integer argument: kind -> (what it is, its minimum, an example)
-_ARGS = {"ps-ssp": ("a staleness bound", 0, "ps-ssp:2"), "ps-bsp-backup": ("a number of backup workers", 1,
+_ARGS = {"ps-ssp": ("a staleness bound", 0, "ps-ssp:2"), "ps-ssp-agg": ("a staleness bound", 0, "ps-ssp-agg:2"),
+         "ps-bsp-backup": ("a number of backup workers", 1,
                                                                           "ps-bsp-backup:1")}
 
 
@@ -83,13 +108,30 @@ def parse_strategy(text: str) -> Strategy:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be an integer, got {arg!r}") from None
     if n < least:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be >= {least}, got {n}")
-    return Strategy(kind, staleness=n) if kind == "ps-ssp" else Strategy(kind, backup=n)
+    return Strategy(kind, backup=n) if kind == "ps-bsp-backup" else Strategy(kind, staleness=n)
+
+
+def step_lr(t: "TrainConfig") -> float:
+    """The learning rate of one optimizer step under `t.lr_rule` (module docstring): lr x G, lr x sqrt(G) or lr."""
+    g = parse_strategy(t.strategy).gradients_per_step(t.workers)
+    rule = getattr(t, "lr_rule", "none")
+    return t.lr * g if rule == "linear" else t.lr * g ** 0.5 if rule == "sqrt" else t.lr
+
+
+def lr_fields(t: "TrainConfig", applied: int, batch_size: int) -> dict[str, float | int | str]:
+    """What a fair comparison states per run: the rule, lr per step and per gradient, gradients averaged per step,
+    optimizer steps taken and samples seen (`applied` gradients of `batch_size` samples)."""
+    g = parse_strategy(t.strategy).gradients_per_step(t.workers)
+    lr = step_lr(t)
+    return {"lr_rule": getattr(t, "lr_rule", "none"), "lr_step": lr, "lr_per_gradient": lr / g,
+            "gradients_per_step": g, "optimizer_steps": applied // g, "samples": applied * batch_size}
 
 
 def optimizer_spec(t: "TrainConfig") -> "OptimizerSpec":
-    """The run's optimizer as the one spec type (`ps.OptimizerSpec`) that every strategy consumes."""
+    """The run's optimizer as the one spec type (`ps.OptimizerSpec`) that every strategy consumes; its lr is the
+    step lr of `t.lr_rule` for the run's strategy (`step_lr`)."""
     from ps.optim import OptimizerSpec
-    return OptimizerSpec(name=t.optimizer, lr=t.lr, momentum=t.momentum, betas=tuple(t.betas),
+    return OptimizerSpec(name=t.optimizer, lr=step_lr(t), momentum=t.momentum, betas=tuple(t.betas),
                          staleness_lr=t.staleness_lr, dc_lambda=t.dc_lambda if t.dc_asgd else None,
                          dc_adaptive=t.dc_adaptive)
 

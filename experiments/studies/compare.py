@@ -7,6 +7,12 @@ digits-MLP, 4 workers x 100 steps; each step's compute is padded to 20 ms (sleep
 visible effect rather than noise on a shared CPU. `--set parallel.tp=2` (etc.) compares the strategies on split
 models too.
 `local` runs once (a single process has no straggler to wait for), and not at all under --simulate.
+
+Fair by construction (`experiments.studies.fairness`): `train.lr` is the learning rate per gradient, and a
+strategy that averages K gradients per step steps with K x lr (linear scaling, train.lr_rule), or `--tune-lr` gives
+each strategy its own best lr from a bracketing grid; the report states the rule, shows lr per gradient and per
+step, optimizer steps and samples for every run, the time to `--target-acc`, and the seed-noise band of the
+reference (`--noise-seeds` runs) that a difference must exceed.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from experiments.errors import ExperimentError
 from experiments.results.rundir import RunDir
 from experiments.results.report import write_report
 from experiments.runner import execute
+from experiments.studies.fairness import band_section, seed_band, tune_lr, tuning_section
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_default.toml"
 STRAGGLER_FACTOR = 4.0
+NOISE_SEEDS = 5          # reference runs for the seed-noise band (0: none)
+TARGET_ACC = 0.9         # the time-to-accuracy column
 
 
 def default_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -40,45 +49,80 @@ def with_straggler(cfg: RunConfig, factor: float = STRAGGLER_FACTOR) -> RunConfi
 
 def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
                 straggler: bool = True, simulate: bool = False, quiet: bool = False,
-                force: bool = False) -> tuple[Path, list[dict]]:
+                force: bool = False, noise_seeds: int = NOISE_SEEDS, target_acc: float | None = TARGET_ACC,
+                tune: bool = False) -> tuple[Path, list[dict]]:
+    """Run every strategy without and with a straggler; with `tune`, each at its own tuned lr (fairness.tune_lr),
+    else at train.lr per gradient under train.lr_rule. `noise_seeds` reference runs give the seed-noise band."""
     out = Path(out)
     planned = [s for s in strategies if not (s == "local" and simulate)]
     if not planned:
         raise ExperimentError("nothing to run: the simulator has no `local` strategy (it simulates workers and "
                               "shards); add a strategy such as ps-asp or allreduce")
+    if noise_seeds < 0 or noise_seeds == 1:
+        raise ExperimentError(f"--noise-seeds must be 0 (no band) or >= 2 (a spread needs two runs), got {noise_seeds}")
+    if target_acc is not None and not 0 < target_acc <= 1:
+        raise ExperimentError(f"--target-acc must be in (0, 1], e.g. 0.9, got {target_acc}")
     t0 = time.perf_counter()
     cfg.stragglers.factors = {}
+
+    def run(c: RunConfig, root: Path, label: str | None = None) -> Any:
+        return execute(c, root, label=label, simulate=simulate, quiet=True if label else quiet, force=force)
+    tuned: dict[str, tuple[float, list]] = {}
+    if tune:
+        say = None if quiet else (lambda m: print(f"  tune-lr: {m}", flush=True))
+        for s in planned:
+            tuned[s] = tune_lr(cfg, s, out / "tune", run, say)
     conditions = [(False, cfg)] + ([(True, with_straggler(cfg))] if straggler else [])
     runs: list[dict[str, Any]] = []
     for strag, base in conditions:
-        for s in strategies:
-            if s == "local" and (strag or simulate):
+        for s in planned:
+            if s == "local" and strag:
                 continue
             c = copy.deepcopy(base)
             c.train.strategy = s
+            if s in tuned:
+                c.train.lr = tuned[s][0]
             if s == "local":          # the single-process reference trains the unsplit model: same updates
                 c.parallel = ParallelConfig(activation_checkpointing=c.parallel.activation_checkpointing)
             c.validate()
-            rd = execute(c, out / "runs", simulate=simulate, quiet=quiet, force=force)
+            rd = run(c, out / "runs")
             runs.append(RunDir(rd.path).load())
+    sections = []
+    if noise_seeds:
+        sections.append(band_section(seed_band(cfg, out / "seeds", run, noise_seeds, simulate), runs))
+    if tuned:
+        sections.append(tuning_section(tuned))
     elapsed = time.perf_counter() - t0
-    K = cfg.train.workers
-    intro = (f"Workload `{cfg.workload.name}`, {K} workers x {cfg.train.steps} steps, batch "
-             f"{cfg.workload.batch_size} per worker, optimizer {cfg.train.optimizer} (lr {cfg.train.lr}), seed "
-             f"{cfg.workload.seed}. " + (f"Straggler runs (dashed / hatched): worker {K - 1} is "
-             f"{STRAGGLER_FACTOR:g}x slower. " if straggler else "") +
-             ("Simulated in virtual time. " if simulate else
-              "Real processes on this machine; " + (f"each step's compute padded to {cfg.train.base_step_s * 1e3:g} ms. "
-                                                    if cfg.train.base_step_s > 0 else "no compute padding. ")) +
-             (f"Model split: {cfg.parallel.describe()} (`local` trains the unsplit model). "
-              if cfg.parallel.describe() else "") +
-             ("`local` is one process doing the same updates with no communication" +
-              (" (its steps are padded like the workers', so it is ideal BSP; it runs once, having no straggler to "
-               "wait for). " if straggler and cfg.train.base_step_s > 0 else
-               " (its steps are padded like the workers', so it is ideal BSP). " if cfg.train.base_step_s > 0 else
-               " (it computes the K gradients one after another). ")
-              if "local" in planned else "") +
-             "Throughput counts updates while all workers are still running. "
-             f"Total time {elapsed:.0f} s.")
-    report = write_report(runs, out, "pslab compare: synchronous vs asynchronous training", intro)
+    report = write_report(runs, out, "pslab compare: synchronous vs asynchronous training",
+                          _intro(cfg, planned, straggler, simulate, tune, elapsed), target_acc, sections)
     return report, runs
+
+
+def _intro(cfg: RunConfig, planned: list[str], straggler: bool, simulate: bool, tune: bool, elapsed: float) -> str:
+    K, t = cfg.train.workers, cfg.train
+    rule = {"linear": f"the linear scaling rule: a step that averages the K = {K} workers' gradients uses K x the "
+                      f"per-gradient lr (Goyal et al. 2017)",
+            "sqrt": f"square-root scaling: a step that averages K = {K} gradients uses sqrt(K) x the per-gradient lr",
+            "none": "one step lr for every strategy (train.lr_rule = none): averaging strategies learn K times less "
+                    "per gradient"}[t.lr_rule]
+    lr = (f"learning rate: each strategy's own, tuned (section below; steps follow {rule})" if tune else
+          f"learning rate {t.lr} per gradient, by {rule}")
+    return (f"Workload `{cfg.workload.name}`, {K} workers x {t.steps} steps, batch {cfg.workload.batch_size} per "
+            f"worker, optimizer {t.optimizer}, {lr}; seed {cfg.workload.seed}. "
+            "**Held fixed**: model, initial weights, data, each worker's batch sequence, steps per worker, compute "
+            "per step and the lr rule; only the synchronisation changes (and, in the straggler runs, one worker's "
+            "speed). " +
+            (f"Straggler runs (dashed / hatched): worker {K - 1} is {STRAGGLER_FACTOR:g}x slower. " if straggler else "") +
+            ("Simulated in virtual time. " if simulate else
+             "Real processes on this machine; " + (f"each step's compute padded to {t.base_step_s * 1e3:g} ms. "
+                                                   if t.base_step_s > 0 else "no compute padding. ")) +
+            (f"Model split: {cfg.parallel.describe()} (`local` trains the unsplit model). "
+             if cfg.parallel.describe() else "") +
+            ("`local` is one process doing the same updates with no communication" +
+             (" (its steps are padded like the workers', so it is ideal BSP; it runs once, having no straggler to "
+              "wait for). " if straggler and t.base_step_s > 0 else
+              " (its steps are padded like the workers', so it is ideal BSP). " if t.base_step_s > 0 else
+              " (it computes the K gradients one after another). ")
+             if "local" in planned else "") +
+            "Throughput counts updates while all workers are still running. "
+            f"Total time {elapsed:.0f} s.")

@@ -10,6 +10,11 @@ as many steps as the best learning rate so far (it can no longer win), which cha
     normalised(s) = steps(s) / steps(0)      (per model and optimizer; > 1 means staleness slowed convergence)
 
 Cells where no learning rate reaches the target within max_steps are reported as None ("not reached").
+
+The emulator's options pass through: `workers` (K gradients per step, each with its own delay, averaged — Dai et
+al.'s worker-count effect; the workload is built with K worker shards) and `delay` (uniform U{0..s} by default;
+constant, geometric or exponential with parameter s, see `experiments.sim.delays`), and `models` may name any
+workload, e.g. the literature-standard {"shallow": "digits-mlp1", "deep": "digits-mlp3"}.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class SweepSpec:
     max_steps: int = 1000
     batch_size: int = 32
     eval_every: int = 10
+    workers: int = 1                 # K emulator workers: gradients averaged per step, independent delays
+    delay: str = "uniform"           # uniform | constant | geometric | exponential (experiments.sim.delays)
     base: TrainConfig = field(default_factory=TrainConfig)  # optimizer options (staleness_lr, dc_asgd, ...) pass through
 
 
@@ -53,9 +60,9 @@ def run_cell(model: str, optimizer: str, lrs: tuple[float, ...], s: int, spec: S
             cap = min(cap, int(best["steps"]))
         steps = []
         for seed in spec.seeds:
-            wl = get_workload(model, 1, spec.batch_size, seed)
+            wl = get_workload(model, spec.workers, spec.batch_size, seed)
             tc = dataclasses.replace(spec.base, optimizer=optimizer, lr=lr)
-            r = run_dai(wl, tc, s, cap, spec.target_acc, spec.eval_every, seed)
+            r = run_dai(wl, tc, s, cap, spec.target_acc, spec.eval_every, seed, delay=spec.delay)
             steps.append(r.steps_to_target)
         mean = float(np.mean(steps)) if all(x is not None for x in steps) else None
         tried.append({"lr": lr, "steps": steps, "mean": mean})
@@ -118,6 +125,11 @@ def save(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
     return p
 
 
+def _delay_label(kind: str) -> str:
+    return {"uniform": "U{0..s}", "constant": "s", "geometric": "Geometric, mean s",
+            "exponential": "rounded Exp, mean s"}.get(kind, kind)
+
+
 def plot_curve(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -142,14 +154,15 @@ def plot_curve(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
         axes[1][j].set_ylabel("steps normalised to s = 0")
         axes[1][j].axhline(1.0, color="gray", lw=0.8, ls=":")
         for i in range(2):
-            axes[i][j].set_xlabel("staleness bound s (delay ~ U{0..s} steps; symlog axis)")
+            axes[i][j].set_xlabel(f"staleness s (delay ~ {_delay_label(spec.delay)} steps; symlog axis)")
             axes[i][j].set_xscale("symlog", linthresh=1)
             axes[i][j].set_xticks(list(spec.staleness), [str(s) for s in spec.staleness])
             axes[i][j].set_xlim(-0.3, max(spec.staleness) * 1.25 + 0.5)
             axes[i][j].grid(True, alpha=0.3)
             axes[i][j].legend(fontsize=8, title="optimizer", title_fontsize=8)
-    fig.suptitle("Steps to target accuracy vs staleness (single-process emulation, Dai et al. 2019); "
-                 f"x: not reached within {spec.max_steps} steps", fontsize=10)
+    fig.suptitle("Steps to target accuracy vs staleness (single-process emulation, Dai et al. 2019"
+                 + (f", K = {spec.workers} workers" if spec.workers > 1 else "")
+                 + f"); x: not reached within {spec.max_steps} steps", fontsize=10)
     fig.tight_layout()
     p = out / "staleness_curve.png"
     fig.savefig(p, dpi=110)

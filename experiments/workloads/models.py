@@ -5,6 +5,10 @@
   of the staleness sweep.
 - `cnn`: two 3x3 conv layers with max-pooling and a linear head, for 28x28 MNIST.
 - `bag_of_words`: a linear bag-of-words classifier over a 99,700-word vocabulary (sparse embedding gradients).
+- `mlr`, `mlp_he`: the literature-standard models (multinomial logistic regression; a ReLU MLP with `depth` hidden
+  layers) with He/Kaiming-normal init (`he_init_`): every weight matrix W ~ N(0, 2 / fan_in), every bias 0
+  (He et al. 2015; keeps the variance of ReLU activations constant with depth). The other factories keep their
+  original U(+-1/sqrt(fan_in)) init (`_init_`) so existing workloads stay bit-for-bit the same.
 - `transformer`: a tiny causal transformer language model (token + position embedding, `layers` pre-norm blocks of
   multi-head self-attention and a 4x MLP, linear head) as an nn.Sequential of `parallelism.models` blocks, so the
   tensor engine can split its heads and MLP width and the pipeline engine can cut it between blocks.
@@ -36,6 +40,35 @@ def _init_(module: nn.Module, seed: int) -> nn.Module:
             else:
                 p.zero_()
     return module
+
+
+def he_init_(module: nn.Module, seed: int) -> nn.Module:
+    """He/Kaiming-normal init from one generator seeded with `seed`: W ~ N(0, std^2), std = sqrt(2 / fan_in), for
+    every parameter with >= 2 dimensions (fan_in = inputs per output unit); biases 0."""
+    g = _seeded(seed)
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, math.sqrt(2.0 / p[0].numel()), generator=g)
+            else:
+                p.zero_()
+    return module
+
+
+def mlr(in_dim: int, num_classes: int, seed: int) -> nn.Module:
+    """Multinomial logistic regression: logits = W x + b (softmax in the loss), He-normal W."""
+    return he_init_(nn.Linear(in_dim, num_classes), seed)
+
+
+def mlp_he(in_dim: int, num_classes: int, seed: int, width: int = 64, depth: int = 1) -> nn.Module:
+    """`depth` hidden layers Linear(width)-ReLU and a linear head, He-normal init."""
+    layers: list[nn.Module] = []
+    d = in_dim
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.ReLU()]
+        d = width
+    layers.append(nn.Linear(d, num_classes))
+    return he_init_(nn.Sequential(*layers), seed)
 
 
 def logreg(in_dim: int, num_classes: int, seed: int) -> nn.Module:

@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
     (["compare", "--simulate", "--no-straggler", "--strategies", "local"], "nothing to run"),
     (["compare", "--strategies", "local", "--set", "train.strategy=ps-asp"], "use --strategies"),
     (["compare", "--strategies", " , "], "needs at least one strategy"),
+    (["compare", "--noise-seeds", "1"], "--noise-seeds must be 0"),
+    (["compare", "--target-acc", "95"], "--target-acc must be in (0, 1]"),
+    (["compare", "--set", "train.lr_rule=cubic"], "train.lr_rule must be one of"),
+    (["run", "CFG", "--set", "train.strategy=ps-ssp-agg"], "needs a staleness bound"),
     (["run", "CFG", "--set", "train.lr=inf"], "train.lr must be a finite number > 0"),
     (["run", "CFG", "--set", "train.momentum=-1"], "train.momentum must be in [0, 1)"),
     (["run", "CFG", "--set", "train.betas=[0.9]"], "train.betas must be two numbers"),
@@ -45,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["run", "CFG", "-q", "--out", "OUT", "--set", "train.lr=1e37", "--set", "train.steps=3", "--set", "train.workers=2"],
      "training diverged"),
     (["sweep", "--preset", "staleness", "--knob", "train.lr", "--values", "0.1"], "sweeps its own knob"),
-    (["sweep", "--quick", "--knob", "train.lr", "--values", "0.1"], "--preset staleness only"),
+    (["sweep", "--quick", "--knob", "train.lr", "--values", "0.1"], "applies to a preset"),
 ])
 def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, argv, fragment):
     """Each bad value makes `pslab` print exactly one 'pslab: error:' line naming the problem and return 1."""
@@ -92,14 +96,19 @@ def test_port_in_use_under_torchrun_is_one_line(tmp_path):
 
 
 def test_compare_and_report_write_every_plot(tmp_path, capsys):
-    """A small simulated compare writes report.md that links all seven PNGs (all non-empty files), and
-    `pslab report` re-renders the same from the saved run directories."""
+    """A small simulated compare writes report.md that links all eight PNGs (all non-empty files), states the lr
+    rule, lr per gradient / per step and the seed-noise band, and `pslab report` re-renders the same from the saved
+    run directories."""
     out = tmp_path / "cmp"
-    assert main(["compare", "--simulate", "-q", "--out", str(out), "--strategies", "ps-bsp,ps-asp",
-                 "--set", "workload.name=digits-logreg", "--set", "train.steps=10", "--set", "train.workers=3"]) == 0
-    names = ["loss_vs_time", "loss_vs_updates", "test_accuracy", "throughput", "staleness_hist", "wait_time",
-             "bytes_per_worker"]
+    assert main(["compare", "--simulate", "-q", "--out", str(out), "--strategies", "ps-bsp,ps-asp", "--noise-seeds",
+                 "2", "--set", "workload.name=digits-logreg", "--set", "train.steps=10", "--set", "train.workers=3"]) == 0
+    names = ["loss_vs_time", "loss_vs_updates", "loss_vs_epochs", "test_accuracy", "throughput", "staleness_hist",
+             "wait_time", "bytes_per_worker"]
     text = (out / "report.md").read_text()
+    assert "linear scaling rule" in text and "**Held fixed**" in text and "## Seed noise" in text
+    assert "| ps-bsp (simulated) | 3 | 30 / 10 | 960 | 0.2 (0.6) |" in text    # compare default: lr 0.2 per gradient
+    assert "| ps-asp (simulated) | 3 | 30 / 30 | 960 | 0.2 (0.2) |" in text
+    assert "seeds 0, 1" in text and "time to 90 %" in text
     for n in names:
         assert f"({n}.png)" in text and (out / f"{n}.png").stat().st_size > 5000
     assert "ps-asp +straggler (simulated)" in text
@@ -210,7 +219,7 @@ def test_torchrun_runs_a_split_model_under_the_parameter_server(tmp_path):
     from experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(4)]
-    assert all(u["staleness"] is not None and u["staleness"] <= 2 for u in ups)
+    assert all(u["staleness"] is not None and u["staleness"] <= 3 for u in ups)    # (K - 1)(2s + 1), Ho's SSP
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["final_test_acc"] is not None
     assert {"ps push + pull", "tp activations"} <= set(summary["bytes_by_kind"])

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from experiments.errors import ConfigError
 from experiments.results.rundir import read_jsonl
 from experiments.runner import execute
 from tests.experiments.conftest import small_config
@@ -55,9 +56,9 @@ def test_bsp_matches_the_local_large_batch_reference(runs, s):
 
 
 def test_measurements_are_recorded(runs):
-    """PS runs record staleness for every update (0 under BSP, <= 1 under SSP(1)), pull waits and bytes; the
-    all-reduce run records the bytes its group counted."""
-    for s, bound in (("ps-bsp", 0), ("ps-ssp:1", 1), ("ps-asp", None)):
+    """PS runs record staleness for every update (0 under BSP, <= (K-1)(2s+1) = 6 versions under Ho's SSP(1) with
+    K = 3), pull waits and bytes; the all-reduce run records the bytes its group counted."""
+    for s, bound in (("ps-bsp", 0), ("ps-ssp:1", 6), ("ps-asp", None)):
         ups = runs[s][1]
         taus = [u["staleness"] for u in ups]
         assert None not in taus, s
@@ -92,3 +93,23 @@ def test_backup_workers_drop_the_stragglers_late_gradients(tmp_path):
     assert summary["dropped"] == len(dropped) == summary["shard_dropped"]
     assert all(u["staleness"] == 0 for u in ups if not u.get("dropped"))
     assert summary["final_test_acc"] is not None
+
+
+def test_backup_abort_gives_up_committed_gradients_before_pushing(tmp_path):
+    """The same run with train.backup_abort: the straggler learns during its padding that its clock is committed
+    and pushes nothing for it, so its steps are recorded as dropped but (almost) none reaches the shard as a late
+    push; every applied update still has staleness 0. Without abort every dropped step is a late push (above)."""
+    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", 'stragglers.factors={"2" = 4.0}',
+                       "train.backup_abort=true")
+    rd = execute(cfg, tmp_path, label="abort", quiet=True)
+    ups = read_jsonl(rd.metrics_path)
+    summary = json.loads((rd.path / "summary.json").read_text())
+    dropped = [u for u in ups if u.get("dropped")]
+    assert dropped and all(u["worker"] == 2 and u["staleness"] is None for u in dropped)
+    assert summary["shard_dropped"] < len(dropped) / 2        # aborted before the push, not dropped on arrival
+    assert all(u["staleness"] == 0 for u in ups if not u.get("dropped"))
+
+
+def test_backup_abort_needs_backup_workers():
+    with pytest.raises(ConfigError, match="train.backup_abort applies to backup workers"):
+        small_config("train.strategy=ps-bsp", "train.backup_abort=true").validate()

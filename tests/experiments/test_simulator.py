@@ -60,11 +60,17 @@ def test_straggler_caps_bsp_throughput_but_not_asp(tmp_path):
 
 
 def test_ssp_staleness_is_bounded_and_bsp_is_zero(tmp_path):
-    """Under SSP(s) with a straggler no update is more than s versions stale; under BSP every update has tau = 0."""
+    """With a straggler: under ps-ssp-agg:s (one version per clock) no update is more than s versions stale; under
+    Ho's ps-ssp:s (one version per gradient) no more than (K - 1)(2s + 1), and more than s occurs; under BSP every
+    update has tau = 0."""
+    K = 3
     for s in (1, 3):
-        _, ups = _sim(tmp_path / f"ssp{s}", f"train.strategy=ps-ssp:{s}", 'stragglers.factors={"0" = 3.0}')
-        taus = [u["staleness"] for u in ups if u["staleness"] is not None]
-        assert taus and max(taus) <= s and max(taus) > 0
+        for kind, bound in (("ps-ssp-agg", s), ("ps-ssp", (K - 1) * (2 * s + 1))):
+            _, ups = _sim(tmp_path / f"{kind}{s}", f"train.strategy={kind}:{s}", 'stragglers.factors={"0" = 3.0}')
+            taus = [u["staleness"] for u in ups if u["staleness"] is not None]
+            assert taus and max(taus) <= bound and max(taus) > 0, (kind, s, max(taus))
+            if kind == "ps-ssp":
+                assert max(taus) > s
     _, ups = _sim(tmp_path / "bsp", "train.strategy=ps-bsp", 'stragglers.factors={"0" = 3.0}')
     assert {u["staleness"] for u in ups} == {0}
 

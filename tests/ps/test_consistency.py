@@ -80,20 +80,54 @@ def simulate(policy: str, k: int = 3, clocks: int = 12, slow: float = 3.5, s: in
 
 
 @pytest.mark.parametrize("s", [0, 1, 3])
-def test_ssp_bound_and_read_guarantee_with_slow_worker(s):
-    """SSP(s): the bound and the read guarantee hold at every read; the fast workers do wait for the slow one."""
-    st, log = simulate(f"ssp:{s}", s=s)
+@pytest.mark.parametrize("variant", ["ssp", "ssp-agg"])
+def test_ssp_bound_and_read_guarantee_with_slow_worker(s, variant):
+    """SSP(s), both variants: the bound and the read guarantee hold at every read; the fast workers do wait for
+    the slow one. Staleness in versions: <= s for ssp-agg (one version per clock), <= (K-1)(2s+1) for Ho's ssp."""
+    st, log = simulate(f"{variant}:{s}", s=s)
     assert st.clocks == [12, 12, 12]
     fast_wait = sum(st.stats.waits[0]) + sum(st.stats.waits[1])
     assert fast_wait > 0                                 # the gate really held them back
-    assert max(tau for _, _, tau, _ in st.stats.series) <= s
+    taus = [tau for _, _, tau, _ in st.stats.series]
+    assert max(taus) <= (s if variant == "ssp-agg" else 2 * (2 * s + 1))
+    if variant == "ssp" and s > 0:
+        assert max(taus) > s                             # versions are pushes: the eager bound is really looser
 
 
 @pytest.mark.parametrize("s", [0, 2])
 def test_eager_ssp_reads_own_writes(s):
-    """ssp-eager:s applies every push at once: reads include the reader's own writes and all writes <= c-s-1."""
-    st, _ = simulate(f"ssp-eager:{s}", s=s)
+    """ssp:s (Ho et al.) applies every push at once: reads include the reader's own writes and all writes <= c-s-1
+    (checked value by value inside `simulate`), one version per push."""
+    st, _ = simulate(f"ssp:{s}", s=s)
     assert st.version == 36
+    assert not st.policy.aggregate
+
+
+def test_eager_ssp0_at_lr_over_k_equals_bsp():
+    """Each worker asks for its next read right after its push (push_pull); ssp:0 parks it until every worker has
+    pushed the clock, so at lr eta/K it makes BSP(eta)'s steps for SGD: the K clock-c gradients are all computed on
+    the same version. Control: ASP answers the read at once, and the trajectory differs."""
+    K, clocks = 3, 5
+    g = lambda w, c, x: (x * 0.5 + (w + 1) * 0.1 + c * 0.01).astype(np.float32)  # noqa: E731  (a linear "gradient")
+    finals = {}
+    for policy, lr in (("bsp", 0.3), ("ssp:0", 0.1), ("asp", 0.1)):
+        st = ShardState({"w": np.ones(4, np.float32)}, f"sgd:lr={lr}", policy, num_workers=K)
+        reads = {w: st.read(w, 0, 0.0) for w in range(K)}
+        grads = {w: g(w, 0, reads[w].params["w"].numpy().copy()) for w in range(K)}
+        for c in range(clocks):
+            parked = []
+            for w in range(K):
+                st.push(w, c, reads[w].version, {"w": grads[w]}, 0.0)
+                parked.append(w)
+                for v in list(parked):             # serve every read the gate now allows, as the shard does
+                    if st.may_read(v, c + 1, 0.0):
+                        reads[v] = st.read(v, c + 1, 0.0)
+                        grads[v] = g(v, c + 1, reads[v].params["w"].numpy().copy())
+                        parked.remove(v)
+            assert not parked
+        finals[policy] = st.params["w"].numpy().copy()
+    np.testing.assert_allclose(finals["ssp:0"], finals["bsp"], rtol=1e-6)
+    assert np.abs(finals["asp"] - finals["bsp"]).max() > 1e-3   # control: without the gate the reads differ
 
 
 def test_asp_never_waits_even_with_a_slow_worker():
@@ -158,8 +192,8 @@ def test_clock_and_worker_validation_changes_nothing():
 def test_policy_strings():
     assert policy_from_string("asp") == ASP()
     assert policy_from_string("BSP") == BSP()
-    assert policy_from_string("ssp:3") == SSP(3)
-    assert policy_from_string("ssp-eager:2") == SSP(2, eager=True)
+    assert policy_from_string("ssp:3") == SSP(3) == SSP(3, eager=True)
+    assert policy_from_string("ssp-agg:2") == SSP(2, eager=False)
     assert policy_from_string("bsp-backup:1") == BackupBSP(1)
     assert policy_from_string("ssp:0").may_read(1, [1, 1], 0) and not policy_from_string("ssp:0").may_read(2, [2, 1], 0)
     for bad in ["ssp", "ssp:-1", "ssp:x", "hogwild", "bsp:2"]:

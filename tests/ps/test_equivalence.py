@@ -110,12 +110,12 @@ def run_sync(servers, k: int, b: int) -> tuple[list, list]:
 
 @pytest.mark.parametrize("opt_name, k, shards", [("sgd", 2, 2), ("momentum", 2, 2), ("adam", 2, 2), ("adam", 3, 1)])
 def test_bsp_equals_local_on_concatenated_batch(thread_servers, opt_name, k, shards):
-    """BSP, K workers x batch 4 = local training on the concatenated batch of 4K (rel 1e-6); SSP(0) gives bitwise
-    the BSP trajectory."""
+    """BSP, K workers x batch 4 = local training on the concatenated batch of 4K (rel 1e-6); the aggregate
+    SSP(0) gives bitwise the BSP trajectory."""
     b = 4
     concat = None
     finals = {}
-    for policy in ("bsp", "ssp:0"):
+    for policy in ("bsp", "ssp-agg:0"):
         servers = thread_servers(shards, num_workers=k, policy=policy, optimizer=OPTS[opt_name][0])
         results, data = run_sync(servers, k, b)
         concat = [(torch.cat([data[w][i][0] for w in range(k)]), torch.cat([data[w][i][1] for w in range(k)]))
@@ -130,4 +130,4 @@ def test_bsp_equals_local_on_concatenated_batch(thread_servers, opt_name, k, sha
     # averaging two half-batch means differs from one full-batch mean only by float rounding
     assert_close(finals["bsp"], local, rtol=1e-6, atol=1e-7)
     for n in finals["bsp"]:
-        np.testing.assert_array_equal(finals["bsp"][n], finals["ssp:0"][n])
+        np.testing.assert_array_equal(finals["bsp"][n], finals["ssp-agg:0"][n])
