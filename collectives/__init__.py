@@ -15,29 +15,36 @@ Where each mechanism lives:
 
     wire.py          the message format: msgpack header + one raw frame per tensor, validated against WireLimits
     transport.py     one ZeroMQ PULL socket per rank, a PUSH per peer; ipc:// on one host, tcp:// otherwise;
-                     mailbox of early arrivals; host identity (which peers share memory)
+                     signed address records; each message's sender checked (User-Id == header src); host identity
+    auth.py          who may connect: the per-job secret (PSLAB_JOB_SECRET / _FILE, or made by launch), one
+                     credential per role (HMAC), ZeroMQ PLAIN (or CURVE with role keys) via a per-context ZAP handler
+    mailbox.py       early arrivals: routing keys type-checked, known groups, sequence window, byte budget
     shm.py           same-host payloads through shared-memory segments (ZeroMQ carries only the headers)
     curve.py         CURVE keys: generate, load, serve/connect encrypted + authenticated sockets; loopback test
     group.py         the ProcessGroup API (torch.distributed names and in-place semantics), chunk_bounds
-    zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p
+    zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p;
+                     which keys a group accepts, and the size and dtype of every payload it takes
     ring.py          ring reduce-scatter / all-gather / all-reduce as one pipelined, streamed ring pass
     torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors)
-    init.py          init_process_group: rendezvous through torch.distributed.TCPStore (torchrun variables)
-    launcher.py      launch(fn, world_size): N local processes, first failure ends all, hung-rank stacks
+    init.py          init_process_group: rendezvous through torch.distributed.TCPStore (torchrun variables; on
+                     127.0.0.1 only for a loopback MASTER_ADDR), the job secret required for a multi-rank zmq group
+    launcher.py      launch(fn, world_size): N local processes, a FileStore in a 0700 directory (no listener), a
+                     fresh job secret through the process arguments; first failure ends all, hung-rank stacks
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
-    errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, LaunchError, ...
+    errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, AuthError, MailboxOverflowError, ...
 
 This package knows nothing of parameter servers or models.
 """
 
-from .errors import (CollectiveMismatchError, CollectivesError, LaunchError, PeerTimeoutError, RendezvousError,
-                     WireError)
+from .errors import (AuthError, CollectiveMismatchError, CollectivesError, LaunchError, MailboxOverflowError,
+                     PeerTimeoutError, RendezvousError, WireError)
 from .group import REDUCE_OPS, ProcessGroup, Work, chunk_bounds
 from .traffic import TrafficCounter
 from .wire import PROTOCOL_VERSION, Message, WireLimits, decode, encode
 
 __all__ = [
-    "CollectiveMismatchError", "CollectivesError", "LaunchError", "PeerTimeoutError", "RendezvousError", "WireError",
+    "AuthError", "CollectiveMismatchError", "CollectivesError", "LaunchError", "MailboxOverflowError",
+    "PeerTimeoutError", "RendezvousError", "WireError",
     "REDUCE_OPS", "ProcessGroup", "Work", "chunk_bounds", "TrafficCounter", "PROTOCOL_VERSION", "Message",
     "WireLimits", "decode", "encode", "init_process_group", "launch",
 ]

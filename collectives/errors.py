@@ -39,5 +39,15 @@ class RendezvousError(CollectivesError):
     """The group could not be formed: missing environment variables, port in use, store unreachable."""
 
 
+class AuthError(RendezvousError):
+    """The job's credential is missing or unusable (no PSLAB_JOB_SECRET for a multi-process job, a secret file
+    readable by others, a too short secret), or a peer's published address is not signed with it."""
+
+
+class MailboxOverflowError(CollectivesError):
+    """Legitimate early arrivals from authenticated peers exceed the mailbox's byte budget or sequence window:
+    raised instead of dropping them (which would deadlock the group); the message says which limit to raise."""
+
+
 class LaunchError(CollectivesError):
     """A rank started by `collectives.launch` failed or the launch timed out; carries the rank's traceback."""

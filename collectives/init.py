@@ -2,20 +2,29 @@
 
 The environment is torchrun's: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (SLURM's SLURM_PROCID/SLURM_NTASKS are
 read when RANK/WORLD_SIZE are absent). Rank 0 hosts the TCPStore on MASTER_PORT unless torchrun's agent already
-does (TORCHELASTIC_USE_AGENT_STORE=True), exactly like torch's `env://` rendezvous, which we use.
+does (TORCHELASTIC_USE_AGENT_STORE=True), exactly like torch's `env://` rendezvous, which we use; when MASTER_ADDR
+is a loopback address the store listens on 127.0.0.1 only (torch's own server would listen on every interface).
+
+The zmq backend authenticates every connection with the job's secret (auth.py): `secret=`, else PSLAB_JOB_SECRET
+or PSLAB_JOB_SECRET_FILE; a multi-rank zmq group without one is refused with a line saying how to set it (under
+CURVE keys without a secret the group forms, members authenticated by the cluster key but not bound to a rank).
+The secret never goes through the store; the store holds only endpoints, signed with it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from .auth import HOW, job_secret
 from .curve import is_loopback
-from .errors import RendezvousError
+from .errors import AuthError, RendezvousError
 from .group import ProcessGroup
+from .mailbox import MAILBOX_BYTES, SEQ_WINDOW
 from .transport import CurveKeys, Transport
 
 BACKENDS = ("zmq", "torch")
@@ -35,12 +44,15 @@ def _env_int(*names: str) -> int | None:
 def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
                        master_addr: str | None = None, master_port: int | None = None, store: Any = None,
                        timeout: float = 60.0, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None,
-                       torch_backend: str | None = None, store_prefix: str = "zmq/", use_ipc: bool = True, use_shm: bool = True,
-                       **group_options: Any) -> ProcessGroup:
+                       torch_backend: str | None = None, store_prefix: str = "zmq/", use_ipc: bool = True,
+                       use_shm: bool = True, secret: str | None = None, mailbox_bytes: int = MAILBOX_BYTES,
+                       seq_window: int = SEQ_WINDOW, **group_options: Any) -> ProcessGroup:
     """Join (or create) the world group of this job. Missing arguments come from torchrun/SLURM variables.
 
     backend: "zmq" (ours, over ZeroMQ) or "torch" (torch.distributed: gloo on CPU, or `torch_backend="nccl"`).
     store: an existing torch.distributed Store (the launcher passes one); else one is made by env:// rendezvous.
+    secret: the job's secret (zmq backend; default: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE, see auth.py).
+    mailbox_bytes, seq_window: limits of the early-arrival mailbox (mailbox.py).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -51,6 +63,11 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
                               "(torchrun does), or run under collectives.launch")
     if not 0 <= rank < world_size:
         raise RendezvousError(f"rank {rank} is outside world size {world_size}")
+    if backend == "zmq":
+        secret = secret or job_secret()
+        if secret is None and curve_keys_dir is None and world_size > 1 and rank > 0:
+            raise AuthError(f"rank {rank}: a {world_size}-rank zmq group needs the job's secret: {HOW}")
+        # (rank 0 forms the store first, so that a port in use is what it reports; then Transport refuses)
     if store is None:
         store = _env_store(rank, world_size, master_addr, master_port, timeout)
     if backend == "torch":
@@ -64,11 +81,15 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
         return group
     from .zmq_group import ZmqGroup
     curve = CurveKeys(curve_keys_dir) if curve_keys_dir else None
+    if not bind_host or any(c in bind_host for c in ";,/ \t\n"):
+        raise RendezvousError(f"bind_host {bind_host!r} must be one host address (e.g. 127.0.0.1 or 10.0.0.5), "
+                              "not an endpoint or a list")
     if not is_loopback(bind_host) and curve is None:
         raise RendezvousError(f"binding to {bind_host} exposes the group beyond this host: pass curve_keys_dir= "
                               "to encrypt and authenticate (see collectives.curve.generate_keys)")
     tr = Transport(rank, world_size, dist.PrefixStore(store_prefix, store), timeout=timeout, bind_host=bind_host,
-                   curve=curve, use_ipc=use_ipc, use_shm=use_shm)
+                   curve=curve, use_ipc=use_ipc, use_shm=use_shm, secret=secret,
+                   mailbox_bytes=mailbox_bytes, seq_window=seq_window, namespace=store_prefix)
     group = ZmqGroup(tr, range(world_size), **group_options)
     group.store = store  # the job's store, e.g. to form a second (torch) group beside this one
     return group
@@ -81,9 +102,24 @@ def _env_store(rank: int, world_size: int, addr: str | None, port: int | None, t
         raise RendezvousError("no rendezvous address: set MASTER_ADDR and MASTER_PORT (torchrun does) or pass "
                               "master_addr=/master_port=")
     use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    master = rank == 0 and not use_agent
     try:
-        return dist.TCPStore(addr, port, world_size, is_master=(rank == 0 and not use_agent),
-                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    except Exception as e:  # RuntimeError/DistNetworkError: port in use, host unreachable
+        fd = _loopback_listener(port) if master and is_loopback(addr) else None
+        return dist.TCPStore(addr, port, world_size, is_master=master, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except Exception as e:  # RuntimeError/DistNetworkError/OSError: port in use, host unreachable
         raise RendezvousError(f"rank {rank}: rendezvous at {addr}:{port} failed ({e}); is the port free / the "
                               "master reachable?") from None
+
+
+def _loopback_listener(port: int) -> int:
+    """A socket listening on 127.0.0.1:`port` (the store's server takes the descriptor over)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as torch's own server does
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(512)
+    except OSError as e:
+        s.close()
+        raise OSError(e.errno, f"cannot listen on 127.0.0.1:{port}: {e.strerror.lower()}") from None
+    return s.detach()

@@ -31,7 +31,7 @@ import torch
 from .group import chunk_bounds
 
 SendFn = Callable[[int, tuple, torch.Tensor], None]        # (dst group rank, key, tensor), zero-copy
-RecvFn = Callable[[int, tuple], torch.Tensor]              # (src group rank, key) -> tensor
+RecvFn = Callable[[int, tuple, torch.Tensor], torch.Tensor]  # (src group rank, key, slice it lands in) -> tensor
 
 
 def combine(dst: torch.Tensor, src: torch.Tensor, how: str) -> None:
@@ -65,11 +65,11 @@ def ring_pass(buf: torch.Tensor, rank: int, world: int, c0: int, combines: list[
         c = (c0 - g - 1) % world
         forward = g + 1 < len(combines)
         for j, (a, b) in enumerate(segments(*bounds[c], seg_elems)):
-            combine(buf[a:b], recv(left, (g, j)), how)
+            combine(buf[a:b], recv(left, (g, j), buf[a:b]), how)
             if forward:
                 send(right, (g + 1, j), buf[a:b])
     send(left, ("ack",), buf[:0])
-    recv(right, ("ack",))
+    recv(right, ("ack",), buf[:0])
 
 
 def all_reduce_steps(world: int, op: str) -> list[str]:

@@ -15,8 +15,10 @@ it) plus the acknowledgement that ends every pass, which the ring needs anyway f
 
 Segments live in /dev/shm as `pslab-<job>-<src>-<dst>-<generation>`; the receiver unlinks a name as soon as it has
 mapped it, and the sender unlinks its own on close, so nothing outlives the ranks but what a crash leaves behind.
-A receiver opens only names of that form (never a path), checks offset + size against the segment, and maps it
-read-only.
+A receiver opens only names of that form (never a path) whose source is the sender and whose destination is
+itself, only regular files of its own account (no symlink, no directory), at least as large as announced, checks
+offset + size against the segment, and maps it read-only; anything else, and any error while opening or mapping,
+is a `WireError` (the message is dropped and counted).
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ import math
 import mmap
 import os
 import re
+import stat
 import warnings
 
 import torch
 
 from . import wire
+from .cleanup import note_shm_job
 from .errors import WireError
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^pslab-[0-9a-f]{12}-(\d+)-(\d+)-\d+$")   # pslab-<job>-<src>-<dst>-<generation>
+_NAME = re.compile(r"^pslab-(?P<job>[0-9a-f]{12})-(?P<src>\d+)-(?P<dst>\d+)-\d+$")  # pslab-<job>-<src>-<dst>-<gen>
 
 
 def available() -> bool:
@@ -45,6 +49,7 @@ class Outbox:
 
     def __init__(self, job: str, src: int, dst: int) -> None:
         self.job, self.src, self.dst = job, src, dst
+        note_shm_job(job)                 # swept by whoever started this process, even if it is killed
         self.gen, self.size, self.name = 0, 0, ""
         self.mm: mmap.mmap | None = None
         self.bytes: torch.Tensor | None = None
@@ -99,42 +104,33 @@ class Outbox:
 
 
 class Inbox:
-    """The receiver's side: the current mapping of each sender's segment."""
+    """The receiver's side: the current mapping of each sender's segment. With `rank`, only segments addressed
+    to that rank are accepted."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank
         self.maps: dict[int, tuple[str, mmap.mmap]] = {}
 
-    def view(self, src: int, desc: object) -> torch.Tensor:
-        """Validate a header's shm descriptor and return a read-only tensor view of the payload."""
+    def view(self, src: int, desc: object, job: str | None = None) -> torch.Tensor:
+        """Validate a header's shm descriptor and return a read-only tensor view of the payload. With `job` (the
+        job id the sender published), only that sender's own segments are accepted."""
         if not (isinstance(desc, list) and len(desc) == 5):
             raise WireError("shm descriptor must be [name, size, offset, dtype, shape]")
         name, size, offset, dtype, shape = desc
         m = _NAME.match(name) if isinstance(name, str) else None
-        if m is None or int(m.group(1)) != src:
+        if (m is None or int(m["src"]) != src or (self.rank is not None and int(m["dst"]) != self.rank)
+                or (job is not None and m["job"] != job)):
             raise WireError(f"shm segment name {name!r:.60} is not one rank {src} may use")
-        if not (isinstance(size, int) and isinstance(offset, int) and isinstance(shape, list)
-                and all(isinstance(s, int) and s >= 0 for s in shape) and dtype in wire.WIRE_DTYPES):
+        if not (_is_int(size) and _is_int(offset) and isinstance(shape, list) and len(shape) <= 8
+                and all(_is_int(s) and 0 <= s < 1 << 48 for s in shape) and dtype in wire.WIRE_DTYPES):
             raise WireError("shm descriptor has fields of the wrong type")
         itemsize = wire._DTYPES[dtype][2]
         nbytes = math.prod(shape) * itemsize
-        if offset < 0 or offset + nbytes > size or offset % itemsize:
+        if offset < 0 or size <= 0 or offset + nbytes > size or offset % itemsize:
             raise WireError(f"shm payload [{offset}, {offset + nbytes}) lies outside the {size}-byte segment")
         cur = self.maps.get(src)
-        if cur is None or cur[0] != name:
-            path = os.path.join(SHM_DIR, name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise WireError(f"shm segment {name} cannot be opened ({e.strerror})") from None
-            try:
-                if os.fstat(fd).st_size < size:
-                    raise WireError(f"shm segment {name} is smaller than announced")
-                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            os.unlink(path)  # mapped: the name is no longer needed
-            self.maps[src] = (name, mm)
-            cur = self.maps[src]
+        if cur is None or cur[0] != name or len(cur[1]) < size:
+            cur = self.maps[src] = (name, _map(name, size))
         if nbytes == 0:
             return torch.empty(shape, dtype=wire._DTYPES[dtype][1])
         with warnings.catch_warnings():
@@ -145,3 +141,33 @@ class Inbox:
 
     def close(self) -> None:
         self.maps.clear()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _map(name: str, size: int) -> mmap.mmap:
+    """Map segment `name` read-only and unlink its name; WireError for anything but a regular file of this account
+    holding at least `size` bytes, and for any error on the way."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise WireError(f"shm segment {name} cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise WireError(f"shm segment {name} is not a regular file of this account")
+        if st.st_size < size:
+            raise WireError(f"shm segment {name} holds {st.st_size} bytes, less than the {size} announced")
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError, OverflowError) as e:
+        raise WireError(f"shm segment {name} cannot be mapped ({type(e).__name__}: {e})") from None
+    finally:
+        os.close(fd)
+    try:
+        os.unlink(path)  # mapped: the name is no longer needed
+    except OSError:
+        pass
+    return mm

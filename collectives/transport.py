@@ -1,35 +1,47 @@
 """Peer-to-peer ZeroMQ transport: every rank binds one PULL socket and keeps one PUSH socket per peer.
 
-Rendezvous goes through a `torch.distributed` store (TCPStore): rank r publishes `addr/r` (its ipc and tcp
-endpoints and its host name); a sender connects over ipc:// when both ranks share a host, else over tcp://.
+Rendezvous goes through a `torch.distributed` store: rank r publishes `addr/r` (its host id and its ipc and tcp
+endpoints), signed with the job's secret (`auth.sign`: a record written by anyone else is refused, so a rank never
+connects, nor hands its credential, to a stranger); a sender connects over ipc:// when both ranks share a host,
+else over tcp://.
+
+Authentication (auth.py): the PULL socket is a PLAIN server (CURVE where keys are configured) admitting the users
+"rank:0" .. "rank:N-1", each with its credential derived from the job secret; every PUSH socket authenticates as
+its own rank. The handshake does it once per connection; then every message carries the ZeroMQ frame property
+User-Id, and a message whose header claims another `src` than the connection's User-Id is dropped. A multi-rank
+group without a secret is refused (AuthError: set PSLAB_JOB_SECRET), except under CURVE keys without a secret,
+where the cluster key pair authenticates membership but not the rank (the src check is then off).
 
 Messages are `collectives.wire` messages. Each carries a routing key in its header meta `k` (a short list, e.g.
-[group, seq, step, segment]); the receiver files messages that arrive early under (sender, key) and hands them out
-when asked. Sends are zero-copy (`copy=False`): `send` returns a zmq MessageTracker that says when ZeroMQ is done
-with the buffer, and `flush()` waits for all of them, so a caller may reuse its buffers afterwards.
+[group, seq, step, segment]); the receiver files messages that arrive early under (sender, key) in a `Mailbox`
+(byte budget, known groups, sequence window: mailbox.py) and hands them out when asked. Sends are zero-copy
+(`copy=False`): `send` returns a zmq MessageTracker that says when ZeroMQ is done with the buffer, and `flush()`
+waits for all of them, so a caller may reuse its buffers afterwards.
 
-Malformed messages (anything `wire.decode_header` rejects, or a sender outside the world) are dropped and counted
-in `dropped`; the rank keeps working. Every wait has a timeout that raises `PeerTimeoutError`.
+Malformed messages (anything `wire.decode_header`, the identity check, the mailbox's routes, the shared-memory
+inbox or the caller's `expect` rejects) are dropped and counted in `dropped`; the rank keeps working. Every wait
+has a timeout that raises `PeerTimeoutError`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from . import shm, wire
+from . import auth, cleanup, shm, wire
 from .curve import connect_curve, load_keys, serve_curve
-from .errors import PeerTimeoutError, RendezvousError, WireError
-
-Key = tuple
+from .errors import AuthError, PeerTimeoutError, RendezvousError, WireError
+from .mailbox import MAILBOX_BYTES, SEQ_WINDOW, Key, Mailbox, routing_key
 
 
 @dataclass(frozen=True)
@@ -45,34 +57,59 @@ class Transport:
 
     def __init__(self, rank: int, world_size: int, store: Any, *, timeout: float = 60.0,
                  bind_host: str = "127.0.0.1", use_ipc: bool = True, curve: CurveKeys | None = None,
-                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, use_shm: bool = True) -> None:
+                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, use_shm: bool = True, secret: str | None = None,
+                 mailbox_bytes: int = MAILBOX_BYTES, seq_window: int = SEQ_WINDOW, namespace: str = "") -> None:
+        if secret is None and curve is None:
+            if world_size > 1:
+                raise AuthError(f"rank {rank}: a {world_size}-rank zmq group listens on tcp://{bind_host} and needs "
+                                f"the job's secret: {auth.HOW}")
+            secret = auth.new_job_secret()       # alone in the world: nobody else needs to know it
         self.rank, self.world_size, self.timeout, self.limits = rank, world_size, timeout, limits
-        self.store = store
-        self.ctx = zmq.Context(io_threads=1)
+        self.store, self.namespace = store, namespace
+        self.mailbox = Mailbox(rank, mailbox_bytes, seq_window)
         self.dropped = 0
         self.last_drop_reason = ""
-        self._pending: dict[tuple[int, Key], wire.Message] = {}
-        self.max_pending = 1 << 16
         self._push: dict[int, zmq.Socket] = {}
         self._trackers: list[zmq.MessageTracker] = []
-        self._auth = None
         self.use_shm = use_shm and shm.available()
         self._job = uuid.uuid4().hex[:12]
         self._same_host: dict[int, bool] = {}
         self._outbox: dict[int, shm.Outbox] = {}
-        self._inbox = shm.Inbox()
+        self._inbox = shm.Inbox(rank)
+        self._peer_job: dict[int, str] = {}     # the shm job id each peer published: its segments' names
+        self._secret = secret
+        self.user = f"rank:{rank}"
+        users = [f"rank:{r}" for r in range(world_size)]
+        self._uid_rank = {u: r for r, u in enumerate(users)}
+        self.authenticated = secret is not None  # False only under CURVE keys without a secret: src unchecked
         self._curve = load_keys(curve.keys_dir) if curve else None
+        self.ctx = zmq.Context(io_threads=1)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.socket_buffer = 4 << 20  # kernel socket buffers: fewer wake-ups per large message
         self.pull.setsockopt(zmq.RCVBUF, self.socket_buffer)
-        if curve:
+        self._auth: Any = None
+        self.ipc_dir: str | None = None
+        try:
+            self._bind(rank, bind_host, use_ipc, curve, users)
+        except BaseException:
+            self.close(0)             # a failed bind leaks no context, handler thread or ipc directory
+            raise
+
+    def _bind(self, rank: int, bind_host: str, use_ipc: bool, curve: CurveKeys | None, users: list[str]) -> None:
+        if curve is not None and self._secret is None:
             self._auth = serve_curve(self.ctx, self.pull, curve.keys_dir)
-        self.ipc_dir = None
+        elif self._curve is not None:
+            self._auth = auth.curve_server(self.ctx, self.pull, self._curve, self._secret, users)
+        else:
+            self._auth = auth.plain_server(self.ctx, self.pull, self._secret, users)
         endpoints = []
         if use_ipc and hasattr(zmq, "IPC_PATH_MAX_LEN"):
-            self.ipc_dir = tempfile.mkdtemp(prefix="pslab-")
+            # mode 0700: other accounts cannot connect. Inside the launcher's sweep directory if any; removed by
+            # close(), or at interpreter exit if a failing program never closes the group
+            self.ipc_dir = cleanup.temp_dir("pslab-")
+            self._rm_ipc = weakref.finalize(self, shutil.rmtree, self.ipc_dir, True)
             ep = f"ipc://{self.ipc_dir}/r{rank}"
             self.pull.bind(ep)
             endpoints.append(ep)
@@ -83,7 +120,26 @@ class Transport:
         endpoints.append(f"tcp://{bind_host}:{port}")
         self.endpoints = endpoints
         self.host = host_identity()        # equal ids: ipc sockets + shared memory between the two ranks
-        store.set(f"addr/{rank}", "|".join([self.host, *endpoints]))
+        record = "|".join([self.host, *endpoints, f"shm://{self._job}"])
+        if self._secret is not None:
+            record += "#" + auth.sign(self._secret, f"{self.namespace}addr/{rank}", record)
+        self.store.set(f"addr/{rank}", record)
+
+    def _address(self, dst: int) -> tuple[str, list[str]]:
+        """(host id, endpoints) that rank `dst` published, checked against its signature."""
+        try:
+            self.store.wait([f"addr/{dst}"])
+            record = self.store.get(f"addr/{dst}").decode()
+        except Exception as e:
+            raise RendezvousError(f"rank {self.rank}: no address published by rank {dst} ({e})") from None
+        if self._secret is not None:
+            record, _, tag = record.rpartition("#")
+            if not auth.verify(self._secret, f"{self.namespace}addr/{dst}", record, tag):
+                raise AuthError(f"rank {self.rank}: the address of rank {dst} in the store is not signed with this "
+                                "job's secret (do all ranks have the same PSLAB_JOB_SECRET? or someone else wrote it)")
+        host, *eps = record.split("|")
+        self._peer_job[dst] = next((e[6:] for e in eps if e.startswith("shm://")), "")
+        return host, eps
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _peer_socket(self, dst: int) -> zmq.Socket:
@@ -91,11 +147,7 @@ class Transport:
         if sock is None:
             if not 0 <= dst < self.world_size:
                 raise ValueError(f"peer rank {dst} is outside the world of {self.world_size} ranks")
-            try:
-                self.store.wait([f"addr/{dst}"])
-                host, *eps = self.store.get(f"addr/{dst}").decode().split("|")
-            except Exception as e:
-                raise RendezvousError(f"rank {self.rank}: no address published by rank {dst} ({e})") from None
+            host, eps = self._address(dst)
             ipc = [e for e in eps if e.startswith("ipc://")]
             tcp = [e for e in eps if e.startswith("tcp://")]
             self._same_host[dst] = host == self.host
@@ -104,8 +156,12 @@ class Transport:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.SNDBUF, self.socket_buffer)
-            if self._curve:
+            if self._curve is not None and self._secret is None:
                 connect_curve(sock, self._curve)
+            elif self._curve is not None:
+                auth.curve_client(sock, self._curve, self._secret, self.user)
+            else:
+                auth.plain_client(sock, self._secret, self.user)
             sock.connect(ep)
             self._push[dst] = sock
         return sock
@@ -162,45 +218,73 @@ class Transport:
         self._trackers.clear()
 
     # ---- receiving ----------------------------------------------------------------------------------------------
+    def drop(self, reason: str) -> None:
+        """Count a message that was refused (and remember why: PeerTimeoutError quotes it)."""
+        self.dropped += 1
+        self.last_drop_reason = reason
+
     def recv(self, src: int, key: Sequence[Any], op: str, seq: int = 0, *,
-             check: Callable[[int, dict], None] | None = None) -> wire.Message:
+             check: Callable[[int, dict], None] | None = None,
+             expect: Callable[[wire.Message], Any] | None = None) -> Any:
         """Block until the message from `src` with routing key `key` arrives; other arrivals are filed for later.
 
-        `check(sender, header)` is called on every arrival (to spot ranks that run a different collective)."""
+        `check(sender, header)` is called on every accepted arrival (to spot ranks that run a different collective);
+        `expect(message)` validates the awaited message against what the caller needs and returns what `recv`
+        returns (the message itself without it); a WireError from it drops the message and the wait goes on."""
         want = (src, tuple(key))
-        hit = self._pending.pop(want, None)
-        if hit is not None:
-            return hit
         deadline = time.monotonic() + self.timeout
+        dropped = self.dropped
+        while (hit := self.mailbox.take(*want)) is not None:
+            if check is not None:
+                check(src, hit[1])
+            try:
+                return expect(hit[0]) if expect is not None else hit[0]
+            except WireError as e:
+                self.drop(str(e))
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
                 if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(op, seq, src, self.timeout)
+                    detail = (f"{self.dropped - dropped} message(s) dropped meanwhile, the last: "
+                              f"{self.last_drop_reason}") if self.dropped > dropped else ""
+                    raise PeerTimeoutError(op, seq, src, self.timeout, detail)
                 continue
             frames = self.pull.recv_multipart(copy=False)
             try:  # validate the whole message on arrival: a bad one is dropped here and never reaches a caller
-                h = wire.decode_header(frames[0], self.limits)
-                k = h["meta"].get("k")
-                if not isinstance(k, list) or not 0 <= h["src"] < self.world_size:
-                    raise WireError(f"message without a routing key or from unknown rank {h['src']}")
-                msg = wire.decode(frames, self.limits, as_torch=True, header=h)
-                if "shm" in h["meta"]:
-                    msg.tensors["0"] = self._inbox.view(h["src"], h["meta"]["shm"])
+                got, h, msg = self._admit(frames, want)
+                if check is not None:
+                    check(got[0], h)
+                if got == want:
+                    return expect(msg) if expect is not None else msg
+                self.mailbox.file(got[0], got[1], msg, h, sum(len(f) for f in frames))
             except WireError as e:
-                self.dropped += 1
-                self.last_drop_reason = str(e)
-                continue
-            if check is not None:
-                check(h["src"], h)
-            got = (h["src"], tuple(k))
-            if got == want:
-                return msg
-            if len(self._pending) >= self.max_pending:
-                self.dropped += 1
-                self.last_drop_reason = f"mailbox full ({self.max_pending} early messages); dropped {got}"
-                continue
-            self._pending[got] = msg
+                self.drop(str(e))
+
+    def _admit(self, frames: list[Any], want: tuple[int, Key]) -> tuple[tuple[int, Key], dict, wire.Message]:
+        """Decode one arrival: header, identity (User-Id == claimed src), routing key and route, tensors, shm."""
+        h = wire.decode_header(frames[0], self.limits)
+        src = h["src"]
+        if self.authenticated:
+            try:
+                uid = frames[0].get("User-Id")
+            except (zmq.ZMQError, AttributeError):
+                uid = None
+            if self._uid_rank.get(uid) != src:
+                raise WireError(f"message claims to come from rank {src!r:.20} but its connection authenticated as "
+                                f"{uid!r:.40}")
+        elif not 0 <= src < self.world_size:
+            raise WireError(f"message from unknown rank {src}")
+        k = routing_key(h["meta"].get("k"))
+        got = (src, k)
+        self.mailbox.route(src, k, h, got == want)
+        msg = wire.decode(frames, self.limits, as_torch=True, header=h)
+        if "shm" in h["meta"]:
+            if msg.tensors:
+                raise WireError("message carries both tensor frames and a shared-memory payload")
+            if src not in self._peer_job:
+                self._address(src)
+            msg.tensors["0"] = self._inbox.view(src, h["meta"]["shm"], self._peer_job[src])
+        return got, h, msg
 
     def close(self, linger: float = 5.0) -> None:
         """Close all sockets; messages still queued get up to `linger` seconds to reach live peers."""
@@ -214,12 +298,7 @@ class Transport:
             self._auth.stop()
         self.ctx.term()
         if self.ipc_dir:
-            try:
-                for f in os.listdir(self.ipc_dir):
-                    os.unlink(os.path.join(self.ipc_dir, f))
-                os.rmdir(self.ipc_dir)
-            except OSError:
-                pass
+            self._rm_ipc()
 
 
 def host_identity() -> str:

@@ -163,7 +163,7 @@ def decode_header(frame0: Any, limits: WireLimits = DEFAULT_LIMITS) -> dict[str,
         name, dtype, shape = d
         if not isinstance(name, str) or len(name) > limits.max_name_len:
             raise WireError(f"tensor {i}: name must be a string of at most {limits.max_name_len} chars")
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise WireError(f"tensor {name!r}: unknown dtype {dtype!r:.40}; expected one of {', '.join(WIRE_DTYPES)}")
         if not isinstance(shape, list) or len(shape) > limits.max_ndim:
             raise WireError(f"tensor {name!r}: shape must be a list of at most {limits.max_ndim} dims")

@@ -10,7 +10,14 @@ Algorithms (see ring.py for the ring and its byte count):
 Payloads of the streamed ring and chain go through shared memory when the neighbour is on the same host (shm.py:
 one memcpy, no kernel copies; ZeroMQ carries only the header), else zero-copy over ipc:// or tcp://.
 Every message is keyed by (group id, sequence number, step, segment), so early arrivals wait in a mailbox and a rank
-that runs another collective at the same sequence number is reported by name (`CollectiveMismatchError`).
+that runs another collective (or another size) at the same sequence number is reported by name
+(`CollectiveMismatchError`). The group's route (`_route`) tells the mailbox which keys it may file: members only,
+one tensor per message, keys of the shapes below, sequence numbers from the collective in progress on (p2p: counts
+from the receives done); every payload taken must have the size and dtype of the slice it lands in, else it is
+dropped (`WireError`) and the wait goes on.
+
+    collectives  [gid, seq, step, segment], [gid, seq, "ack" | "d" | "up" | "down"], [gid, seq, segment]
+    p2p          ["p2p", gid, tag, count]
 """
 
 from __future__ import annotations
@@ -23,11 +30,18 @@ import numpy as np
 import torch
 
 from . import ring
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, WireError
 from .group import ProcessGroup, check_op, chunk_bounds
+from .mailbox import Key, tensor_count
 from .traffic import TrafficCounter
 from .transport import Transport
-from .wire import Tensor
+from .wire import Message, Tensor
+
+_PARTS = ("d", "up", "down", "ack")         # the named key parts; the others are step / segment numbers
+
+
+def _part(x: object) -> bool:
+    return x in _PARTS if type(x) is str else x >= 0    # (routing_key let only ints and strings through)
 
 
 def as_flat(t: Tensor) -> tuple[torch.Tensor, Tensor | None]:
@@ -85,8 +99,12 @@ class ZmqGroup(ProcessGroup):
         self._children = 0
         self._p2p_sent: dict[tuple[int, int], int] = defaultdict(int)
         self._p2p_recv: dict[tuple[int, int], int] = defaultdict(int)
+        self._p2p_floor: dict[tuple[int, int], int] = {}   # (src, tag) -> lowest count not yet received
+        self._p2p_early: dict[tuple[int, int], set[int]] = defaultdict(set)   # counts received above the floor
         self._owns = owns_transport
         self._cur: tuple[str, int, int] = ("", -1, -1)  # (op, seq, numel) of the collective in progress
+        self._member = {g: i for i, g in enumerate(self.ranks)}   # global rank -> group rank
+        transport.mailbox.routes[gid] = self._route
 
     # ---- messaging with accounting -----------------------------------------------------------------------------
     def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor, mode: str = "copy", base: torch.Tensor | None = None
@@ -98,17 +116,46 @@ class ZmqGroup(ProcessGroup):
                      shm_offset=off)
         self.traffic_counter.add_sent(g, op, t.numel() * t.element_size())
 
-    def _recv(self, src: int, op: str, key: tuple) -> torch.Tensor:
+    def _recv(self, src: int, op: str, key: tuple, like: torch.Tensor) -> torch.Tensor:
+        """The payload from group-rank `src` under `key`, with the numel and dtype of `like` (where it will land)."""
         g = self.ranks[src]
-        msg = self.tr.recv(g, (self.gid, *key), op, self._cur[1], check=self._check)
-        t = next(iter(msg.tensors.values()))
+
+        def fits(msg: Message) -> torch.Tensor:
+            t = next(iter(msg.tensors.values()))
+            if t.dtype != like.dtype or t.numel() != like.numel():
+                raise WireError(f"{op} #{self._cur[1]}: rank {g} sent {t.numel()} x {t.dtype} under {key!r:.40}, "
+                                f"this rank expects {like.numel()} x {like.dtype}")
+            return t
+        t = self.tr.recv(g, (self.gid, *key), op, self._cur[1], check=self._check, expect=fits)
         self.traffic_counter.add_recv(g, op, t.numel() * t.element_size())
         return t
+
+    def _route(self, sender: int, key: Key, h: dict, wanted: bool) -> None:
+        """Whether a legitimate member could have sent this now (see mailbox.py): WireError if not."""
+        src = self._member.get(sender)
+        if src is None:
+            raise WireError(f"rank {sender} is not a member of group {self.gid}")
+        if tensor_count(h) != 1:
+            raise WireError(f"a message of group {self.gid} carries exactly one tensor, got {tensor_count(h)}")
+        if type(h["meta"].get("n", 0)) is not int:
+            raise WireError(f"meta 'n' must be an integer, got {h['meta']['n']!r:.40}")
+        n = len(key)
+        if key[0] == "p2p":
+            if n != 4 or type(key[2]) is not int or type(key[3]) is not int:
+                raise WireError(f"p2p key must be ['p2p', group, tag, count], got {key!r:.80}")
+            if not wanted:
+                self.tr.mailbox.in_window(f"p2p message (tag {key[2]})", key[3],
+                                          self._p2p_floor.get((src, key[2]), 0), sender, key)
+            return
+        if not (3 <= n <= 4 and type(key[1]) is int and _part(key[2]) and (n == 3 or _part(key[3]))):
+            raise WireError(f"collective key must be [group, seq, step/segment/part...], got {key!r:.80}")
+        if not wanted:
+            self.tr.mailbox.in_window("collective", key[1], max(self._cur[1], 0), sender, key)
 
     def _check(self, sender: int, h: dict) -> None:
         k = h["meta"]["k"]
         op, seq, n = self._cur
-        if len(k) >= 2 and k[0] == self.gid and k[1] == seq and k[0] != "p2p":
+        if k[0] == self.gid and k[1] == seq:
             if h["op"] != op or h["meta"].get("n", n) != n:
                 raise CollectiveMismatchError(
                     f"collective #{seq} of group {self.gid}: rank {sender} called {h['op']}(numel="
@@ -119,6 +166,9 @@ class ZmqGroup(ProcessGroup):
         seq = self._seq
         self._seq += 1
         self._cur = (op, seq, numel)
+        box = self.tr.mailbox
+        if len(box):   # leftovers of finished collectives: no legitimate peer sends for them any more
+            self.tr.dropped += box.purge(lambda s, k: k[0] == self.gid and k[1] < seq)
         return seq
 
     def _ring(self, op: str, seq: int, buf: torch.Tensor, c0: int, combines: list[str]) -> None:
@@ -127,7 +177,7 @@ class ZmqGroup(ProcessGroup):
         mode = "shm" if self.tr.shm_reserve(self.ranks[right], buf.numel() * buf.element_size()) else "zerocopy"
         ring.ring_pass(buf, self.rank, self.world_size, c0, combines, seg,
                        lambda d, k, t: self._send(d, op, (seq, *k), t, mode=mode if d == right else "copy", base=buf),
-                       lambda s, k: self._recv(s, op, (seq, *k)))
+                       lambda s, k, like: self._recv(s, op, (seq, *k), like))
         self.tr.flush(op, seq)
 
     # ---- collectives -------------------------------------------------------------------------------------------
@@ -160,7 +210,7 @@ class ZmqGroup(ProcessGroup):
         for d in range(self.world_size):
             if d != self.rank:
                 self._send(d, name, (seq, "d"), buf)
-        parts = {s: self._recv(s, name, (seq, "d")) for s in range(self.world_size) if s != self.rank}
+        parts = {s: self._recv(s, name, (seq, "d"), buf) for s in range(self.world_size) if s != self.rank}
         self.tr.flush(name, seq)
         parts[self.rank] = buf.clone()
         buf.copy_(parts[0])
@@ -170,14 +220,14 @@ class ZmqGroup(ProcessGroup):
     def _root_all_reduce(self, name: str, seq: int, buf: torch.Tensor, op: str) -> None:
         if self.rank == 0:
             for s in range(1, self.world_size):
-                ring.combine(buf, self._recv(s, name, (seq, "up")), op)
+                ring.combine(buf, self._recv(s, name, (seq, "up"), buf), op)
             for d in range(1, self.world_size):
                 self._send(d, name, (seq, "down"), buf)
             self.tr.flush(name, seq)
         else:
             self._send(0, name, (seq, "up"), buf)
             self.tr.flush(name, seq)
-            buf.copy_(self._recv(0, name, (seq, "down")))
+            buf.copy_(self._recv(0, name, (seq, "down"), buf))
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum") -> Tensor:
         check_op(op)
@@ -224,7 +274,7 @@ class ZmqGroup(ProcessGroup):
                         self._send(d, "broadcast", (seq, "d"), buf)
                 self.tr.flush("broadcast", seq)
             else:
-                buf.copy_(self._recv(src, "broadcast", (seq, "d")))
+                buf.copy_(self._recv(src, "broadcast", (seq, "d"), buf))
         else:  # chain: position p = (r - src) mod n receives from p-1 and forwards to p+1
             pos = (r - src) % n
             seg = max(1, self.segment_bytes // buf.element_size())
@@ -233,13 +283,13 @@ class ZmqGroup(ProcessGroup):
                 else "zerocopy"
             for j, (a, b) in enumerate(ring.segments(0, buf.numel(), seg)):
                 if pos > 0:
-                    buf[a:b].copy_(self._recv(prv, "broadcast", (seq, j)))
+                    buf[a:b].copy_(self._recv(prv, "broadcast", (seq, j), buf[a:b]))
                 if pos < n - 1:
                     self._send(nxt, "broadcast", (seq, j), buf[a:b], mode=mode, base=buf)
             if pos > 0:  # acknowledge, so the sender knows its zero-copy buffers were delivered
                 self._send(prv, "broadcast", (seq, "ack"), buf[:0])
             if pos < n - 1:
-                self._recv(nxt, "broadcast", (seq, "ack"))
+                self._recv(nxt, "broadcast", (seq, "ack"), buf[:0])
         write_back(buf, orig)
         return tensor
 
@@ -258,15 +308,16 @@ class ZmqGroup(ProcessGroup):
         out[self.rank * c:(self.rank + 1) * c].copy_(src[self.rank * c:(self.rank + 1) * c])
         for s in range(n):
             if s != self.rank:
-                out[s * c:(s + 1) * c].copy_(self._recv(s, "all_to_all", (seq, "d")))
+                out[s * c:(s + 1) * c].copy_(self._recv(s, "all_to_all", (seq, "d"), src[s * c:(s + 1) * c]))
         self.tr.flush("all_to_all", seq)
         write_back(out, orig)
         return output
 
     def barrier(self) -> None:
+        one = torch.zeros(1, dtype=torch.uint8)
         seq = self._begin("barrier", 1)
         if self.world_size > 1:
-            self._direct_all_reduce("barrier", seq, torch.zeros(1, dtype=torch.uint8), "max")
+            self._direct_all_reduce("barrier", seq, one, "max")
 
     # ---- point to point ----------------------------------------------------------------------------------------
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
@@ -295,11 +346,21 @@ class ZmqGroup(ProcessGroup):
             if t.numel() != buf.numel():
                 raise CollectiveMismatchError(f"recv from rank {g} (tag {tag}): expected {buf.numel()} elements, "
                                               f"got {t.numel()}")
+            self._p2p_received(src, tag, count)
             buf.copy_(t.view(-1).to(buf.dtype))
             self.traffic_counter.add_recv(g, "p2p", t.numel() * t.element_size())
             write_back(buf, orig)
             return tensor
         return _Work(finish)
+
+    def _p2p_received(self, src: int, tag: int, count: int) -> None:
+        """Advance the (src, tag) floor past every count received (irecvs may be waited out of order)."""
+        floor, early = self._p2p_floor.get((src, tag), 0), self._p2p_early[(src, tag)]
+        early.add(count)
+        while floor in early:
+            early.discard(floor)
+            floor += 1
+        self._p2p_floor[(src, tag)] = floor
 
     # ---- groups ------------------------------------------------------------------------------------------------
     def new_group(self, ranks: list[int] | tuple[int, ...]) -> ZmqGroup | None:

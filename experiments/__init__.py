@@ -32,8 +32,11 @@ Where is X? (paths from here)
 
     studies/                        experiments made of many runs
         compare.py                  `pslab compare`: sync vs async, with and without a straggler
+        fairness.py                 the lr rule / --tune-lr (bracketing grid) and the seed-noise band
         sweep.py                    `pslab sweep --knob`: one config key over values and seeds
-        staleness.py                `pslab sweep --preset staleness`: steps-to-target vs s
+        staleness.py                `pslab sweep --preset staleness | staleness-remedies`: steps-to-target vs s
+        staleness_search.py         exact steps-to-target, the bracketing lr search, censored medians
+        staleness_report.py         its tables, the four claims checked with a seed bootstrap, the plot
         momentum.py, coherence.py   `--preset momentum` (asynchrony begets momentum), `--preset coherence`
 
     results/                        what runs leave behind

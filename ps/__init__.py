@@ -12,13 +12,22 @@ Where each mechanism lives:
                     staleness-aware lr, DC-ASGD
     staleness.py    StalenessStats: the exact (worker, tau, version) series, histograms, waits, drops
     partition.py    names + shapes -> shards, balanced by bytes, big tensors split into flat ranges
-    config.py       ServerConfig (bind address, policy, optimizer, checkpoints, timeouts, CURVE), validated
-    server.py       ShardServer: the ZeroMQ ROUTER loop around one ShardState; parked reads; `serve`
+    config.py       ServerConfig (bind address, policy, optimizer, checkpoints, timeouts, secret/CURVE, nonfinite
+                    policy, shm link cap), validated
+    server.py       ShardServer: the ZeroMQ ROUTER loop around one ShardState; liveness sweep; `serve`
+    parking.py      reads that wait at the consistency gate (parked, retried, timed out)
+    admission.py    who may do what: handshake identities (PLAIN / CURVE User-Id), one live registration per
+                    worker, owner-only init, admin-only checkpoint/shutdown; the job-secret helpers
     processes.py    start_servers / ServerGroup: the one way to start shard processes (slot groups, fork/spawn)
     client.py       PSClient / connect: DEALER per shard, push / pull / push_pull futures, grad_buffers
+    admin.py        AdminClient / connect_admin: the job controller's connection (init, checkpoint, shutdown)
+    handshake.py    a client's authenticated sockets; a refused handshake is an AuthenticationError at once
     futures.py      the futures the client returns (driven by the waiting thread)
     shm_path.py     the same-host shared-memory payload path, negotiated and proven at register
-    protocol.py     message fields and limits;  checkpoint.py  atomic checksummed checkpoints;  errors.py
+    checkpoint.py   atomic checksummed checkpoints, every descriptor checked; restore_latest falls back
+    restore.py      checkpoint -> ShardState: every meta field checked against the state_dict schema
+    secret_file.py  `pslab server`'s job secret: --secret-file, the environment, or a new 0600 file
+    protocol.py     message fields, roles and limits;  errors.py
 
 Public API
 ----------
@@ -63,11 +72,15 @@ Server and client::
     servers = start_servers(num_shards=1, num_workers=1, policy="asp", optimizer="sgd:lr=0.01",  # or OptimizerSpec
                             *, groups=1, start_method="spawn" | "fork", bind_host="127.0.0.1", curve_keys_dir=None,
                             transport="tcp" | "ipc", checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0,
-                            idle_timeout=600.0, start_timeout=60.0) -> ServerGroup
+                            idle_timeout=600.0, start_timeout=60.0, secret=None, nonfinite="reject") -> ServerGroup
         # `groups` independent shard sets ("slot groups": one per pipeline stage x tp coordinate), each of num_shards
         # shards serving num_workers workers; all start in parallel; a failure stops all and raises PSError
         # ("shard 1 of slot group 0 failed to start: ..."). Shards ignore SIGINT, exit on SIGTERM, run 1 torch thread.
         # checkpoint_dir/shard-<i> (g<g>-shard-<i> with groups > 1). Beyond loopback needs curve_keys_dir.
+        # secret: the job secret every shard admits (default: PSLAB_JOB_SECRET[_FILE], else a new one, exported as
+        # PSLAB_JOB_SECRET for the processes started afterwards); nonfinite: "reject" | "skip" NaN/Inf pushes.
+    servers.secret                          # hand it to workers: connect(..., secret=servers.secret)
+    servers.admin(group=0, params=None)     # AdminClient of that group (checkpoint, shutdown, stats, init)
     servers.group_addresses[g]              # group g's shard addresses, in shard order (what connect takes)
     servers.addresses                       # flat, group-major; with groups=1 == group_addresses[0]
     servers.kill(shard, sig=SIGKILL, group=0) / .alive(shard, group=0) / .start(shard, group=0) -> new address
@@ -75,19 +88,28 @@ Server and client::
     serve(ServerConfig(bind="tcp://127.0.0.1:0", shard_id=0, num_workers=1, policy="asp",
                        optimizer="sgd:lr=0.01",    # OptimizerSpec | str, held as an OptimizerSpec (cfg.spec typed)
                        checkpoint_dir=None, checkpoint_every=0, request_timeout=120.0, idle_timeout=0.0,
-                       curve_keys_dir=None),
+                       curve_keys_dir=None, secret=None, nonfinite="reject", max_shm_links=0,
+                       sweep_interval=1.0, shm_idle_timeout=30.0),
           ready=lambda address: ...)                                      # blocking loop (`pslab server ...`)
-    client = connect(servers.addresses, worker=0, params=model_state)     # params: {name: tensor or shape}
-    client.init(model_state).result()       # exactly one owner initialises; the others' pulls wait for it
+    client = connect(servers.addresses, worker=0, params=model_state,     # params: {name: tensor or shape}
+                     secret=None)           # the job secret; None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE
+    client.init(model_state).result()       # only the owner (worker 0 or admin), once; the others' pulls wait
     fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clocks)]
     # futures are driven by the waiting thread (no background I/O thread): call .result() to make progress
     fut = client.push(grads)                # Future[list of per-shard acks {status, version, clock, staleness}];
-                                            # stamps the current clock and advances it
+                                            # stamps the current clock and advances it; status "skipped" if the
+                                            # shard runs nonfinite="skip" and the push held NaN/Inf
     client.clocks, client.versions          # per shard: this worker's clock, version of its last pull
     client.stats(series=False)              # Future[list of per-shard dicts: version, clocks, stats (summary),
                                             #   counters, and with series=True [[now, worker, tau, version], ...]]
     client.resync()                         # adopt the shards' clocks/versions (after an error or a restart)
-    client.checkpoint() / client.shutdown_servers() / client.close()
+    client.close()
+    admin = connect_admin(addresses, params=None, secret=None)            # authenticated as "admin"
+    admin.checkpoint() / admin.shutdown_servers() / admin.stats() / admin.init(params) / admin.close()
+
+Who may do what (ps.admission): a connection proves "worker:<w>" or "admin" at the handshake; it registers and
+pushes/pulls only as that worker, one live registration per worker id; init by worker 0 or admin, once;
+checkpoint and shutdown by admin only. A socket without the job's credential never reaches the shard.
 
 Errors: every error raised on purpose derives from `ps.errors.PSError`.
 """
@@ -100,6 +122,7 @@ __all__ = [
     "PSError", "ShardState", "ReadResult", "PushResult", "Policy", "ASP", "BSP", "SSP", "BackupBSP",
     "policy_from_string", "OptimizerSpec", "optimizer_from_string", "Partition", "Slice", "make_partition",
     "StalenessStats", "ServerConfig", "serve", "start_servers", "ServerGroup", "PSClient", "connect",
+    "AdminClient", "connect_admin",
 ]
 
 _LAZY = {
@@ -110,7 +133,7 @@ _LAZY = {
     "Partition": "partition", "Slice": "partition", "make_partition": "partition",
     "StalenessStats": "staleness",
     "ServerConfig": "config", "serve": "server", "start_servers": "processes", "ServerGroup": "processes",
-    "PSClient": "client", "connect": "client",
+    "PSClient": "client", "connect": "client", "AdminClient": "admin", "connect_admin": "admin",
 }
 
 

@@ -12,6 +12,12 @@ Thread-safe: socket access is serialised by a lock that a waiting thread release
         ...
         client.push(grads)                         # non-blocking: Future; several may be in flight per shard
 
+Authentication: each socket proves the user "worker:<w>" at the ZeroMQ handshake with a credential derived from
+the job's secret (`secret=`, else that of shards this process started at these addresses, else PSLAB_JOB_SECRET /
+PSLAB_JOB_SECRET_FILE): PLAIN, or CURVE with `curve_keys_dir`;
+a refused handshake is an AuthenticationError at connect. The register request carries a random token of this
+client, so that it (and only it) may re-register on a new connection while the old one is still known.
+
 The client computes the same `Partition` as every other worker (pure function of names, shapes, shard count),
 splits gradients into per-shard flat slices (zero-copy views: do not modify the tensors until the push's future is
 done), and remembers, per shard, its clock and the version its last pull returned (sent with the next push).
@@ -20,6 +26,7 @@ done), and remembers, per shard, its clock and the version its last pull returne
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -30,12 +37,13 @@ import numpy as np
 import torch
 import zmq
 
-from collectives.curve import connect_curve, load_keys
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
+from .admission import secret_for, worker_user
 from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
 from .futures import LazyFuture, gather, mapped, metas
+from .handshake import await_handshake, open_sockets, stop_monitors
 from .partition import Partition, make_partition
 from . import shm_path
 from .protocol import CLIENT_LIMITS
@@ -68,11 +76,17 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
                  timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None,
-                 curve_keys_dir: str | None = None) -> None:
+                 curve_keys_dir: str | None = None, secret: str | None = None, user: str | None = None) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
         self.addresses = list(addresses)
         self.worker = int(worker)
+        self.user = user if user is not None else worker_user(self.worker)
+        secret = secret if secret is not None else secret_for(list(addresses))
+        if secret is None:
+            raise ConfigError("no job secret to authenticate with: pass secret= (ServerGroup.secret) or set "
+                              "PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE")
+        self._token = secrets.token_hex(16)       # proves "the same client" when re-registering elsewhere
         self.timeout = float(timeout)
         self.partition: Partition = make_partition(params, len(self.addresses))
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
@@ -87,15 +101,7 @@ class PSClient:
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._lock = threading.RLock()
         self._closed = False
-        self._socks: list[zmq.Socket] = []
-        keys = load_keys(curve_keys_dir) if curve_keys_dir else None
-        for a in self.addresses:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if keys is not None:
-                connect_curve(sock, keys)
-            sock.connect(a)
-            self._socks.append(sock)
+        self._socks, self._monitors = open_sockets(self._ctx, self.addresses, self.user, secret, curve_keys_dir)
         self._poller = zmq.Poller()
         for sock in self._socks:
             self._poller.register(sock, zmq.POLLIN)
@@ -106,6 +112,9 @@ class PSClient:
         except BaseException:
             self.close()
             raise
+        finally:
+            stop_monitors(self._socks, self._monitors)
+            self._monitors = []
         for i, (r, _) in enumerate(self.registration):
             mine = {s.key: s.numel for s in self._keys_of[i]}
             theirs = {k: int(np.prod(v)) for k, v in r.get("keys", {}).items()}
@@ -118,8 +127,9 @@ class PSClient:
     # ------------------------------------------------------------------ requests
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
-        per = [(dict({"worker": self.worker}, **link.probe()), None) for link in self._links]
-        regs = self._all("register", per_shard=per).result(self.timeout + 1)
+        per = [(dict({"worker": self.worker, "token": self._token}, **link.probe()), None) for link in self._links]
+        regs = await_handshake(self._all("register", per_shard=per), self._monitors, self.addresses, self.user,
+                               self.timeout + 1)
         for i, (r, _) in enumerate(regs):
             self._links[i].accept(r)
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
@@ -169,7 +179,8 @@ class PSClient:
         return gather(futs)
 
     def init(self, params: Mapping[str, Any]) -> Future:
-        """Initialise every shard with this worker's values (the owner; later inits are ignored by the shards)."""
+        """Initialise every shard with this worker's values: only the owner (worker 0, or an admin client) may,
+        and only once (a shard already holding parameters answers AlreadyInitializedError)."""
         per = [({"worker": self.worker}, self._split(params, i)) for i in range(len(self.addresses))]
         return metas(self._all("init", per_shard=per))
 
@@ -241,16 +252,8 @@ class PSClient:
         self._register()
         return list(self.clocks)
 
-    def checkpoint(self) -> Future:
-        """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""
-        return metas(self._all("checkpoint"))
-
     def ping(self) -> Future:
         return metas(self._all("ping"))
-
-    def shutdown_servers(self, timeout: float = 10.0) -> None:
-        """Ask every shard to checkpoint (if configured) and exit."""
-        self._all("shutdown", timeout=timeout).result(timeout + 1)
 
     # ------------------------------------------------------------------ slicing
     def _split(self, tensors: Mapping[str, Any], shard: int) -> dict[str, np.ndarray]:
@@ -378,10 +381,13 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
-            shm: bool | None = None, curve_keys_dir: str | None = None) -> PSClient:
+            shm: bool | None = None, curve_keys_dir: str | None = None, secret: str | None = None) -> PSClient:
     """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
 
     `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
     loopback or ipc:// and the shard accepts; see `ps.shm_path`). `curve_keys_dir`: the cluster's CURVE keys, for
-    shards started with them (encrypted, authenticated; required for shards bound beyond loopback)."""
-    return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir)
+    shards started with them (encrypted, authenticated; required for shards bound beyond loopback). `secret`: the
+    job secret (ServerGroup.secret); None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE. Admin operations (checkpoint,
+    shutdown) need `ps.connect_admin` instead."""
+    return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir,
+                    secret=secret)

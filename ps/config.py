@@ -1,19 +1,24 @@
 """`ServerConfig`: everything one shard server needs, validated in one place (ps.server serves it, ps.processes
-starts one process per config, `pslab server` builds one from its flags)."""
+starts one process per config, `pslab server` builds one from its flags). Authentication: every shard requires
+credentials derived from the job's secret (`secret`, else PSLAB_JOB_SECRET[_FILE]): ZeroMQ PLAIN, or CURVE when
+`curve_keys_dir` is given (ps.admission says who may do what)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from collectives.curve import is_loopback
 
+from .admission import check_secret, job_secret
 from .consistency import policy_from_string
 from .errors import CheckpointError, ConfigError
 from .optim import OptimizerSpec, optimizer_from_string
+
+NONFINITE_POLICIES = ("reject", "skip")
 
 
 @dataclass
@@ -36,6 +41,11 @@ class ServerConfig:
     max_message_bytes: int = 1 << 31
     shm: bool = True                      # offer same-host clients the shared-memory payload path (shm_path.py)
     curve_keys_dir: str | None = None     # CURVE encryption + authentication (required to bind beyond loopback)
+    secret: str | None = field(default=None, repr=False)  # the job secret; None: PSLAB_JOB_SECRET[_FILE]
+    nonfinite: str = "reject"             # a push holding NaN/Inf: "reject" (error reply) | "skip" (drop, ack)
+    max_shm_links: int = 0                # shared-memory links held at once (0: one per worker)
+    sweep_interval: float = 1.0           # seconds between liveness checks of quiet connections
+    shm_idle_timeout: float = 30.0        # free a link's reply segment unused this long (re-made on demand)
 
     def __post_init__(self) -> None:
         self.optimizer = optimizer_from_string(self.optimizer)
@@ -70,6 +80,12 @@ class ServerConfig:
             if not os.access(parent, os.W_OK):
                 raise ConfigError(f"checkpoint_dir {self.checkpoint_dir!r} is not writable (by this user): choose "
                                   "another directory")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; got {self.nonfinite!r}")
+        if not (self.max_shm_links >= 0 and self.sweep_interval > 0 and self.shm_idle_timeout >= 0):
+            raise ConfigError("max_shm_links must be >= 0 (0: one per worker), sweep_interval > 0 and "
+                              "shm_idle_timeout >= 0 seconds")
+        self.secret = check_secret(self.secret if self.secret is not None else job_secret())
         host = self.bind[len("tcp://"):].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
         if not is_loopback(host) and not self.curve_keys_dir:
             raise ConfigError(f"binding to {self.bind} exposes the shard beyond this host: give curve_keys_dir "

@@ -48,6 +48,30 @@ class NonFiniteGradientError(ProtocolError):
     tensor); usually the learning rate is too large or the loss diverged."""
 
 
+class AccessDeniedError(ProtocolError):
+    """An authenticated connection asked for something its identity does not allow: to register as another worker
+    than its credential names, to push or pull as another worker than it registered as, to init without being the
+    designated owner, or an admin operation (shutdown, checkpoint) without the job's admin credential."""
+
+
+class DuplicateWorkerError(AccessDeniedError):
+    """A worker id is already registered on another live connection (and this one did not prove to be the same
+    client): close the other client first, or connect as another worker."""
+
+
+class AlreadyInitializedError(ProtocolError):
+    """A second `init`: the shard already holds parameters (from the first init, or restored from a checkpoint)."""
+
+
+class ShmLimitError(ProtocolError):
+    """A shard already holds as many shared-memory links as it allows (`max_shm_links`)."""
+
+
+class AuthenticationError(PSError):
+    """A shard refused this client's credential during the handshake (wrong or missing job secret, or a user the
+    shard does not know)."""
+
+
 class GateTimeoutError(PSError, TimeoutError):
     """A pull waited on the consistency gate longer than the server's request timeout (a worker is stuck or dead)."""
 
@@ -66,7 +90,8 @@ class RemoteError(PSError):
 
 ERROR_CLASSES: dict[str, type[PSError]] = {c.__name__: c for c in (
     PSError, ConfigError, ProtocolError, UnknownKeyError, ShapeError, DuplicateRequestError, ClockError,
-    NotInitializedError, NonFiniteGradientError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
+    NotInitializedError, NonFiniteGradientError, AccessDeniedError, DuplicateWorkerError, AlreadyInitializedError,
+    ShmLimitError, AuthenticationError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
 
 
 def error_from_reply(kind: str, message: str, shard: int | None = None) -> PSError:

@@ -12,6 +12,13 @@ milliseconds, spawned ones import torch afresh). If any shard fails or is late, 
 PSError names the shard and its slot group. A server process ignores SIGINT (its parent stops it, so a Ctrl-C in the
 terminal prints no tracebacks from shards), exits at once on SIGTERM, runs torch with one thread, and exits by itself
 after `idle_timeout` seconds without a message (so an orphan does not linger).
+
+Authentication: the shards admit only holders of the job's secret (ps.admission). `start_servers(secret=...)` uses
+the given one, else PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE, else makes a new one. Nothing is
+written to the environment: a client in this process finds the secret by the shards' addresses
+(`admission.secret_for`), other processes are handed `ServerGroup.secret` (the launcher passes it to the ranks it
+starts); `ServerGroup.admin()` connects as "admin".
+The secret reaches the shard processes through their start-up arguments, never through a store or a file.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collectives import cleanup
+
+from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
 from .errors import ConfigError, PSError
 from .optim import OptimizerSpec, optimizer_from_string
 from .server import ServerConfig, ShardServer
@@ -44,10 +54,13 @@ def _warm_up_torch_optim() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def _server_main(config: ServerConfig, conn: Any) -> None:
-    """A shard server process: report ("ok", address) or ("error", why) through `conn`, then serve until stopped."""
+def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None) -> None:
+    """A shard server process: report ("ok", address) or ("error", why) through `conn`, then serve until stopped.
+    Its shared-memory segments are noted in `sweep_dir`, which the ServerGroup sweeps when it stops the shard."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)            # the parent stops us (SIGTERM); Ctrl-C is for the parent
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # no cleanup needed here: the parent sweeps sweep_dir
+    if sweep_dir:
+        os.environ[cleanup.ENV] = sweep_dir
     import torch
     torch.set_num_threads(1)
     server: ShardServer | None = None
@@ -82,11 +95,14 @@ class ServerGroup:
     configs: list[list[ServerConfig]]
     start_method: str = "spawn"
     start_timeout: float = 60.0
+    secret: str | None = field(default=None, repr=False)     # the job secret every shard admits
     group_addresses: list[list[str]] = field(default_factory=list, init=False)
     _procs: list[list[Any]] = field(default_factory=list, init=False, repr=False)
     _tmpdir: str | None = None
+    _sweep: str | None = field(default=None, init=False, repr=False)   # where the shards note their shm segments
 
     def __post_init__(self) -> None:
+        self._sweep = cleanup.make_dir("pslab-ps-sweep-")
         self.group_addresses = [["" for _ in g] for g in self.configs]
         self._procs = [[None for _ in g] for g in self.configs]
 
@@ -149,9 +165,17 @@ class ServerGroup:
                     p.kill()
                     p.join(5)
         finally:
+            forget_secret(a for g in self.group_addresses for a in g)
+            cleanup.sweep(self._sweep)          # segments of shards that died without unlinking them
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
+
+    def admin(self, group: int = 0, params: Any = None, timeout: float = 60.0) -> Any:
+        """A client of slot group `group`'s shards as the job's admin (init, stats, checkpoint, shutdown)."""
+        from .admin import connect_admin
+        return connect_admin(self.group_addresses[group], params, secret=self.secret, timeout=timeout,
+                             curve_keys_dir=self.configs[group][0].curve_keys_dir)
 
     def __enter__(self) -> "ServerGroup":
         return self
@@ -167,7 +191,8 @@ class ServerGroup:
         ctx = mp.get_context(self.start_method)
         parent, child = ctx.Pipe(duplex=False)
         name = f"pslab-shard-{shard}" if self.groups == 1 else f"pslab-g{group}-shard-{shard}"
-        p = ctx.Process(target=_server_main, args=(self.configs[group][shard], child), daemon=True, name=name)
+        p = ctx.Process(target=_server_main, args=(self.configs[group][shard], child, self._sweep), daemon=True,
+                        name=name)
         self.group_addresses[group][shard] = ""
         try:
             p.start()
@@ -229,7 +254,8 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
                   optimizer: OptimizerSpec | str = "sgd:lr=0.01", *, groups: int = 1, start_method: str = "spawn",
                   bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None, transport: str = "tcp",
                   checkpoint_dir: str | None = None, checkpoint_every: int = 0, request_timeout: float = 120.0,
-                  idle_timeout: float = 600.0, start_timeout: float = 60.0) -> ServerGroup:
+                  idle_timeout: float = 600.0, start_timeout: float = 60.0, secret: str | None = None,
+                  nonfinite: str = "reject") -> ServerGroup:
     """Start `groups` independent shard sets of `num_shards` shard processes each, every shard serving
     `num_workers` workers under `policy` with `optimizer` (an OptimizerSpec or its string form), and wait until all
     are bound. Returns a `ServerGroup`: `.addresses` (one group: its shards in shard order), `.group_addresses[g]`.
@@ -239,7 +265,10 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
     per shard) or "ipc" (sockets in a temp directory removed by stop()). Binding beyond loopback needs
     `curve_keys_dir` (CURVE encryption and authentication; see ServerConfig.validate). `checkpoint_dir` gets one
     sub-directory per shard: shard-<i>, or g<g>-shard-<i> with several groups. `idle_timeout` makes orphaned servers
-    exit; `start_timeout` bounds the whole start-up. Raises ConfigError for bad arguments (before starting anything)
+    exit; `start_timeout` bounds the whole start-up. `secret`: the job secret the shards admit (default: the
+    environment's, else a new one; a client in this process finds it by the shards' addresses, other processes get
+    it from ServerGroup.secret; see the module docstring). `nonfinite`: "reject"
+    (default) or "skip" a push holding NaN/Inf. Raises ConfigError for bad arguments (before starting anything)
     and PSError if a shard fails to start (after stopping every shard that did).
     """
     if start_method not in START_METHODS:
@@ -255,6 +284,7 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
     if start_timeout <= 0:
         raise ConfigError(f"start_timeout must be > 0 seconds; got {start_timeout!r}")
     spec = optimizer_from_string(optimizer)        # parsed once; every shard's config holds this (frozen) spec
+    secret = check_secret(secret if secret is not None else job_secret() or new_job_secret())
     tmp = tempfile.mkdtemp(prefix="pslab-ps-") if transport == "ipc" else None
     try:
         configs = []
@@ -266,7 +296,8 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
                                    policy=str(policy), optimizer=spec,
                                    checkpoint_dir=str(Path(checkpoint_dir) / tag) if checkpoint_dir else None,
                                    checkpoint_every=checkpoint_every, request_timeout=request_timeout,
-                                   idle_timeout=idle_timeout, curve_keys_dir=curve_keys_dir)
+                                   idle_timeout=idle_timeout, curve_keys_dir=curve_keys_dir, secret=secret,
+                                   nonfinite=nonfinite)
                 cfg.validate()
                 row.append(cfg)
             configs.append(row)
@@ -274,13 +305,14 @@ def start_servers(num_shards: int = 1, num_workers: int = 1, policy: str = "asp"
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    servers = ServerGroup(configs, start_method=start_method, start_timeout=start_timeout, _tmpdir=tmp)
+    servers = ServerGroup(configs, start_method=start_method, start_timeout=start_timeout, secret=secret, _tmpdir=tmp)
     try:
         pending = {}
         for g in range(groups):
             for i in range(num_shards):
                 pending[servers._launch(g, i)] = (g, i)
         servers._await(pending)
+        remember_secret((a for g in servers.group_addresses for a in g), secret)
     except BaseException:
         for conn in pending:
             conn.close()

@@ -1,27 +1,33 @@
 """The parameter-server protocol on top of the `collectives.wire` codec (msgpack header + raw tensor frames).
 
-Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connection, `src` is the worker id:
+Requests (client DEALER -> shard ROUTER); `seq` strictly increases per connection, `src` is the worker id (-1 for
+an admin connection). Every connection is authenticated at the handshake (ZeroMQ PLAIN as "worker:<w>" or
+"admin", or CURVE); who may send what is in ps.admission (role column):
 
-    register   meta {worker}                                  -> ok {version, clock, initialized, keys, shard, policy}
-    init       meta {worker} + the shard's tensors (flat)     -> ok {initialized: bool (False: already initialised)}
+    register   meta {worker, token?}                          -> ok {version, clock, initialized, keys, shard, policy}
+               (worker w only; token: the client's random id, lets the same client re-register on a new connection)
+    init       meta {worker} + the shard's tensors (flat)     -> ok {initialized: true}; a second init is an
+               (registered worker 0, or admin)                   AlreadyInitializedError
     pull       meta {clock}                                   -> ok {version, clock, committed} + tensors
     push       meta {clock, version} + one gradient per key   -> ok {status, version, clock, staleness}
+               (pull and push: as the registered worker only; status "applied" | "buffered" | "dropped" | "skipped")
                with pull: true (push_pull) the shard then reads at the new clock (waiting at the gate like a
                pull) and answers once: ok {status, ..., read: {version, clock, committed}} + tensors
     Same-host shared-memory path (shm_path.py): register may carry {shm_probe, shm_token} (-> ok {shm: bool});
     a push may carry meta {shm: [[key, descriptor], ...]} instead of frames; pull/push_pull with shm_reply: true
     are answered with meta {shm: [[key, descriptor], ...]} instead of frames.
     stats      meta {}                                        -> ok {version, clocks, stats, counters}
-    checkpoint meta {}                                        -> ok {path}
+    checkpoint meta {}           (admin)                      -> ok {path}
     ping       meta {}                                        -> ok {}
-    shutdown   meta {}                                        -> ok {} then the server exits
+    shutdown   meta {}           (admin)                      -> ok {} then the server exits
     unregister meta {}                                        -> (no reply) the client is closing: the shard forgets
                                                                  the connection, its shm link and parked reads
 
 Every reply echoes the request's seq; an error reply is op "error" with meta {kind, error} where kind is a
 `ps.errors` class name. A malformed message gets an error reply (seq 0 if even the header was unreadable) and
 changes nothing. Only pull (and push_pull's read) can wait (parked on the consistency gate or until init);
-everything else answers at once.
+everything else answers at once. The shard may also send an unsolicited "ok" with seq 0 (a liveness probe of a
+quiet connection): clients ignore replies they did not ask for.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from .errors import ProtocolError
 
 OPS = frozenset({"register", "unregister", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown"})
 REPLY_OPS = frozenset({"ok", "error"})
-NEEDS_REGISTRATION = frozenset({"init", "pull", "push", "checkpoint", "shutdown", "unregister"})
+ADMIN_OPS = frozenset({"checkpoint", "shutdown"})
 
 
 def server_limits(max_message_bytes: int = 1 << 31, max_tensors: int = 4096) -> WireLimits:

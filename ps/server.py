@@ -1,9 +1,12 @@
 """One shard's server: a ZeroMQ ROUTER loop around a `ShardState` (its `ServerConfig` lives in ps.config, shard
 processes in ps.processes; both stay importable from here).
 
-The loop is single-threaded: receive -> validate (wire limits, op, registration, seq, fields) -> act on the
-ShardState -> reply. A pull that the consistency gate (or a missing init) holds back is parked and retried after
-every push/init; a parked pull older than `request_timeout` gets a GateTimeoutError reply. Any exception while
+The loop is single-threaded: receive -> who sent it (the handshake's User-Id, ps.admission) -> validate (wire
+limits, op, seq, identity and role, fields) -> act on the ShardState -> reply. The socket is a PLAIN server (CURVE
+with `curve_keys_dir`) that admits only the job's users: a socket without the credential never gets a message
+through. A pull that the consistency gate (or a missing init) holds back is parked (ps.parking) and
+retried after every push/init. Every `sweep_interval` quiet connections are probed; a vanished one's registration,
+parked reads and shared-memory link are freed, and idle links give back their reply segment. Any exception while
 handling one message becomes an error reply to that sender; the loop itself never stops on a bad message.
 """
 
@@ -11,78 +14,79 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
 
-from collectives.curve import serve_curve
+from collectives.curve import load_keys
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
-from .checkpoint import latest_checkpoint, save_checkpoint
+from .admission import Admission, curve_server, plain_server, shard_users
+from .checkpoint import save_checkpoint
 from .config import ServerConfig
-from .errors import ConfigError, DuplicateRequestError, GateTimeoutError, NotInitializedError, ProtocolError, PSError
-from .protocol import NEEDS_REGISTRATION, meta_int, server_limits, wire_safe
-from .shard import ShardState
+from .errors import (AccessDeniedError, AlreadyInitializedError, ConfigError, DuplicateRequestError,
+                     NotInitializedError, ProtocolError, PSError, ShmLimitError)
+from .parking import Parked, Parking
+from .protocol import meta_int, server_limits, wire_safe
+from .restore import restore
+from .shard import ShardState, _all_finite
 from .shm_path import ServerLink
 
 log = logging.getLogger("ps.server")
 
 
-@dataclass
-class _Parked:
-    identity: bytes
-    seq: int
-    worker: int
-    clock: int
-    since: float
-    shm: bool = False                     # answer through the connection's shared-memory segment
-    ack: dict[str, Any] | None = None     # push_pull: the push's ack, sent with the read
-
-
-class ShardServer:
+class ShardServer(Parking):
     """Serve one shard on a ROUTER socket (call `bind()` then `serve_forever()`)."""
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         config.validate()
         self.config = config
-        # CURVE's authenticator owns the context's ZAP endpoint: a CURVE shard gets a context of its own
-        self._own_ctx = context is None and bool(config.curve_keys_dir)
-        self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
+        # the authenticator owns its context's ZAP endpoint: a shard gets a context of its own unless given one
+        self._own_ctx = context is None
+        self.ctx = zmq.Context() if context is None else context
         self.limits = server_limits(config.max_message_bytes)
         self.state: ShardState | None = None
-        self.registered: dict[bytes, int] = {}
-        self.last_seq: dict[bytes, int] = {}
-        self.parked: list[_Parked] = []
+        self.admission = Admission(config.num_workers)
+        self.parked: list[Parked] = []
         self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
-                         "internal_errors": 0, "nonfinite_refused": 0}
+                         "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0,
+                         "peers_gone": 0, "replies_released": 0}
         self.address = ""
         self.restored_from: str | None = None
+        self.rejected_checkpoints: list[list[str]] = []
         self._last_ckpt_version = -1
         self._stop = False
         self._inflight: list[Any] = []      # trackers of zero-copy pull replies that still reference the params
-        self._auth: Any = None              # CURVE authenticator, if configured
+        self._gone: set[bytes] = set()      # connections a reply could not be routed to
+        self._last_sweep = time.monotonic()
+        self._notice = encode("ok", seq=0, src=config.shard_id, meta={"notice": "liveness probe (ignore)"})
+        self._auth: Any = None              # the ZAP authenticator (PLAIN or CURVE)
         self.sock: zmq.Socket | None = None
-        if config.checkpoint_dir:
-            found = latest_checkpoint(config.checkpoint_dir)
-            if found is not None:
-                path, tensors, meta = found
-                config.check_checkpoint(path, meta)
-                self.state = ShardState.from_state_dict(tensors, meta)
-                self.restored_from = str(path)
-                self._last_ckpt_version = self.state.version
-                for p, why in meta.get("_rejected", []):
-                    log.warning("rejected checkpoint %s: %s", p, why)
+        found = restore(config)             # newest valid checkpoint; older ones while newer are rejected
+        if found is not None:
+            path, self.state, self.rejected_checkpoints = found
+            self.restored_from = str(path)
+            self._last_ckpt_version = self.state.version
+
+    @property
+    def registered(self) -> dict[bytes, int]:
+        """identity -> worker id of every registered connection."""
+        return self.admission.registered
 
     # ------------------------------------------------------------------ socket
     def bind(self) -> str:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unroutable reply raises: its peer is gone
         try:
-            if self.config.curve_keys_dir:
-                self._auth = serve_curve(self.ctx, self.sock, self.config.curve_keys_dir)
+            users = shard_users(self.config.num_workers)
+            if self.config.curve_keys_dir:    # cluster key pair as the shard's identity, role keys from the secret
+                self._auth = curve_server(self.ctx, self.sock, load_keys(self.config.curve_keys_dir),
+                                          self.config.secret, users)
+            else:
+                self._auth = plain_server(self.ctx, self.sock, self.config.secret, users)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + (1 << 20))
             b = self.config.bind
             if b.startswith("tcp://") and b.endswith(":0"):
@@ -129,10 +133,11 @@ class ShardServer:
                         except zmq.Again:
                             break
                         last_msg = now = time.monotonic()
-                        self.handle(frames[0].bytes, frames[1:], now)
+                        self.handle(frames[0].bytes, frames[1:], now, _user_id(frames[0]))
                         if self._stop:
                             break
                 self._expire_parked(now)
+                self._sweep(now)
                 if self.config.idle_timeout and now - last_msg > self.config.idle_timeout:
                     log.warning("shard %d idle for %.0fs: exiting", self.config.shard_id, self.config.idle_timeout)
                     break
@@ -147,7 +152,9 @@ class ShardServer:
         frames = encode(op, tensors, seq=seq, src=self.config.shard_id, meta=meta or {})
         try:
             tracker = self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK, track=track)
-        except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply, keep serving
+        except zmq.ZMQError as e:  # peer gone (freed at the next sweep) or its queue full: drop the reply
+            if e.errno == zmq.EHOSTUNREACH:
+                self._gone.add(identity)
             log.debug("reply to %r dropped: %s", identity, e)
             return
         if track:
@@ -163,13 +170,50 @@ class ShardServer:
     def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
         self.counters["errors"] += 1
         self.counters["nonfinite_refused"] += type(exc).__name__ == "NonFiniteGradientError"
+        self.counters["refused"] += isinstance(exc, AccessDeniedError)
         kind = type(exc).__name__ if isinstance(exc, PSError) else "ProtocolError"
         self._send(identity, "error", seq, {"kind": kind, "error": str(exc)[:2000]})
 
+    # ------------------------------------------------------------------ liveness
+    def _alive(self, identity: bytes) -> bool:
+        """Whether a message to `identity` can still be routed (a seq-0 notice that clients ignore)."""
+        assert self.sock is not None
+        try:
+            self.sock.send_multipart([identity, *self._notice], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            return e.errno != zmq.EHOSTUNREACH     # EAGAIN: alive, only slow to read
+        return True
+
+    def _forget(self, identity: bytes) -> None:
+        """Free everything a connection holds: registration, parked reads (nobody to answer), shm link."""
+        self.parked = [p for p in self.parked if p.identity != identity]
+        link = self.links.pop(identity, None)
+        if link is not None:
+            link.close()
+        self.admission.forget(identity)
+
+    def _sweep(self, now: float) -> None:
+        """Free vanished connections; give back the reply segments of idle links."""
+        gone, self._gone = self._gone, set()
+        if now - self._last_sweep >= self.config.sweep_interval:
+            self._last_sweep = now
+            gone |= {i for i in self.admission.quiet(now, self.config.sweep_interval) if not self._alive(i)}
+            idle = self.config.shm_idle_timeout
+            for link in self.links.values():
+                if idle and link.last_reply and now - link.last_reply > idle and link.release_reply():
+                    link.last_reply = 0.0
+                    self.counters["replies_released"] += 1
+        for identity in gone:
+            if identity in self.admission.peers:
+                self.counters["peers_gone"] += 1
+                self._forget(identity)
+
     # ------------------------------------------------------------------ dispatch
-    def handle(self, identity: bytes, frames: list[Any], now: float) -> None:
-        """Handle one request; never raises (except KeyboardInterrupt/SystemExit)."""
+    def handle(self, identity: bytes, frames: list[Any], now: float, user: str | None = None) -> None:
+        """Handle one request from the connection `identity`, authenticated as `user`; never raises (except
+        KeyboardInterrupt/SystemExit)."""
         self.counters["messages"] += 1
+        peer = self.admission.seen(identity, user, now)
         try:
             msg = decode(frames, self.limits, as_torch=True)
         except WireError as e:
@@ -179,17 +223,13 @@ class ShardServer:
         try:
             if msg.seq < 1:
                 raise ProtocolError(f"request id (seq) must be a positive integer, got {msg.seq}")
-            last = self.last_seq.get(identity, 0)
-            if msg.seq <= last:
+            if msg.seq <= peer.last_seq:
                 raise DuplicateRequestError(f"request id {msg.seq} is not larger than the last accepted one "
-                                            f"({last}) on this connection; duplicate or out of order")
-            if msg.op in NEEDS_REGISTRATION and identity not in self.registered:
-                raise ProtocolError(f"{msg.op} from an unregistered connection; send 'register' with your worker "
-                                    "id first")
+                                            f"({peer.last_seq}) on this connection; duplicate or out of order")
+            self.admission.check(identity, msg.op, msg.src)
             handler = getattr(self, f"_on_{msg.op}")
             handler(identity, msg, now)          # raises before changing anything if the request is invalid
-            if msg.op != "unregister":
-                self.last_seq[identity] = msg.seq
+            peer.last_seq = msg.seq
         except PSError as e:
             self._error(identity, msg.seq, e)
         except Exception as e:  # a bug or an unforeseen input: answer, log, keep serving
@@ -197,6 +237,8 @@ class ShardServer:
             log.exception("shard %d: unexpected error on %s", self.config.shard_id, msg.op)
             self._error(identity, msg.seq, ProtocolError(f"server could not handle {msg.op}: "
                                                          f"{type(e).__name__}: {e}"))
+        if self._gone:
+            self._sweep(now)
 
     def _on_ping(self, identity: bytes, msg: Any, now: float) -> None:
         self._send(identity, "ok", msg.seq, {"shard": self.config.shard_id})
@@ -205,12 +247,19 @@ class ShardServer:
         worker = meta_int(msg.meta, "worker", 0, self.config.num_workers - 1)
         if msg.tensors:
             raise ProtocolError("register carries no tensors")
-        self.registered[identity] = worker
+        token = msg.meta.get("token")
+        evict = self.admission.check_register(identity, worker, msg.src, token, self._alive)
+        wants_shm = self.config.shm and "shm_probe" in msg.meta
+        if wants_shm:
+            self._check_link_cap(identity, evict)
+        for other in evict:                  # the same client's old connection, or a vanished one
+            self._forget(other)
+        self.admission.bind(identity, worker, token)
         self._cancel_parked(identity, "this connection registered again (resync); read again")
         old = self.links.pop(identity, None)
         if old is not None:
             old.close()
-        link = ServerLink.accept_probe(self.config.shard_id, worker, msg.meta) if self.config.shm else None
+        link = ServerLink.accept_probe(self.config.shard_id, worker, msg.meta) if wants_shm else None
         if link is not None:
             self.links[identity] = link
         st = self.state
@@ -220,109 +269,44 @@ class ShardServer:
             "clock": st.clocks[worker] if st else 0,
             "keys": {k: list(s) for k, s in st.shapes.items()} if st else {}})
 
+    def _check_link_cap(self, identity: bytes, evict: list[bytes]) -> None:
+        """ShmLimitError if a new shm link would exceed max_shm_links (vanished holders are freed first)."""
+        cap = self.config.max_shm_links or self.config.num_workers
+        others = [i for i in self.links if i != identity and i not in evict]
+        if len(others) >= cap:
+            for i in others:
+                if not self._alive(i):
+                    self.counters["peers_gone"] += 1
+                    self._forget(i)
+            if len([i for i in self.links if i != identity and i not in evict]) >= cap:
+                raise ShmLimitError(f"shard {self.config.shard_id} already holds {cap} shared-memory links (its "
+                                    "cap, max_shm_links); close idle clients, or register without shm "
+                                    "(connect(..., shm=False))")
+
     def _on_init(self, identity: bytes, msg: Any, now: float) -> None:
         if self.state is not None:
-            self._send(identity, "ok", msg.seq, {"initialized": False, "version": self.state.version})
-            return
+            where = f", restored from {self.restored_from}" if self.restored_from else ""
+            raise AlreadyInitializedError(f"already initialised (version {self.state.version}{where}); a second "
+                                          "init is refused, the parameters stay as they are")
         if not msg.tensors:
             raise ProtocolError("init must carry this shard's parameters")
+        for k, t in msg.tensors.items():
+            if t.is_floating_point() and not _all_finite(t):
+                raise ProtocolError(f"init parameter {k!r} holds NaN or Inf; refused")
         self.state = ShardState(dict(msg.tensors), self.config.spec, self.config.policy,
                                 self.config.num_workers, shard_id=self.config.shard_id)
         self._send(identity, "ok", msg.seq, {"initialized": True, "version": 0})
         self._retry_parked(now)
 
-    def _on_pull(self, identity: bytes, msg: Any, now: float) -> None:
-        worker = self.registered[identity]
-        clock = meta_int(msg.meta, "clock")
-        if msg.tensors:
-            raise ProtocolError("pull carries no tensors")
-        if self.state is not None:
-            self.state._check_clock(worker, clock, "pull")
-        p = _Parked(identity, msg.seq, worker, clock, now, self._shm_reply(identity, msg.meta))
-        if not self._try_pull(p, now):
-            self.parked.append(p)
-
-    def _shm_reply(self, identity: bytes, meta: Any) -> bool:
-        """A read asked to be answered through shared memory, and this connection negotiated it."""
-        return meta.get("shm_reply") is True and identity in self.links
-
-    def _try_pull(self, p: _Parked, now: float) -> bool:
-        st = self.state
-        if st is None or not st.may_read(p.worker, p.clock, now):
-            return False
-        r = st.read(p.worker, p.clock, now, copy=False)   # zero-copy; _before_update protects it (copy-on-write)
-        self.counters["pulls"] += 1
-        meta = {"version": r.version, "clock": r.clock, "committed": r.committed_clock}
-        if p.ack is not None:                              # push_pull: the ack, with the read under "read"
-            meta = dict(p.ack, read=meta)
-        flat = {k: t.reshape(-1) for k, t in r.params.items()}
-        link = self.links.get(p.identity) if p.shm else None
-        entries = None
-        if link is not None:                               # one memcpy into the client's view; nothing to track
-            try:
-                entries = link.reply(flat)
-            except OSError:                                # /dev/shm full: this answer goes as frames
-                entries = None
-        if entries is not None:
-            self._send(p.identity, "ok", p.seq, dict(meta, shm=entries))
-        else:
-            self._send(p.identity, "ok", p.seq, meta, flat, track=True)
-        return True
-
-    def _retry_parked(self, now: float) -> None:
-        still = []
-        for p in self.parked:
-            try:
-                if not self._try_pull(p, now):
-                    still.append(p)
-            except Exception as e:             # answered with the error, never retried (nor answered twice)
-                if not isinstance(e, PSError):
-                    self.counters["internal_errors"] += 1
-                    log.exception("shard %d: unexpected error answering a parked read", self.config.shard_id)
-                self._error(p.identity, p.seq, e if isinstance(e, PSError) else
-                            ProtocolError(f"server could not answer the read: {type(e).__name__}: {e}"))
-        self.parked = still
-
-    def _cancel_parked(self, identity: bytes, why: str) -> None:
-        keep = []
-        for p in self.parked:
-            if p.identity == identity:
-                self._error(p.identity, p.seq, ProtocolError(f"read at clock {p.clock} cancelled: {why}"))
-            else:
-                keep.append(p)
-        self.parked = keep
-
     def _on_unregister(self, identity: bytes, msg: Any, now: float) -> None:
         """A client closing: forget the connection (its shared-memory link, parked reads). No reply."""
-        self._cancel_parked(identity, "the client unregistered")
-        link = self.links.pop(identity, None)
-        if link is not None:
-            link.close()
-        self.registered.pop(identity, None)
-        self.last_seq.pop(identity, None)
-
-    def _expire_parked(self, now: float) -> None:
-        t = self.config.request_timeout
-        if not t or not self.parked:
-            return
-        keep = []
-        for p in self.parked:
-            if now - p.since > t:
-                who = self.state.blocking_workers(p.clock) if self.state else "the owner's init"
-                pushed = (f" (its push was applied: {p.ack['status']}, shard version {p.ack['version']})"
-                          if p.ack is not None else "")
-                self._error(p.identity, p.seq, GateTimeoutError(
-                    f"pull at clock {p.clock} from worker {p.worker} waited {now - p.since:.1f}s (> request timeout "
-                    f"{t:g}s) under {self.config.policy}; still waiting for {who}{pushed}"))
-            else:
-                keep.append(p)
-        self.parked = keep
+        self._forget(identity)
 
     def _on_push(self, identity: bytes, msg: Any, now: float) -> None:
         if self.state is None:
             raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
                                       "init before anyone pushes")
-        worker = self.registered[identity]
+        worker = self.admission.peers[identity].worker
         grads = msg.tensors
         if "shm" in msg.meta:                              # the gradients lie in the client's segment
             link = self.links.get(identity)
@@ -331,16 +315,18 @@ class ShardServer:
                                     "the shm path at register (or also sent frames)")
             try:
                 grads = link.grads(msg.meta["shm"])
-            except WireError as e:
+            except (WireError, OSError, ValueError) as e:
                 raise ProtocolError(f"bad shared-memory push: {e}") from None
         self._before_update()
-        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now)
+        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now,
+                              skip_nonfinite=self.config.nonfinite == "skip")
         self.counters["pushes"] += 1
+        self.counters["nonfinite_skipped"] += res.status == "skipped"
         ack = {"status": res.status, "version": res.version, "clock": res.clock,
                "staleness": [list(x) for x in res.staleness]}
         if msg.meta.get("pull") is True:                   # push_pull: read at the new clock, then answer once
-            p = _Parked(identity, msg.seq, worker, self.state.clocks[worker], now,
-                        self._shm_reply(identity, msg.meta), ack)
+            p = Parked(identity, msg.seq, worker, self.state.clocks[worker], now,
+                       self._shm_reply(identity, msg.meta), ack)
             if not self._try_pull(p, now):
                 self.parked.append(p)
         else:
@@ -354,7 +340,8 @@ class ShardServer:
     def _on_stats(self, identity: bytes, msg: Any, now: float) -> None:
         st = self.state
         meta = {"shard": self.config.shard_id, "counters": dict(self.counters), "parked": len(self.parked),
-                "restored_from": self.restored_from}
+                "restored_from": self.restored_from, "connections": len(self.admission.peers),
+                "links": len(self.links), "nonfinite": self.config.nonfinite}
         if st is not None:
             meta.update(version=st.version, clocks=list(st.clocks), committed=st.committed_clock,
                         policy=str(st.policy), stats=st.stats.summary())
@@ -379,6 +366,14 @@ class ShardServer:
     def _on_shutdown(self, identity: bytes, msg: Any, now: float) -> None:
         self._send(identity, "ok", msg.seq, {})
         self._stop = True
+
+
+def _user_id(frame: Any) -> str | None:
+    """The user the connection proved at the handshake (ZAP's User-Id), or None."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
 
 
 def serve(config: ServerConfig, ready: Callable[[str], None] | None = None,

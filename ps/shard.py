@@ -10,7 +10,9 @@ Versions. Each optimizer step bumps `version` by one: one per push under ASP / e
 SSP / backup-BSP. Staleness of an update: tau = version (before the step) - version the gradient was read at.
 Read guarantee (SSP(s)): a read at clock c is allowed only when min_w clock_w >= c - s, and then contains every
 update stamped <= c - s - 1 (aggregate mode: version == number of complete clocks >= c - s).
-A push is validated completely before anything changes: all-or-nothing.
+A push is validated completely before anything changes: all-or-nothing. A push holding NaN/Inf is refused
+(NonFiniteGradientError naming the tensor) or, with push(..., skip_nonfinite=True), skipped: the worker's clock
+advances and nothing is applied (an aggregating policy averages that clock over the gradients it did get).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class ShardState:
         self.version = int(initial_version)
         self.clocks = [0] * num_workers
         self._committed = 0
-        self.pending: dict[int, dict[int, tuple[dict[str, torch.Tensor], int, Any]]] = {}  # clock -> w -> (g, v_read, bak)
+        # clock -> worker -> (gradients, or None for a skipped push; version read; DC backup)
+        self.pending: dict[int, dict[int, tuple[dict[str, torch.Tensor] | None, int, Any]]] = {}
         self.backups: dict[int, dict[str, torch.Tensor]] = {}
         self._blocked_since: dict[tuple[int, int], float | None] = {}
         self.stats = StalenessStats(num_workers)
@@ -179,26 +182,36 @@ class ShardState:
                                              f"Inf: push refused, parameters unchanged (lower the learning rate?)")
 
     def push(self, worker: int, clock: int, read_version: int, grads: Mapping[str, Any],
-             now: float | None = None) -> PushResult:
-        """Apply (or buffer, or drop) one worker's gradients for `clock`, computed on `read_version`."""
-        self.validate_push(worker, clock, read_version, grads)
+             now: float | None = None, *, skip_nonfinite: bool = False) -> PushResult:
+        """Apply (or buffer, or drop) one worker's gradients for `clock`, computed on `read_version`.
+        `skip_nonfinite`: a push holding NaN/Inf is skipped (status "skipped": the worker's clock advances, nothing
+        is applied; under aggregating policies its clock completes without it) instead of refused."""
+        try:
+            self.validate_push(worker, clock, read_version, grads)
+        except NonFiniteGradientError:
+            if not skip_nonfinite:
+                raise
+            grads = None
         self.pushes += 1
         backup = self.backups.get(worker)
         if not self.policy.aggregate:
+            self.clocks[worker] += 1
+            if grads is None:
+                return PushResult("skipped", self.version, self.clocks[worker])
             tau = self.version - read_version
             self.optimizer.step([Contribution(grads, tau, backup)])
             self.stats.record(worker, tau, self.version, now)
             self.version += 1
-            self.clocks[worker] += 1
             return PushResult("applied", self.version, self.clocks[worker], [(worker, tau)])
         self.clocks[worker] += 1
         if clock < self._committed:                      # backup-BSP: this clock was completed without it
             self.stats.record_drop(worker)
             return PushResult("dropped", self.version, self.clocks[worker])
-        grads_copy = {k: _as_tensor(g).reshape(self.shapes[k]) for k, g in grads.items()}
+        grads_copy = None if grads is None else {k: _as_tensor(g).reshape(self.shapes[k]) for k, g in grads.items()}
         self.pending.setdefault(clock, {})[worker] = (grads_copy, read_version, backup)
         applied = self._commit_ready(now)
-        return PushResult("applied" if applied else "buffered", self.version, self.clocks[worker], applied)
+        status = "skipped" if grads is None else "applied" if applied else "buffered"
+        return PushResult(status, self.version, self.clocks[worker], applied)
 
     def _commit_ready(self, now: float | None) -> list[tuple[int, int]]:
         needed = self.num_workers - self.policy.backups
@@ -207,14 +220,18 @@ class ShardState:
             contribs = self.pending.pop(self._committed)
             chosen = sorted(list(contribs.items())[:needed])   # the first N to arrive, summed in worker order so
                                                                # the float result does not depend on arrival order
-            steps = []
+            steps, now_applied = [], []
             for w, (g, read_version, backup) in chosen:
+                if g is None:                                  # a skipped (non-finite) push: counted, not averaged
+                    continue
                 tau = self.version - read_version
                 steps.append(Contribution(g, tau, backup))
-                applied.append((w, tau))
-            self.optimizer.step(steps)
-            for w, tau in applied[-len(chosen):]:
+                now_applied.append((w, tau))
+            if steps:
+                self.optimizer.step(steps)
+            for w, tau in now_applied:
                 self.stats.record(w, tau, self.version, now)
+            applied += now_applied
             self.version += 1
             self._committed += 1
         return applied
@@ -228,8 +245,8 @@ class ShardState:
         pending_meta = []
         for clock, contribs in self.pending.items():
             for w, (grads, read_version, _) in contribs.items():
-                pending_meta.append([clock, w, read_version])
-                tensors.update({f"pend\x00{clock}\x00{w}\x00{k}": g for k, g in grads.items()})
+                pending_meta.append([clock, w, read_version] if grads is not None else [clock, w, read_version, 1])
+                tensors.update({f"pend\x00{clock}\x00{w}\x00{k}": g for k, g in (grads or {}).items()})
         for w, b in self.backups.items():
             tensors.update({f"bak\x00{w}\x00{k}": t for k, t in b.items()})
         meta = {"version": self.version, "clocks": list(self.clocks), "committed": self._committed,
@@ -250,8 +267,9 @@ class ShardState:
         st._committed = int(meta["committed"])
         for w in meta["backups"]:
             st.backups[int(w)] = {k: _as_tensor(tensors[f"bak\x00{w}\x00{k}"]) for k in params}
-        for clock, w, rv in meta["pending"]:
-            grads = {k: _as_tensor(tensors[f"pend\x00{clock}\x00{w}\x00{k}"]).reshape(st.shapes[k]) for k in params}
+        for clock, w, rv, *skipped in meta["pending"]:      # [clock, w, rv] or [clock, w, rv, 1] (a skipped push)
+            grads = None if skipped and skipped[0] else {k: _as_tensor(tensors[f"pend\x00{clock}\x00{w}\x00{k}"]).reshape(
+                st.shapes[k]) for k in params}
             st.pending.setdefault(int(clock), {})[int(w)] = (grads, int(rv), st.backups.get(int(w)))
         st.stats = StalenessStats.from_state(st.num_workers, meta["stats"])
         st.reads, st.pushes = int(meta.get("reads", 0)), int(meta.get("pushes", 0))

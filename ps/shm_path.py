@@ -25,11 +25,15 @@ turns the path off for that shard and direction, since a late answer could still
 
 Validation. A shard maps only names of the `collectives.shm` form that carry the registered worker's id, checks
 every descriptor against the segment's size and the gradient against the shard's keys, shapes and dtypes (as for
-frames), and maps client segments read-only. As with every pslab socket, peers are trusted local processes.
+frames), and maps client segments read-only. Only authenticated, registered connections get a link (ps.admission),
+at most `max_shm_links` at once (one per worker by default; beyond: ShmLimitError). The shard's reply segment is
+made lazily (a one-page probe at register, the real one at the first shm reply), freed when the link has been idle
+for `shm_idle_timeout` (re-made on demand), and a link dies with its connection (unregister, or a vanished peer).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import warnings
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 
 from collectives import shm
+from collectives.cleanup import note_shm_job
 from collectives.errors import WireError
 from collectives.wire import wire_dtype
 
@@ -229,13 +234,18 @@ class ClientLink:
 
 
 class ServerLink:
-    """A shard's shared-memory path to one registered client connection."""
+    """A shard's shared-memory path to one registered client connection. The reply segment is made lazily: at
+    register only a one-page probe segment proves the reply direction; the first shm reply allocates the real one,
+    and `release_reply` (an idle link) frees it again until the next reply."""
 
     def __init__(self, shard: int, worker: int) -> None:
         self.shard, self.worker = shard, worker
+        self.job = secrets.token_hex(6)
         self.inbox = shm.Inbox()
-        self.outbox = shm.Outbox(secrets.token_hex(6), shard, worker)
+        self.outbox = shm.Outbox(self.job, shard, worker)
         self.reply_probe: dict[str, Any] = {}
+        self.last_reply = 0.0                       # monotonic time of the last shm reply (0: none yet)
+        self._probe: tuple[str, mmap.mmap] | None = None
 
     @classmethod
     def accept_probe(cls, shard: int, worker: int, meta: Mapping[str, Any]) -> "ServerLink | None":
@@ -249,10 +259,12 @@ class ServerLink:
         try:
             seen = link.inbox.view(worker, desc)
             ok = seen.numpy().tobytes().hex() == token
+            del seen
             if ok:
                 mine = secrets.token_bytes(16)
-                entries = write(link.outbox, {"token": np.frombuffer(mine, dtype=np.uint8)})
-                link.reply_probe = {"shm_reply_probe": entries[0][1], "shm_reply_token": mine.hex()}
+                link._probe = _probe_segment(link.job, shard, worker, mine)
+                link.reply_probe = {"shm_reply_probe": [link._probe[0], PROBE_BYTES, 0, "uint8", [16]],
+                                    "shm_reply_token": mine.hex()}
         except (WireError, OSError, ValueError, TypeError):
             ok = False
         if not ok:
@@ -263,13 +275,58 @@ class ServerLink:
     def grads(self, entries: Any) -> dict[str, torch.Tensor]:
         return read(self.inbox, self.worker, entries)
 
-    def reply(self, tensors: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+    def reply(self, tensors: Mapping[str, torch.Tensor], now: float = 0.0) -> list[list[Any]]:
         """Write a read's values into the reply segment (OSError if /dev/shm cannot hold them: answer with frames)."""
+        self._drop_probe()
+        self.last_reply = now
         return write(self.outbox, tensors)
 
+    def release_reply(self) -> bool:
+        """Free the reply segment (the next reply makes a new one, which the client maps by its new name)."""
+        self._drop_probe()
+        if self.outbox.mm is None:
+            return False
+        gen = self.outbox.gen
+        self.outbox.close()
+        self.outbox = shm.Outbox(self.job, self.shard, self.worker)
+        self.outbox.gen = gen                      # names never repeat: the client maps the new one
+        return True
+
+    def _drop_probe(self) -> None:
+        if self._probe is not None:
+            name, mm = self._probe
+            self._probe = None
+            mm.close()
+            try:
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+            except FileNotFoundError:
+                pass                               # the client mapped it (and unlinked the name)
+
     def close(self) -> None:
+        self._drop_probe()
         self.outbox.close()
         self.inbox.close()
+
+
+PROBE_BYTES = 4096
+
+
+def _probe_segment(job: str, src: int, dst: int, token: bytes) -> tuple[str, mmap.mmap]:
+    """A one-page segment holding `token` (generation 0: the reply Outbox's names start at 1)."""
+    name = f"pslab-{job}-{src}-{dst}-0"
+    note_shm_job(job)                     # swept by whoever started this process (collectives/cleanup.py)
+    path = os.path.join(shm.SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, PROBE_BYTES)
+        mm = mmap.mmap(fd, PROBE_BYTES)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    mm[:len(token)] = token
+    return name, mm
 
 
 def segment_count() -> int:

@@ -54,12 +54,12 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------------------------------- pslab
 def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, reps: int, barrier: Any,
-                  out: Any) -> None:
+                  out: Any, secret: str | None = None) -> None:
     import torch
     torch.set_num_threads(1)
     from ps.client import connect
     try:
-        with connect(addresses, rank, shapes, timeout=120) as c:
+        with connect(addresses, rank, shapes, timeout=120, secret=secret) as c:
             if rank == 0:
                 c.init(_tensors(shapes, 0)).result(120)
             c.pull().result(120)
@@ -119,8 +119,8 @@ class PslabSystem(_Processes):
         super().__init__(workers, updates, workers + 1)
         self.label = f"pslab ({shards} shard{'s' if shards > 1 else ''})"
         self.servers = start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=900)
-        self._start(_pslab_worker, [(w, self.servers.addresses, shapes, updates, reps, self.barrier, self.out)
-                                    for w in range(workers)])
+        self._start(_pslab_worker, [(w, self.servers.addresses, shapes, updates, reps, self.barrier, self.out,
+                                     self.servers.secret) for w in range(workers)])
 
     def pids(self) -> list[int]:
         return super().pids() + [p.pid for p in self.servers.processes if p is not None]

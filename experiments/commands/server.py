@@ -3,7 +3,10 @@
     pslab server --bind tcp://127.0.0.1:5555 --shard 0 --workers 4 --policy ssp:3 --optimizer adam:lr=1e-3 \\
                  --checkpoint-dir ckpt/shard-0 --checkpoint-every 100
 
-Workers connect with `ps.connect([addr0, addr1, ...], worker=w, params=...)`, addresses in shard order.
+Workers connect with `ps.connect([addr0, addr1, ...], worker=w, params=...)`, addresses in shard order, holding the
+job's secret: `--secret-file FILE` (mode 0600; created if missing) or PSLAB_JOB_SECRET[_FILE]; with neither, the
+server makes one in a fresh 0700 directory and prints the file's path in its start-up line (workers: set
+PSLAB_JOB_SECRET_FILE to it; the directory is removed when the server exits).
 """
 
 from __future__ import annotations
@@ -28,29 +31,43 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a pull may wait on the consistency gate before an error reply (0: forever)")
     p.add_argument("--idle-timeout", type=float, default=0.0,
                    help="exit after this many seconds without any message (0: never)")
+    p.add_argument("--secret-file", default=None, metavar="FILE",
+                   help="the job secret (a 0600 file; created if missing). Default: PSLAB_JOB_SECRET[_FILE], else a "
+                        "new one in a 0700 temp directory, its path printed at start-up")
+    p.add_argument("--nonfinite", choices=("reject", "skip"), default="reject",
+                   help="a push holding NaN/Inf: reject it with an error, or skip it (ack status 'skipped')")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
-                   help="CURVE keys (collectives.curve.generate_keys; the same folder on every host): encrypt and "
-                        "admit only clients holding them. Required to bind beyond 127.0.0.1")
+                   help="CURVE keys (collectives.curve.generate_keys; the same folder on every host): encrypt, and "
+                        "admit only clients holding them and the job secret. Required to bind beyond 127.0.0.1")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ps.secret_file import server_secret
     from ps.server import ServerConfig, ShardServer
     torch.set_num_threads(1)
-    cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
-                       optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, request_timeout=args.request_timeout,
-                       idle_timeout=args.idle_timeout, curve_keys_dir=args.curve_keys)
-    server = ShardServer(cfg)
-    address = server.bind()
-    restored = f", resumed from {server.restored_from} (version {server.state.version})" if server.restored_from else ""
-    print(f"pslab server: shard {cfg.shard_id} serving {cfg.num_workers} workers on {address} "
-          f"[{cfg.policy}, {cfg.spec.to_string()}]{restored}", flush=True)
+    secret, where, made_dir = server_secret(args.secret_file)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("pslab server: interrupted", file=sys.stderr)
-        return 130
-    return 0
+        cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
+                           optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every, request_timeout=args.request_timeout,
+                           idle_timeout=args.idle_timeout, curve_keys_dir=args.curve_keys, secret=secret,
+                           nonfinite=args.nonfinite)
+        server = ShardServer(cfg)
+        address = server.bind()
+        restored = (f", resumed from {server.restored_from} (version {server.state.version})"
+                    if server.restored_from else "")
+        print(f"pslab server: shard {cfg.shard_id} serving {cfg.num_workers} workers on {address} "
+              f"[{cfg.policy}, {cfg.spec.to_string()}]{restored}; job secret: {where}", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            print("pslab server: interrupted", file=sys.stderr)
+            return 130
+        return 0
+    finally:
+        if made_dir:
+            import shutil
+            shutil.rmtree(made_dir, ignore_errors=True)

@@ -1,12 +1,15 @@
 """`pslab sweep`: one knob over values and seeds (`--knob train.strategy --values ps-bsp,ps-asp`), or a preset study
 of the staleness emulator (`experiments.sim.dai`):
 
-    --preset staleness    steps-to-target vs s (Dai et al. 2019)            studies/staleness.py
+    --preset staleness            steps-to-target vs s (Dai et al. 2019)              studies/staleness.py
+    --preset staleness-remedies   the same on the deep model: plain vs staleness-aware lr (Zhang et al. 2016)
+                                  and DC-ASGD (Zheng et al. 2017)                     studies/staleness.py
     --preset momentum     mean stale trajectory vs momentum 1 - 1/M        studies/momentum.py (Mitliagkas et al. 2016)
     --preset coherence    gradient coherence per model depth               studies/coherence.py (Dai et al. 2019)
 
 The presets share the emulator's options: --workers K (gradients averaged per step, each with its own delay),
---delay uniform|constant|geometric|exponential, --models [label=]workload,..., and the study-specific --lags, --runs.
+--delay uniform|constant|geometric|exponential, --models [label=]workload,..., and the study-specific --lags, --runs,
+and for the staleness presets --target, --max-steps, --worker-counts and --jobs.
 """
 
 from __future__ import annotations
@@ -17,25 +20,31 @@ from pathlib import Path
 
 from experiments.commands.common import add_config_args
 
-PRESETS = ("staleness", "momentum", "coherence")
+PRESETS = ("staleness", "staleness-remedies", "momentum", "coherence")
+_STALENESS = ("staleness", "staleness-remedies")
 _DELAYS = ("uniform", "constant", "geometric", "exponential")   # = experiments.sim.delays.DELAYS (a test checks)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="sweep one config knob over values and seeds, or --preset staleness|momentum|"
-                                     "coherence")
+    p = sub.add_parser("sweep", help="sweep one config knob over values and seeds, or --preset staleness|"
+                                     "staleness-remedies|momentum|coherence")
     add_config_args(p)
     p.add_argument("--preset", choices=PRESETS,
-                   help="staleness: steps-to-target vs s (Dai et al. 2019); momentum: the mean trajectory under "
+                   help="staleness: steps-to-target vs s per model, optimizer and worker count, lr bracketed "
+                        "per cell, medians over seeds with censoring (Dai et al. 2019); staleness-remedies: the "
+                        "deep model with plain SGD/momentum next to the staleness-aware lr (Zhang et al. 2016) and "
+                        "DC-ASGD (Zheng et al. 2017); momentum: the mean trajectory under "
                         "geometric delays next to momentum SGD with mu = 1 - 1/M, with z scores (Mitliagkas et al. "
                         "2016); coherence: cos(grad F(x_k), grad F(x_k-m)) per model depth (Dai et al. 2019)")
     p.add_argument("--knob", default=None, help="config key to vary, e.g. train.strategy")
     p.add_argument("--values", default="", help="comma-separated values of the knob")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0; not for --preset momentum, "
-                                                 "which uses --runs seeds)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0; staleness presets: 0..8, "
+                                                 "--quick 0,1,2; not for --preset momentum, which uses --runs seeds)")
     p.add_argument("--quick", action="store_true",
-                   help="preset only: a small version for a smoke test (staleness: s in 0,4,16; SGD and Adam; "
-                        "target 80%% instead of 85%%; at most 600 steps instead of 1000. momentum: M in 2,4, 60 "
+                   help="preset only: a small version for a smoke test (staleness: digits-mlr and digits-mlp3, "
+                        "s in 0,4,16, SGD and Adam, K = 4 on the deep model, target 90%% instead of 95%%, at most "
+                        "300 steps instead of 1000; staleness-remedies: the same target and budget, SGD, s in 0,16. "
+                        "momentum: M in 2,4, 60 "
                         "runs of 40 steps. coherence: 100 steps)")
     p.add_argument("--workers", type=int, default=None, metavar="K",
                    help="preset only: K emulated workers, each computing its gradient on its own batch at its own "
@@ -46,7 +55,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "exponential with mean s rounded to steps")
     p.add_argument("--models", default=None, metavar="[LABEL=]WORKLOAD,...",
                    help="staleness and coherence presets: the workloads to compare, e.g. "
-                        "shallow=digits-mlp1,deep=digits-mlp3 (see `pslab workloads`)")
+                        "shallow=digits-mlp1,deep=digits-mlp3 (see `pslab workloads`); staleness presets: ordered "
+                        "shallow to deep, the last is the deep model of the claims and the worker-count rows")
+    p.add_argument("--target", type=float, default=None, metavar="ACC",
+                   help="staleness presets: the test accuracy whose first step is counted (default 0.95)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="staleness presets: a seed not at the target after N steps is censored at N (default 1000)")
+    p.add_argument("--worker-counts", default=None, metavar="K,...",
+                   help="staleness preset: extra worker counts whose rows run on the deepest model with SGD, for "
+                        "the worker-count claim (default 4,8; 'none' for no such rows)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="staleness presets: cells run in N processes of one torch thread each (default: the "
+                        "cores available); the numbers do not depend on N")
     p.add_argument("--lags", default=None, metavar="M,...",
                    help="coherence preset: the lags m of cos(grad F(x_k), grad F(x_k-m)) (default 1,2,4,8)")
     p.add_argument("--runs", type=int, default=None, metavar="N",
@@ -84,7 +104,8 @@ def parse_models(text: str) -> dict[str, str]:
 def _check_preset_options(args: argparse.Namespace) -> None:
     from experiments.errors import ConfigError
     p = args.preset
-    given = [f"--{k}" for k in ("workers", "delay", "models", "lags", "runs") if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in ("workers", "delay", "models", "lags", "runs", "target", "max_steps",
+                                                   "worker_counts", "jobs") if getattr(args, k) is not None]
     if p is None:
         opts = (["--quick"] if args.quick else []) + given
         if opts:
@@ -102,6 +123,18 @@ def _check_preset_options(args: argparse.Namespace) -> None:
                           else f"--runs must be >= 2 (a mean needs a spread), got {args.runs}")
     if args.lags is not None and p != "coherence":
         raise ConfigError("--lags applies to --preset coherence only")
+    own = [f"--{k.replace('_', '-')}" for k in ("target", "max_steps", "worker_counts", "jobs")
+           if getattr(args, k) is not None]
+    if own and p not in _STALENESS:
+        raise ConfigError(f"{own[0]} applies to --preset staleness|staleness-remedies only")
+    if args.target is not None and not 0 < args.target <= 1:
+        raise ConfigError(f"--target must be a test accuracy in (0, 1], e.g. 0.95; got {args.target}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1 (processes running cells), got {args.jobs}")
+    if args.worker_counts is not None and p != "staleness":
+        raise ConfigError("--worker-counts applies to --preset staleness only (the remedies preset runs K = --workers)")
     if args.models is not None and p == "momentum":
         raise ConfigError("--preset momentum runs on its own quadratic; --models applies to staleness and coherence")
     if p == "momentum" and args.delay not in (None, "geometric"):
@@ -117,9 +150,11 @@ def run(args: argparse.Namespace) -> int:
     _check_preset_options(args)
     out = Path(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     seeds = _ints(args.seeds if args.seeds is not None else "0", "--seeds")
+    if not seeds:
+        raise ConfigError(f"--seeds needs at least one integer, got {args.seeds!r}")
     t0 = time.perf_counter()
-    if args.preset == "staleness":
-        return _staleness(args, out, seeds, t0)
+    if args.preset in _STALENESS:
+        return _staleness(args, out, seeds if args.seeds is not None else None, t0)
     if args.preset == "momentum":
         return _momentum(args, out, t0)
     if args.preset == "coherence":
@@ -138,37 +173,53 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _staleness(args: argparse.Namespace, out: Path, seeds: list[int], t0: float) -> int:
+def _worker_counts(text: str) -> tuple[int, ...]:
+    from experiments.errors import ConfigError
+    if text.strip().lower() == "none":
+        return ()
+    ks = tuple(_ints(text, "--worker-counts"))
+    if not ks or min(ks) < 1:
+        raise ConfigError(f"--worker-counts must be integers >= 1 (or 'none'), e.g. 4,8; got {text!r}")
+    return ks
+
+
+def _staleness(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0: float) -> int:
     from tqdm import tqdm
-    from experiments.studies.staleness import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
     from experiments.studies.compare import default_config
-    base = default_config(args.config, args.overrides).train  # e.g. --set train.staleness_lr=true
-    emulator = {"workers": args.workers or 1, "delay": args.delay or "uniform"}
-    spec = SweepSpec(seeds=tuple(seeds), base=base, **emulator)
-    if args.quick:
-        spec = SweepSpec(models={"shallow": "digits-mlp", "deep": "digits-deep-mlp"},
-                         optimizers={"sgd": (0.1, 0.2), "adam": (0.003, 0.01)}, staleness=(0, 4, 16),
-                         seeds=tuple(seeds), target_acc=0.8, max_steps=600, base=base, **emulator)
-    if args.models is not None:
-        spec.models = parse_models(args.models)
-    n = len(spec.models) * len(spec.optimizers) * len(spec.staleness)
-    with tqdm(total=n, desc="staleness sweep", unit="cell", disable=args.quiet) as bar:
-        cells = run_staleness_sweep(spec, bar.update)
-    data = save(cells, spec, out)
+    from experiments.studies.staleness import default_jobs, preset_spec, rows, run_staleness_sweep, save
+    from experiments.studies.staleness_report import claims, plot_curve, tables, trend_note
+    base = default_config(args.config, args.overrides).train  # e.g. --set train.momentum=0.95
+    spec = preset_spec(args.preset, args.quick, base=base, workers=args.workers, delay=args.delay,
+                       seeds=tuple(seeds) if seeds is not None else None, target_acc=args.target,
+                       max_steps=args.max_steps,
+                       worker_counts=None if args.worker_counts is None else _worker_counts(args.worker_counts),
+                       models=None if args.models is None else parse_models(args.models))
+    spec.validate()
+    jobs = args.jobs or default_jobs()
+    n = len(rows(spec)) * len(spec.staleness)
+    with tqdm(total=n, desc=f"{spec.preset} sweep ({jobs} process{'es' if jobs > 1 else ''})", unit="cell",
+              disable=args.quiet) as bar:
+        cells = run_staleness_sweep(spec, bar.update, jobs=jobs)
+    wall = time.perf_counter() - t0
+    found = claims(cells, spec)
+    data = save(cells, spec, out, {"claims": found, "wall_s": round(wall, 1), "jobs": jobs})
     png = plot_curve(cells, spec, out)
-    note = trend_note(cells, spec)
+    note, table = trend_note(cells, spec), tables(cells, spec)
     models = ", ".join(f"{k} = {v}" for k, v in spec.models.items())
+    variants = ", ".join(f"{k} {v or '(the optimizer as configured)'}" for k, v in spec.variants.items())
     (out / "report.md").write_text(
-        "# Staleness sweep (Dai et al. 2019 emulation)\n\n"
-        f"Steps to reach {100 * spec.target_acc:.0f}% test accuracy ({models}), learning rate picked per cell from "
-        f"a small grid, seeds {list(spec.seeds)}, at most {spec.max_steps} steps, {spec.workers} emulated "
-        f"worker(s) per step, {spec.delay} delays with parameter s. Optimizer options: "
-        f"momentum {base.momentum}, betas {list(base.betas)}, staleness-aware lr {base.staleness_lr}, "
-        f"DC-ASGD {base.dc_asgd}" + (f" (lambda {base.dc_lambda}, adaptive {base.dc_adaptive})" if base.dc_asgd else "")
-        + ".\n\n"
-        f"![staleness curve]({png.name})\n\n{note}\n\nData: `{data.name}`, `staleness_sweep.csv`.\n")
-    print(note)
-    print(f"\nreport: {out / 'report.md'}   data: {data}   ({time.perf_counter() - t0:.0f} s)")
+        f"# Staleness sweep, preset {spec.preset} (Dai et al. 2019 emulation)\n\n"
+        f"Exact steps to reach {100 * spec.target_acc:g}% test accuracy ({models}); per cell the learning rate with "
+        f"the fewest median steps over seeds {list(spec.seeds)} from a grid of ratio {spec.lr_factor:g} widened "
+        f"until it brackets the optimum; a seed not at the target after {spec.max_steps} steps is censored. "
+        f"{spec.workers} emulated worker(s) per step, {spec.delay} delays with parameter s"
+        + (f", and rows with K = {', '.join(map(str, spec.worker_counts))} on the deep model" if spec.worker_counts
+           else "") + f". Variants: {variants}. Optimizer options: momentum {base.momentum}, betas "
+        f"{list(base.betas)}, staleness-aware lr {base.staleness_lr}, DC-ASGD {base.dc_asgd}.\n\n"
+        f"![staleness curve]({png.name})\n\n{table}\n\n{note}\n\nData: `{data.name}`, `staleness_sweep.csv`. "
+        f"Wall time {wall:.0f} s on {jobs} process(es).\n")
+    print(table + "\n\n" + note)
+    print(f"\nreport: {out / 'report.md'}   data: {data}   ({wall:.0f} s)")
     return 0
 
 

@@ -71,6 +71,16 @@ def _applied(run: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(ups, key=lambda u: (u["time_s"], u["worker"], u["step"]))
 
 
+def save_figure(fig: Any, path: Path, suptitle: str | None = None, fontsize: float = 10) -> Path:
+    """Optional suptitle, tight layout, write the PNG at 110 dpi, close the figure; returns `path`."""
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _finish(fig: Any, ax: Any, path: Path, title: str, legend: bool = True) -> Path:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -212,13 +222,9 @@ def plot_staleness(runs: list[dict[str, Any]], out: Path) -> Path:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("Staleness per update\n(τ = shard version when applied − version read)" if cols < 3 else
-                 "Staleness per update (τ = shard version when applied − version read)", fontsize=10)
-    fig.tight_layout()
-    path = out / "staleness_hist.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "staleness_hist.png",
+                       "Staleness per update\n(τ = shard version when applied − version read)" if cols < 3 else
+                       "Staleness per update (τ = shard version when applied − version read)")
 
 
 def plot_coherence(series: dict[str, list[tuple[int, dict[int, float]]]], out: Path) -> Path:
@@ -249,12 +255,7 @@ def plot_coherence(series: dict[str, list[tuple[int, dict[int, float]]]], out: P
     last.set_title("coherence vs lag, per model", fontsize=9)
     last.grid(True, alpha=0.3)
     last.legend(fontsize=7)
-    fig.suptitle("Gradient coherence on a fixed evaluation batch (Dai et al. 2019)", fontsize=10)
-    fig.tight_layout()
-    path = out / "coherence.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "coherence.png", "Gradient coherence on a fixed evaluation batch (Dai et al. 2019)")
 
 
 def plot_staleness_per_worker(runs: list[dict[str, Any]], out: Path, max_workers: int = 4,
@@ -302,12 +303,8 @@ def plot_staleness_per_worker(runs: list[dict[str, Any]], out: Path, max_workers
             ax.legend(fontsize=5.5, loc="upper right")
     for ax in axes[-1]:
         ax.set_xlabel("staleness τ (versions)", fontsize=7)
-    fig.suptitle("Staleness per worker while all workers run, with the analytic laws", fontsize=9)
-    fig.tight_layout()
-    path = out / "staleness_per_worker.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "staleness_per_worker.png",
+                       "Staleness per worker while all workers run, with the analytic laws", 9)
 
 
 def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:

@@ -95,7 +95,7 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
         if target_acc:
             hit = time_to_accuracy(r.get("evals") or [], target_acc)
             b = ((r.get("config") or {}).get("workload") or {}).get("batch_size")
-            cells = (f" | {_fmt(hit[0]) if hit else 'not reached'} | "
+            cells = (f" | {_fmt(hit[0]) if hit else '—' if s.get('timing_only') else 'not reached'} | "
                      f"{_fmt(hit[1] * b) if hit and b else '—'}")
         rows.append(
             f"| {run_label(r)} | {_fmt(s.get('workers'))} | {_fmt(s.get('updates'))} / "

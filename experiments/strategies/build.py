@@ -107,8 +107,9 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
 
 
 def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] | None = None,
-                  curve_keys_dir: str | None = None) -> Any:
-    """The sync strategy; `addresses[g]` are slot group g's shards (ps-* only)."""
+                  curve_keys_dir: str | None = None, secret: str | None = None) -> Any:
+    """The sync strategy; `addresses[g]` are slot group g's shards (ps-* only), admitting `secret` (None: the
+    shards this process started there, else PSLAB_JOB_SECRET, as the launcher sets it for its ranks)."""
     s, spec = cfg.strategy, optimizer_spec(cfg.train)
     if s.kind == "local":
         from experiments.strategies.local import LocalStrategy
@@ -123,4 +124,5 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
-                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None, abort=cfg.train.backup_abort)
+                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None, abort=cfg.train.backup_abort,
+                          secret=secret)

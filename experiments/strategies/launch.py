@@ -39,9 +39,10 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
     servers = start_shards(cfg) if cfg.strategy.uses_ps else None
     try:
         addresses = servers.group_addresses if servers is not None else None
+        # one job secret: the ranks get the shards' one (as PSLAB_JOB_SECRET, never through the store)
         return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
                                   args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.timeout_s,
-                                  start_method=START_METHOD)
+                                  start_method=START_METHOD, secret=servers.secret if servers else None)
     except collectives.LaunchError as e:
         first = str(e).splitlines()[0]
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e

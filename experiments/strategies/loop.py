@@ -32,7 +32,8 @@ from experiments.workloads import Workload, batch_digest, get_workload
 
 
 def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
-                 addresses: Sequence[Sequence[str]] | None = None, curve_keys_dir: str | None = None) -> dict[str, Any]:
+                 addresses: Sequence[Sequence[str]] | None = None, curve_keys_dir: str | None = None,
+                 secret: str | None = None) -> dict[str, Any]:
     """One rank of a run (for `collectives.launch`, or a torchrun/SLURM process); see the module docstring."""
     from parallelism.mesh import DeviceMesh
     from experiments.strategies.build import make_engine, make_strategy
@@ -45,7 +46,7 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
     mesh = DeviceMesh(group, dp=D, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     # -- 2. the engine builds this rank's replica; 3. the sync strategy attaches to it --------------------------
     replica = make_engine(cfg, wl).build(wl.make_model, mesh)
-    strategy = make_strategy(cfg, mesh, addresses, curve_keys_dir)
+    strategy = make_strategy(cfg, mesh, addresses, curve_keys_dir, secret)
     strategy.attach(replica)
     workers = list(range(K)) if getattr(strategy, "plays_all_workers", False) else [mesh.coord("dp")]
     writer = mesh.coord("pp") == 0 and mesh.coord("tp") == 0

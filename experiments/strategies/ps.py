@@ -86,6 +86,7 @@ class PSSyncStrategy:
     addresses: Sequence[str]
     timeout: float = 60.0
     curve_keys_dir: str | None = None
+    secret: str | None = None     # the job secret the shards admit (None: PSLAB_JOB_SECRET / _FILE, as launched)
     tp_group: Any = None          # with tp > 1: the tensor-parallel group, to share the replicated tensors
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
@@ -99,7 +100,7 @@ class PSSyncStrategy:
 
     def attach(self, replica: Replica) -> None:
         import ps
-        from ps.errors import ProtocolError
+        from ps.errors import AuthenticationError, ProtocolError
         slots = replica.slots()
         names = [s.name for s in slots]
         if not slots or len(set(names)) != len(names):
@@ -114,8 +115,8 @@ class PSSyncStrategy:
               "(ps.start_servers(..., groups=pp * tp))"
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
-                                     curve_keys_dir=self.curve_keys_dir)
-        except ProtocolError as e:            # e.g. this dp rank is not a worker id the shards know
+                                     curve_keys_dir=self.curve_keys_dir, secret=self.secret)
+        except (ProtocolError, AuthenticationError) as e:   # e.g. this dp rank is no worker id the shards serve
             raise PSStrategyError(f"dp rank {worker} of {workers} cannot register with {list(self.addresses)}: {e}; "
                                   f"{fix}") from e
         served = {int(meta["num_workers"]) for meta, _ in self.client.registration}
@@ -207,8 +208,9 @@ class PSSyncStrategy:
 
     @property
     def dropped(self) -> bool:
-        """The last step's gradient was not applied: a late backup push (dropped) or given up before it (aborted)."""
-        return bool(self.history) and bool({"dropped", "aborted"} & set(self.history[-1].status))
+        """The last step's gradient was not applied: a late backup push (dropped), given up before it (aborted), or
+        skipped by a shard running nonfinite="skip" (it held NaN/Inf)."""
+        return bool(self.history) and bool({"dropped", "aborted", "skipped"} & set(self.history[-1].status))
 
     def refresh(self, replica: Replica) -> None:
         """Read the shards' current weights into the replica (e.g. after every worker has finished)."""

@@ -5,7 +5,9 @@ script), `pslab run` does not spawn processes: this process is worker RANK of WO
 Every rank runs the one training loop (`loop.train_worker`), as in a local run, on a group from
 `collectives.init_process_group` (which reads the same variables); WORLD_SIZE = train.workers x tp x pp (the
 environment decides train.workers). For ps-* rank 0 also starts the shard servers (processes on its host, one set
-per slot group) before joining the group and broadcasts their addresses.
+per slot group) before joining the group and broadcasts their addresses. The shards admit only holders of the
+job secret: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE if every rank has it (a 0600 file on a shared file system),
+else rank 0 makes one and sends it with the addresses over the group (CURVE-encrypted beyond loopback).
 Every rank writes its part files into OUT/<label> (a shared directory, or one per host); rank 0 writes the config
 and environment and, after a final barrier, merges the parts it can see and writes the summary.
 
@@ -93,17 +95,24 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     if role.rank == 0:
         (path / "config.toml").write_text(to_toml(cfg.to_dict()))
         (path / "env.json").write_text(json.dumps({**environment(), "label": label, "role": role.source}, indent=2))
-    # rank 0 starts the shards before it joins the group: forking later would copy the group's threads
+    # rank 0 starts the shards before it joins the group: forking later would copy the group's threads. Their job
+    # secret is PSLAB_JOB_SECRET[_FILE] when the ranks have it (a zmq group needs it anyway), else one start_shards
+    # makes; rank 0 then sends it with the addresses, over the group, never through the store
+    from ps.admission import job_secret
+    had_secret = job_secret() is not None
     servers = start_shards(cfg, bind_host=host, curve_keys_dir=keys) if cfg.strategy.uses_ps and role.rank == 0 \
         else None
     try:
         group = collectives.init_process_group(backend=cfg.train.backend, bind_host=host, curve_keys_dir=keys,
                                                timeout=cfg.train.timeout_s)
         try:
-            addresses = None
-            if cfg.strategy.uses_ps:
-                addresses = json.loads(_share(group, json.dumps(servers.group_addresses if servers else None))[0])
-            result = train_worker(group, cfg.to_dict(), str(path), addresses, keys)
+            addresses, secret = None, None
+            if cfg.strategy.uses_ps:     # the shards' addresses, and their secret to ranks that lack one
+                shared = json.loads(_share(group, json.dumps(
+                    {"addresses": servers.group_addresses, "secret": None if had_secret else servers.secret}
+                    if servers else None))[0])
+                addresses, secret = shared["addresses"], shared["secret"]
+            result = train_worker(group, cfg.to_dict(), str(path), addresses, keys, secret)
             slim = {k: v for k, v in result.items() if k not in ("series", "shard_stats")}
             results = [json.loads(r) for r in _share(group, json.dumps(slim), every=True)]
             results[0] = result if role.rank == 0 else results[0]

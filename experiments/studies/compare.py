@@ -60,6 +60,11 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
                               "shards); add a strategy such as ps-asp or allreduce")
     if noise_seeds < 0 or noise_seeds == 1:
         raise ExperimentError(f"--noise-seeds must be 0 (no band) or >= 2 (a spread needs two runs), got {noise_seeds}")
+    if tune and cfg.simulate.timing_only:
+        raise ExperimentError("--tune-lr compares training losses, which a timing-only simulation does not compute: "
+                              "drop --timing-only (or --tune-lr)")
+    if cfg.simulate.timing_only:
+        noise_seeds = 0                                 # no loss, no accuracy: nothing to band
     if target_acc is not None and not 0 < target_acc <= 1:
         raise ExperimentError(f"--target-acc must be in (0, 1], e.g. 0.9, got {target_acc}")
     t0 = time.perf_counter()

@@ -142,9 +142,7 @@ def save(results: list[dict[str, Any]], spec: MomentumSpec, out: Path) -> Path:
 
 
 def plot_momentum(results: list[dict[str, Any]], spec: MomentumSpec, out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments.results.plots import plt, save_figure
     fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results):
         t = np.arange(len(r["mean"]))
@@ -159,10 +157,5 @@ def plot_momentum(results: list[dict[str, Any]], spec: MomentumSpec, out: Path) 
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("x_t")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Asynchrony begets momentum (Mitliagkas et al. 2016): mean stale trajectory vs momentum SGD "
-                 "(band: +-2 standard errors)", fontsize=10)
-    fig.tight_layout()
-    p = out / "momentum.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, out / "momentum.png", "Asynchrony begets momentum (Mitliagkas et al. 2016): mean "
+                       "stale trajectory vs momentum SGD (band: +-2 standard errors)")

@@ -1,170 +1,262 @@
-"""The staleness-curve preset of `pslab sweep` (after Dai et al., ICLR 2019, Fig. 1).
+"""The staleness-curve presets of `pslab sweep` (after Dai et al., ICLR 2019, Fig. 1 and 2).
 
-For each model (shallow: digits-mlp, 1 hidden layer; deep: digits-deep-mlp, 4 hidden layers), each optimizer
-(SGD, momentum 0.9, Adam) and each staleness s in {0, 1, 2, 4, 8, 16}: train with the single-process staleness
-emulation (`experiments.sim.dai`: every gradient computed on the parameters of U{0..s} steps ago) and count the steps
-until test accuracy >= target. As Dai et al. do, the learning rate is picked per cell from a small grid: the value
-that reaches the target in the fewest steps (mean over seeds). With one seed, a run stops as soon as it has used
-as many steps as the best learning rate so far (it can no longer win), which changes no reported number.
+For each model, optimizer and staleness s, train with the staleness emulator (`experiments.sim.dai`: each of K
+workers computes its gradient on the parameters of r steps ago, r ~ U{0..s} by default, the K gradients averaged
+into one step) and measure T, the exact number of steps until test accuracy >= target, on several seeds. Each cell
+picks its own learning rate from a geometric grid that is widened until it brackets the optimum, reports the lower
+median of T over seeds with censoring (a seed that misses the target within max_steps counts as "> max_steps"),
+and is normalised by the s = 0 cell of its row:
 
-    normalised(s) = steps(s) / steps(0)      (per model and optimizer; > 1 means staleness slowed convergence)
+    normalised(s) = median T(s) / median T(0)     (> 1: staleness costs steps; "> max_steps / T(0)" if censored)
 
-Cells where no learning rate reaches the target within max_steps are reported as None ("not reached").
+The search, the exact stopping rule and the censoring rules are in `staleness_search.py`; the tables, the check of
+Dai et al.'s four claims (more staleness -> more steps; deeper models more sensitive; momentum and Adam more
+sensitive than SGD on the deep model; more workers amplify the effect) and the plot in `staleness_report.py`.
 
-The emulator's options pass through: `workers` (K gradients per step, each with its own delay, averaged — Dai et
-al.'s worker-count effect; the workload is built with K worker shards) and `delay` (uniform U{0..s} by default;
-constant, geometric or exponential with parameter s, see `experiments.sim.delays`), and `models` may name any
-workload, e.g. the literature-standard {"shallow": "digits-mlp1", "deep": "digits-mlp3"}.
+Presets (`preset_spec`):
+
+- `staleness`: the literature workloads digits-mlr, digits-mlp1, digits-mlp3 (models ordered shallow -> deep; the
+  last is "the deep model") x SGD / momentum 0.9 / Adam x s in {0, 1, 2, 4, 8, 16}, K = 1, plus K = 4 and 8 rows on
+  the deep model with SGD (Dai's worker count: K gradients on K batches of 32, each with its own delay). Target 95 %
+  test accuracy, at most 1,000 steps, seeds 0..8 (`--quick`: 0, 1, 2).
+- `staleness-remedies`: the deep model with SGD and momentum at s in {0, 4, 8, 16}, the plain optimizer next to the
+  staleness-aware learning rate (Zhang et al. 2016: lr / mean tau; `train.staleness_lr`) and DC-ASGD (Zheng et al.
+  2017: g + lambda g (.) g (.) (w_now - w_read); constant lambda = 0.04, and adaptive with lambda_0 = 2, the paper's
+  values), each with its own bracketed lr.
+
+Cells run in a process pool (`jobs`, one torch thread each); every run is seeded, so the numbers do not depend on
+the pool size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
+from experiments.config import OPTIMIZERS, TrainConfig
+from experiments.errors import ConfigError
+from experiments.sim.delays import DelayModel
+from experiments.studies.staleness_search import search_lr
+from experiments.workloads import WORKLOADS, get_workload
 
-from experiments.config import TrainConfig
-from experiments.sim.dai import run_dai
-from experiments.workloads import get_workload
-
-MODELS = {"shallow": "digits-mlp", "deep": "digits-deep-mlp"}
-LR_GRID = {"sgd": (0.05, 0.1, 0.2), "momentum": (0.01, 0.02, 0.05), "adam": (0.001, 0.003, 0.01)}
+MODELS = {"mlr": "digits-mlr", "mlp1": "digits-mlp1", "mlp3": "digits-mlp3"}   # shallow -> deep
+LR_GRID = {"sgd": (0.05, 0.1, 0.2, 0.4, 0.8), "momentum": (0.005, 0.01, 0.02, 0.04, 0.08),
+           "adam": (0.001, 0.002, 0.004, 0.008, 0.016)}
 STALENESS = (0, 1, 2, 4, 8, 16)
+REMEDIES = {"plain": {}, "staleness-lr": {"staleness_lr": True},
+            "dc-asgd": {"dc_asgd": True, "dc_lambda": 0.04},
+            "dc-asgd-a": {"dc_asgd": True, "dc_adaptive": True, "dc_lambda": 2.0}}
+PRESETS = ("staleness", "staleness-remedies")
+SEEDS = tuple(range(9))      # the presets' seeds: an odd count, so the lower median is the ordinary median
 
 
 @dataclass
 class SweepSpec:
-    models: dict[str, str] = field(default_factory=lambda: dict(MODELS))
-    optimizers: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(LR_GRID))
+    models: dict[str, str] = field(default_factory=lambda: dict(MODELS))    # label -> workload, shallow -> deep
+    optimizers: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(LR_GRID))  # initial lr grids
     staleness: tuple[int, ...] = STALENESS
-    seeds: tuple[int, ...] = (0,)
-    target_acc: float = 0.85
+    seeds: tuple[int, ...] = (0, 1, 2)
+    target_acc: float = 0.95
     max_steps: int = 1000
     batch_size: int = 32
-    eval_every: int = 10
-    workers: int = 1                 # K emulator workers: gradients averaged per step, independent delays
+    eval_every: int = 10             # a check every k steps, every step within eval_margin of the target
+    eval_margin: float = 0.02
+    workers: int = 1                 # K of the main rows: gradients averaged per step, independent delays
     delay: str = "uniform"           # uniform | constant | geometric | exponential (experiments.sim.delays)
-    base: TrainConfig = field(default_factory=TrainConfig)  # optimizer options (staleness_lr, dc_asgd, ...) pass through
+    worker_counts: tuple[int, ...] = ()            # extra K rows on the deepest model ...
+    worker_optimizers: tuple[str, ...] = ("sgd",)  # ... with these optimizers
+    variants: dict[str, dict[str, Any]] = field(default_factory=lambda: {"plain": {}})  # name -> TrainConfig options
+    lr_factor: float = 2.0           # grid ratio, and the step of each widening
+    widen: int = 4                   # at most this many lrs added per cell beyond the grid's edges
+    base: TrainConfig = field(default_factory=TrainConfig)  # optimizer options (momentum, betas, ...) pass through
+    preset: str = "staleness"
+
+    def validate(self) -> None:
+        if not self.models or not self.optimizers or not self.staleness or not self.seeds or not self.variants:
+            raise ConfigError("the staleness sweep needs at least one model, optimizer, staleness, seed and variant")
+        for name in self.models.values():
+            if name not in WORKLOADS:
+                raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+        for opt, grid in self.optimizers.items():
+            if opt not in OPTIMIZERS or not grid or min(grid) <= 0:
+                raise ConfigError(f"optimizer {opt!r} needs a name in {OPTIMIZERS} and a grid of lrs > 0")
+        if not 0 < self.target_acc <= 1:
+            raise ConfigError(f"--target must be an accuracy in (0, 1], got {self.target_acc}")
+        if self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.workers < 1 or any(k < 1 for k in self.worker_counts):
+            raise ConfigError(f"worker counts must be >= 1, got {self.workers} and {list(self.worker_counts)}")
+        if self.eval_every < 1 or not 0 <= self.eval_margin <= 1 or self.lr_factor <= 1 or self.widen < 0:
+            raise ConfigError("the sweep needs eval_every >= 1, eval_margin in [0, 1], lr_factor > 1, widen >= 0")
+        for s in self.staleness:
+            DelayModel(self.delay, s)
 
 
-def run_cell(model: str, optimizer: str, lrs: tuple[float, ...], s: int, spec: SweepSpec) -> dict[str, Any]:
-    best: dict[str, Any] = {"steps": None, "lr": None}
-    tried = []
-    for lr in lrs:
-        cap = spec.max_steps
-        if len(spec.seeds) == 1 and best["steps"] is not None:
-            cap = min(cap, int(best["steps"]))
-        steps = []
-        for seed in spec.seeds:
-            wl = get_workload(model, spec.workers, spec.batch_size, seed)
-            tc = dataclasses.replace(spec.base, optimizer=optimizer, lr=lr)
-            r = run_dai(wl, tc, s, cap, spec.target_acc, spec.eval_every, seed, delay=spec.delay)
-            steps.append(r.steps_to_target)
-        mean = float(np.mean(steps)) if all(x is not None for x in steps) else None
-        tried.append({"lr": lr, "steps": steps, "mean": mean})
-        if mean is not None and (best["steps"] is None or mean < best["steps"]):
-            best = {"steps": mean, "lr": lr}
-    return {"model": model, "optimizer": optimizer, "staleness": s, "steps": best["steps"], "lr": best["lr"],
-            "tried": tried}
+@dataclass(frozen=True)
+class Row:
+    """One curve: a model, an optimizer, a variant (optimizer options) and a worker count, over every s."""
+
+    label: str
+    model: str
+    optimizer: str
+    variant: str = "plain"
+    workers: int = 1
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return self.label, self.optimizer, self.variant, self.workers
 
 
-def run_staleness_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    cells = []
-    for kind, model in spec.models.items():
-        for opt, lrs in spec.optimizers.items():
-            for s in spec.staleness:
-                c = run_cell(model, opt, lrs, s, spec)
-                c["depth"] = kind
-                cells.append(c)
+def preset_spec(preset: str = "staleness", quick: bool = False, **changes: Any) -> SweepSpec:
+    """The spec of a preset (module docstring); `quick`: a smoke version in well under a minute."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown staleness preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    if preset == "staleness":
+        spec = SweepSpec(worker_counts=(4, 8), seeds=SEEDS)
+        if quick:
+            spec = SweepSpec(models={"mlr": "digits-mlr", "mlp3": "digits-mlp3"},
+                             optimizers={"sgd": (0.1, 0.2, 0.4), "adam": (0.002, 0.004, 0.008)},
+                             staleness=(0, 4, 16), target_acc=0.9, max_steps=300, worker_counts=(4,), widen=2)
+    else:
+        spec = SweepSpec(models={"mlp3": "digits-mlp3"},
+                         optimizers={k: LR_GRID[k] for k in ("sgd", "momentum")},
+                         staleness=(0, 4, 8, 16), variants=dict(REMEDIES), preset=preset, seeds=SEEDS)
+        if quick:
+            spec = SweepSpec(models={"mlp3": "digits-mlp3"}, optimizers={"sgd": (0.1, 0.2, 0.4)},
+                             staleness=(0, 16), target_acc=0.9, max_steps=300, widen=2, preset=preset,
+                             variants=dict(REMEDIES))
+    return dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+
+
+def rows(spec: SweepSpec) -> list[Row]:
+    """The main rows (every model x optimizer x variant at K = spec.workers), then the worker-count rows (the
+    deepest model, plain variant, each of spec.worker_counts with spec.worker_optimizers)."""
+    out = [Row(label, model, opt, variant, spec.workers)
+           for label, model in spec.models.items() for opt in spec.optimizers for variant in spec.variants]
+    deep_label, deep_model = list(spec.models.items())[-1]
+    plain = next(iter(spec.variants))
+    for k in spec.worker_counts:
+        for opt in spec.worker_optimizers:
+            if k != spec.workers and opt in spec.optimizers:
+                out.append(Row(deep_label, deep_model, opt, plain, k))
+    return out
+
+
+_WORKLOADS: dict[tuple[str, int, int, int], Any] = {}
+
+
+def _workload(model: str, workers: int, batch: int, seed: int) -> Any:
+    key = (model, workers, batch, seed)
+    if key not in _WORKLOADS:
+        _WORKLOADS[key] = get_workload(model, workers, batch, seed)
+    return _WORKLOADS[key]
+
+
+def run_row_cell(spec: SweepSpec, row: Row, s: int) -> dict[str, Any]:
+    """One cell: the lr search of `staleness_search.search_lr` for `row` at staleness s."""
+    t0 = time.perf_counter()
+    train = dataclasses.replace(spec.base, optimizer=row.optimizer, **spec.variants.get(row.variant, {}))
+    res = search_lr(lambda seed: _workload(row.model, row.workers, spec.batch_size, seed), train, s,
+                    spec.optimizers[row.optimizer], spec.seeds, target=spec.target_acc, max_steps=spec.max_steps,
+                    delay=spec.delay, every=spec.eval_every, margin=spec.eval_margin, factor=spec.lr_factor,
+                    widen=spec.widen)
+    return {"depth": row.label, "model": row.model, "optimizer": row.optimizer, "variant": row.variant,
+            "workers": row.workers, "staleness": s, "seeds": list(spec.seeds), **res,
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def run_cell(model: str, optimizer: str, lrs: tuple[float, ...], s: int, spec: SweepSpec,
+             workers: int | None = None, variant: str = "plain") -> dict[str, Any]:
+    """One cell by workload name and initial lr grid (the older entry point): see `run_row_cell`."""
+    spec = dataclasses.replace(spec, optimizers={**spec.optimizers, optimizer: tuple(lrs)})
+    label = next((k for k, v in spec.models.items() if v == model), model)
+    return run_row_cell(spec, Row(label, model, optimizer, variant, workers or spec.workers), s)
+
+
+def _init_pool() -> None:
+    import torch
+    torch.set_num_threads(1)
+
+
+def default_jobs() -> int:
+    """The CPU cores this process may use (each pool process runs one torch thread)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:                  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def run_staleness_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None,
+                        jobs: int = 1) -> list[dict[str, Any]]:
+    """Every (row, s) cell, in a pool of `jobs` processes (1: in this process); cells come back in row order with
+    `normalised` (and `normalised_lower` when censored) filled in."""
+    spec.validate()
+    tasks = [(row, s) for row in rows(spec) for s in spec.staleness]
+    depth = {label: i for i, label in enumerate(spec.models)}
+    # the costliest cells first, so that two processes finish together: more workers, more staleness, deeper
+    order = sorted(range(len(tasks)), key=lambda i: -tasks[i][0].workers * (2 + tasks[i][1])
+                   * (1 + depth[tasks[i][0].label]))
+    cells: list[dict[str, Any] | None] = [None] * len(tasks)
+    if jobs <= 1:
+        for i in order:
+            cells[i] = run_row_cell(spec, *tasks[i])
+            if progress:
+                progress(1)
+    else:
+        import multiprocessing as mp
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_pool) as ex:
+            futures = {ex.submit(run_row_cell, spec, *tasks[i]): i for i in order}
+            for f in as_completed(futures):
+                cells[futures[f]] = f.result()
                 if progress:
                     progress(1)
-    base = {(c["depth"], c["optimizer"]): c["steps"] for c in cells if c["staleness"] == 0}
+    done = [c for c in cells if c is not None]
+    normalise(done, spec)
+    return done
+
+
+def normalise(cells: list[dict[str, Any]], spec: SweepSpec) -> None:
+    """normalised = median T(s) / median T(0) of the same row; censored: normalised None and
+    normalised_lower = max_steps / T(0) (the ratio is larger). vs_plain = T(variant) / T(plain) at the same s."""
+    key = lambda c: (c["depth"], c["optimizer"], c["variant"], c["workers"])  # noqa: E731
+    base = {key(c): c["steps"] for c in cells if c["staleness"] == 0}
+    plain = next(iter(spec.variants))
+    by = {(*key(c), c["staleness"]): c for c in cells}
     for c in cells:
-        b = base.get((c["depth"], c["optimizer"]))
+        b = base.get(key(c))
         c["normalised"] = c["steps"] / b if c["steps"] is not None and b else None
-    return cells
+        c["normalised_lower"] = spec.max_steps / b if c["steps"] is None and b else None
+        p = by.get((c["depth"], c["optimizer"], plain, c["workers"], c["staleness"]))
+        c["vs_plain"] = (c["steps"] / p["steps"] if p is not None and c["variant"] != plain
+                         and c["steps"] is not None and p["steps"] else None)
 
 
-def trend_note(cells: list[dict[str, Any]], spec: SweepSpec) -> str:
-    """A few sentences computed from the numbers (nothing hard-coded): does staleness cost steps, and where most?"""
-    lines = []
-    s_max = max(spec.staleness)
-    for depth in spec.models:
-        for k, opt in enumerate(spec.optimizers):
-            row = {c["staleness"]: c for c in cells if c["depth"] == depth and c["optimizer"] == opt}
-            pts = ", ".join(f"s={s}: {row[s]['steps']:.0f}" if row[s]["steps"] is not None else f"s={s}: not reached"
-                            for s in spec.staleness)
-            lines.append(f"- {depth} / {opt}: steps to {100 * spec.target_acc:.0f}% — {pts}")
-    def ratio(depth: str, opt: str) -> float | None:
-        c = next(c for c in cells if c["depth"] == depth and c["optimizer"] == opt and c["staleness"] == s_max)
-        if c["normalised"] is not None:
-            return c["normalised"]
-        return float("inf") if c["steps"] is None else None
-    summary = []
-    for depth in spec.models:
-        rs = {opt: ratio(depth, opt) for opt in spec.optimizers}
-        txt = ", ".join(f"{o} {'not reached' if r == float('inf') else ('—' if r is None else f'{r:.2f}x')}"
-                        for o, r in rs.items())
-        summary.append(f"At s={s_max} relative to s=0 ({depth} model): {txt}.")
-    return "\n".join(lines + [""] + summary)
-
-
-def save(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
+def save(cells: list[dict[str, Any]], spec: SweepSpec, out: Path, extra: dict[str, Any] | None = None) -> Path:
+    """staleness_sweep.json (spec, cells with every lr tried, and `extra`: claims, wall time) and .csv (one line
+    per cell: the chosen lr, the median and per-seed steps, the censored count, normalised, edge hits)."""
     out.mkdir(parents=True, exist_ok=True)
     p = out / "staleness_sweep.json"
-    p.write_text(json.dumps({"spec": asdict(spec), "cells": cells}, indent=2))
+    p.write_text(json.dumps({"spec": asdict(spec), "cells": cells, **(extra or {})}, indent=2))
+    cols = ("depth", "model", "optimizer", "variant", "workers", "staleness", "lr", "steps_to_target",
+            "median_censored", "censored", "seeds", "seed_steps", "normalised", "normalised_lower", "lr_edge",
+            "widened")
+    blank = lambda v: "" if v is None else v  # noqa: E731
     with open(out / "staleness_sweep.csv", "w") as f:
-        f.write("depth,model,optimizer,staleness,lr,steps_to_target,normalised\n")
+        f.write(",".join(cols) + "\n")
         for c in cells:
-            f.write(f"{c['depth']},{c['model']},{c['optimizer']},{c['staleness']},{c['lr']},"
-                    f"{'' if c['steps'] is None else c['steps']},{'' if c['normalised'] is None else c['normalised']}\n")
+            vals = {**c, "steps_to_target": c["steps"], "seeds": len(c["seeds"]),
+                    "seed_steps": ";".join(str(v) if v is not None else f">{spec.max_steps}" for v in c["seed_steps"])}
+            f.write(",".join(str(blank(vals.get(k))) for k in cols) + "\n")
     return p
 
 
-def _delay_label(kind: str) -> str:
-    return {"uniform": "U{0..s}", "constant": "s", "geometric": "Geometric, mean s",
-            "exponential": "rounded Exp, mean s"}.get(kind, kind)
+from experiments.studies.staleness_report import plot_curve, tables, trend_note  # noqa: E402  (re-exported)
 
-
-def plot_curve(cells: list[dict[str, Any]], spec: SweepSpec, out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    depths = list(spec.models)
-    fig, axes = plt.subplots(2, len(depths), figsize=(5.2 * len(depths), 7.5), squeeze=False)
-    for j, depth in enumerate(depths):
-        for k, opt in enumerate(spec.optimizers):
-            row = sorted((c for c in cells if c["depth"] == depth and c["optimizer"] == opt),
-                         key=lambda c: c["staleness"])
-            xs = [c["staleness"] for c in row]
-            for i, key in enumerate(("steps", "normalised")):
-                ys = [np.nan if c[key] is None else c[key] for c in row]
-                (line,) = axes[i][j].plot(xs, ys, marker="o", label=opt)
-                missed = [x for x, c in zip(xs, row) if c["steps"] is None]
-                if missed and i == 0:       # not reached: an x in the optimizer's colour at the step cap,
-                    nudge = 1 + 0.12 * (k - 1)  # nudged sideways so that two optimizers' crosses both show
-                    axes[i][j].plot([x * nudge for x in missed], [spec.max_steps] * len(missed), "x",
-                                    color=line.get_color(), ms=9, mew=2)
-        axes[0][j].set_title(f"{depth} model ({spec.models[depth]})")
-        axes[0][j].set_ylabel(f"steps to {100 * spec.target_acc:.0f}% test accuracy")
-        axes[1][j].set_ylabel("steps normalised to s = 0")
-        axes[1][j].axhline(1.0, color="gray", lw=0.8, ls=":")
-        for i in range(2):
-            axes[i][j].set_xlabel(f"staleness s (delay ~ {_delay_label(spec.delay)} steps; symlog axis)")
-            axes[i][j].set_xscale("symlog", linthresh=1)
-            axes[i][j].set_xticks(list(spec.staleness), [str(s) for s in spec.staleness])
-            axes[i][j].set_xlim(-0.3, max(spec.staleness) * 1.25 + 0.5)
-            axes[i][j].grid(True, alpha=0.3)
-            axes[i][j].legend(fontsize=8, title="optimizer", title_fontsize=8)
-    fig.suptitle("Steps to target accuracy vs staleness (single-process emulation, Dai et al. 2019"
-                 + (f", K = {spec.workers} workers" if spec.workers > 1 else "")
-                 + f"); x: not reached within {spec.max_steps} steps", fontsize=10)
-    fig.tight_layout()
-    p = out / "staleness_curve.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+__all__ = ["SweepSpec", "Row", "PRESETS", "preset_spec", "rows", "run_cell", "run_row_cell", "run_staleness_sweep",
+           "normalise", "save", "plot_curve", "tables", "trend_note", "default_jobs"]

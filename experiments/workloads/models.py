@@ -60,15 +60,20 @@ def mlr(in_dim: int, num_classes: int, seed: int) -> nn.Module:
     return he_init_(nn.Linear(in_dim, num_classes), seed)
 
 
-def mlp_he(in_dim: int, num_classes: int, seed: int, width: int = 64, depth: int = 1) -> nn.Module:
-    """`depth` hidden layers Linear(width)-ReLU and a linear head, He-normal init."""
+def _mlp_layers(in_dim: int, num_classes: int, width: int, depth: int) -> nn.Sequential:
+    """`depth` hidden layers Linear(width)-ReLU and a linear head (initialised by the caller)."""
     layers: list[nn.Module] = []
     d = in_dim
     for _ in range(depth):
         layers += [nn.Linear(d, width), nn.ReLU()]
         d = width
     layers.append(nn.Linear(d, num_classes))
-    return he_init_(nn.Sequential(*layers), seed)
+    return nn.Sequential(*layers)
+
+
+def mlp_he(in_dim: int, num_classes: int, seed: int, width: int = 64, depth: int = 1) -> nn.Module:
+    """`depth` hidden layers Linear(width)-ReLU and a linear head, He-normal init."""
+    return he_init_(_mlp_layers(in_dim, num_classes, width, depth), seed)
 
 
 def logreg(in_dim: int, num_classes: int, seed: int) -> nn.Module:
@@ -76,13 +81,7 @@ def logreg(in_dim: int, num_classes: int, seed: int) -> nn.Module:
 
 
 def mlp(in_dim: int, num_classes: int, seed: int, width: int = 64, depth: int = 1) -> nn.Module:
-    layers: list[nn.Module] = []
-    d = in_dim
-    for _ in range(depth):
-        layers += [nn.Linear(d, width), nn.ReLU()]
-        d = width
-    layers.append(nn.Linear(d, num_classes))
-    return _init_(nn.Sequential(*layers), seed)
+    return _init_(_mlp_layers(in_dim, num_classes, width, depth), seed)
 
 
 class SmallCNN(nn.Module):

@@ -10,22 +10,20 @@ import time
 
 import msgpack
 import numpy as np
-import zmq
 
 import collectives
 from collectives import wire
 from collectives.errors import CollectiveMismatchError, PeerTimeoutError
 from collectives.launcher import RankFailure
 
+from .hostile import push_to
+
 
 def inject_garbage(group):
-    """Rank 0 fires malformed messages of every kind at rank 1's socket, then all ranks all-reduce normally."""
+    """Rank 0 fires malformed messages of every kind at rank 1's socket (over a connection authenticated as rank 0:
+    a stranger's would be refused at the handshake), then all ranks all-reduce normally."""
     if group.rank == 0:
-        host, *eps = group.tr.store.get("addr/1").decode().split("|")
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 1000)
-        s.connect([e for e in eps if e.startswith("tcp")][0])
+        s = push_to(group, 1, user="rank:0")
         good = wire.encode("all_reduce", [np.zeros(4, np.float32)], src=0, meta={"k": ["w", 0, 0, 0], "n": 8})
         h = msgpack.unpackb(good[0])
         bad = [

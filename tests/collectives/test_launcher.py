@@ -60,16 +60,19 @@ def test_launch_timeout_kills_all():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, numpy as np, torch
+    import os, sys, numpy as np, torch
     torch.set_num_threads(1)
     import collectives
+    from tests.collectives.hostile import listening
     g = collectives.init_process_group(backend=sys.argv[1], timeout=20)
     t = np.array([g.rank + 1.0])
     g.all_reduce(t)
     print("RESULT", g.rank, g.world_size, t[0], flush=True)
+    print("LISTEN", *sorted({addr for _, addr, _ in listening([os.getpid()])}), flush=True)
     g.barrier()
     g.destroy()
 """)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -78,24 +81,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("backend", ["zmq", "torch"])
-def test_torchrun_environment(tmp_path, backend):
-    """Processes started with only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (as torchrun does) form a group."""
+def torchrun(tmp_path, backend: str, secrets: list[str | None]) -> list[tuple[str, str]]:
+    """Run SCRIPT as two processes with torchrun's variables (and PSLAB_JOB_SECRET each, where given)."""
     script = tmp_path / "w.py"
     script.write_text(SCRIPT)
     port = free_port()
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=ROOT)
+        env.pop("PSLAB_JOB_SECRET", None)
+        env.pop("PSLAB_JOB_SECRET_FILE", None)
+        if secrets[r] is not None:
+            env["PSLAB_JOB_SECRET"] = secrets[r]
         procs.append(subprocess.Popen([sys.executable, str(script), backend], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
-        outs = [p.communicate(timeout=60) for p in procs]
+        return [p.communicate(timeout=60) for p in procs]
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.parametrize("backend", ["zmq", "torch"])
+def test_torchrun_environment(tmp_path, backend):
+    """Processes started with only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (as torchrun does), plus the job's
+    PSLAB_JOB_SECRET, form a group; rank 0's store and the zmq sockets listen on 127.0.0.1 only."""
+    import ipaddress
+    from collectives.auth import new_job_secret
+    secret = new_job_secret()
+    outs = torchrun(tmp_path, backend, [secret, secret])
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("RESULT"))
     assert lines == ["RESULT 0 2 3.0", "RESULT 1 2 3.0"], outs
+    listen = [line.split()[1:] for out, _ in outs for line in out.splitlines() if line.startswith("LISTEN")]
+    assert len(listen) == 2 and listen[0], outs
+    if backend == "zmq":      # (gloo picks its interface from the host name: not ours to check)
+        assert all(ipaddress.ip_address(a).is_loopback for addrs in listen for a in addrs), listen
+
+
+def test_torchrun_without_a_secret_or_with_different_ones_is_refused(tmp_path):
+    """No PSLAB_JOB_SECRET: each rank stops with one line saying how to set it. Different secrets: a rank refuses
+    the other's address record (not signed with its secret)."""
+    from collectives.auth import new_job_secret
+    for out, err in torchrun(tmp_path, "zmq", [None, None]):
+        last = err.strip().splitlines()[-1]
+        assert "AuthError" in last and "PSLAB_JOB_SECRET=" in last and "RESULT" not in out, err
+    errs = [err for _, err in torchrun(tmp_path, "zmq", [new_job_secret(), new_job_secret()])]
+    assert any("is not signed with this job's secret" in e for e in errs), errs
 
 
 def test_missing_environment_is_a_clear_error(monkeypatch):
@@ -127,23 +159,22 @@ def test_non_loopback_bind_requires_curve(monkeypatch):
         collectives.init_process_group("zmq", rank=0, world_size=1, store=store, bind_host="0.0.0.0")
 
 
-def curve_rejects_strangers(group):
-    """Rank 0 tries to inject a well-formed message into rank 1 over a socket without the keys."""
-    import zmq
+def curve_rejects_strangers(group, member=False):
+    """Rank 0 tries to inject a well-formed message into rank 1 over a socket without the keys (with `member`:
+    a PLAIN socket with rank 0's credential)."""
     from collectives import wire
     from collectives.errors import PeerTimeoutError
+    from .hostile import push_to
     if group.rank == 0:
-        host, *eps = group.tr.store.get("addr/1").decode().split("|")
-        s = zmq.Context.instance().socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect([e for e in eps if e.startswith("tcp")][0])
-        s.send_multipart(wire.encode("evil", [np.zeros(1)], src=0, meta={"k": ["evil"]}))
+        s = push_to(group, 1, user="rank:0" if member else None)
+        s.send_multipart(wire.encode("evil", [np.zeros(1)], src=0, meta={"k": ["p2p", "w", 99, 0]}))
+        s.close()
     group.barrier()
     got = None
     if group.rank == 1:
         group.tr.timeout = 1.0
         try:
-            got = group.tr.recv(0, ("evil",), "evil").op
+            got = group.tr.recv(0, ("p2p", "w", 99, 0), "evil").op
         except PeerTimeoutError:
             got = "nothing arrived"
     group.tr.timeout = 30
@@ -159,10 +190,27 @@ def test_curve_rejects_unauthenticated_sockets(tmp_path):
     assert res[1] == "nothing arrived"
 
 
-def test_without_curve_the_same_injection_arrives():
-    """Control for the test above: without CURVE the stranger's message is delivered (so the test can fail)."""
-    res = collectives.launch(curve_rejects_strangers, 2, timeout=30)
-    assert res[1] == "evil"
+def test_curve_binds_each_connection_to_its_rank(tmp_path):
+    """With CURVE keys and the job's secret (the launcher always has one), each rank's client key pair is derived
+    from the secret, so every message's User-Id is its sender's role: a group computes, and rank 1 saw rank 0 as
+    "rank:0"."""
+    from collectives.curve import generate_keys
+    generate_keys(str(tmp_path))
+    res = collectives.launch(curve_user_ids, 2, timeout=30, curve_keys_dir=str(tmp_path))
+    assert res == [(3.0, True), (3.0, True)]
+
+
+def curve_user_ids(group):
+    t = np.array([group.rank + 1.0])
+    group.all_reduce(t)
+    return float(t[0]), group.tr.authenticated
+
+
+def test_without_the_credential_the_same_injection_is_refused_and_with_it_arrives():
+    """Without CURVE (PLAIN, the default) a stranger's message is refused as well; the same message over a socket
+    with rank 0's credential is delivered (so the test above can fail)."""
+    assert collectives.launch(curve_rejects_strangers, 2, timeout=30)[1] == "nothing arrived"
+    assert collectives.launch(curve_rejects_strangers, 2, args=(True,), timeout=30)[1] == "evil"
 
 
 def tensor_result(group):

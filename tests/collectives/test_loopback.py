@@ -9,5 +9,7 @@ def test_is_loopback_parses_the_address():
     from collectives.curve import is_loopback
     for host in ("127.0.0.1", "127.3.4.5", "localhost", "::1", "[::1]"):
         assert is_loopback(host), host
-    for host in ("127.0.0.1:1;0.0.0.0", "127.evil.example", "0.0.0.0", "*", "10.0.0.5", "", "::", "127.0.0.1 0.0.0.0"):
+    for host in ("127.0.0.1:1;0.0.0.0", "127.evil.example", "0.0.0.0", "*", "10.0.0.5", "", "::", "127.0.0.1 0.0.0.0",
+                 "127.0.0.1;0.0.0.0", "127.0.0.1;127.0.0.1", "tcp://127.0.0.1", "127.0.0.1:5555", "127.0.0.1,0.0.0.0",
+                 "localhost;0.0.0.0", "[::1];0.0.0.0", "[::1]:1;[::]:2", "127.0.0.1\n0.0.0.0", "127.1"):
         assert not is_loopback(host), host

@@ -7,6 +7,7 @@ import builtins
 import json
 import os
 import signal
+import secrets
 import socket
 import subprocess
 import sys
@@ -132,13 +133,22 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "kill"])
-def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how):
-    """During a PS run, SIGINT to the whole process group (a terminal's Ctrl-C) or SIGTERM to pslab alone
-    (`kill PID`): pslab exits promptly, no process of its session survives, and the metrics written so far are
-    merged into metrics.jsonl."""
+def _traces() -> set[str]:
+    """What runs may leave behind: pslab temp directories and /dev/shm segments."""
+    import tempfile
+    tmp = Path(tempfile.gettempdir())
+    return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
+
+
+@pytest.mark.parametrize("how, strategy", [("ctrl-c", "ps-asp"), ("kill", "ps-asp"), ("ctrl-c", "allreduce")])
+def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy):
+    """During a run, SIGINT to the whole process group (a terminal's Ctrl-C) or SIGTERM to pslab alone
+    (`kill PID`): pslab exits promptly with the one line "pslab: interrupted" (no rank or shard traceback), no
+    process of its session survives, no ipc directory or shared-memory segment is left behind, and the metrics
+    written so far are merged into metrics.jsonl."""
+    before = _traces()
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-asp"\nworkers = 3\n'
+    cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
                          start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -156,10 +166,11 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how):
             os.killpg(p.pid, signal.SIGINT)
         else:
             os.kill(p.pid, signal.SIGTERM)
-        p.wait(timeout=30)
+        _, err = p.communicate(timeout=30)
         time.sleep(1.0)
         assert _session_processes(p.pid) == []
-        assert p.returncode != 0
+        assert p.returncode != 0 and err.strip().splitlines() == ["pslab: interrupted"], err[-2000:]
+        assert _traces() - before == set()
         run = next((tmp_path / "runs").iterdir())
         assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "summary.json").exists()
     finally:
@@ -180,7 +191,8 @@ def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
     torchrun = Path(sys.executable).parent / "torchrun"
     r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "experiments.cli",
                         "run", str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=110)
+                       capture_output=True, text=True, timeout=110,
+                       env={**os.environ, "PSLAB_JOB_SECRET": secrets.token_hex(32)})   # what the README says to set
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path / "runs" / label
 

@@ -103,3 +103,36 @@ def test_bracket_lr_widens_until_the_optimum_is_inside():
 
 def test_in_band_is_mean_plus_minus_two_sd():
     assert in_band(1.0, (1.1, 0.05)) and not in_band(1.0, (1.2, 0.05)) and in_band(None, (1, 1)) is None
+
+
+def test_compare_tune_lr_reports_each_strategys_choice(tmp_path, capsys):
+    """`pslab compare --simulate --tune-lr`: each strategy's lr is chosen from the tried grid, the runs use it, and
+    the report lists it with every lr tried."""
+    from experiments.cli import main
+    out = tmp_path / "cmp"
+    assert main(["compare", "--simulate", "-q", "--tune-lr", "--no-straggler", "--noise-seeds", "0", "--out", str(out),
+                 "--strategies", "ps-bsp,ps-asp", "--set", "workload.name=digits-logreg", "--set", "train.steps=8",
+                 "--set", "train.workers=2"]) == 0
+    text = (out / "report.md").read_text()
+    assert "## Learning rates (tuned)" in text and "## Seed noise" not in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ps-")}
+    for s in ("ps-bsp", "ps-asp"):
+        chosen = float(rows[s].split(" | ")[1])
+        tried = [float(c.split(" → ")[0]) for c in rows[s].split(" | ")[2].rstrip(" |").split(", ")]
+        assert chosen in tried and len(tried) >= len(GRID)
+        run = next(line for line in text.splitlines() if line.startswith(f"| {s} (simulated) |"))
+        assert f"| {chosen:.4g} (" in run                  # the comparison run used the chosen lr per gradient
+
+
+def test_timing_only_compare_has_no_band_and_refuses_tuning(tmp_path, capsys):
+    """A timing-only compare computes no loss: no seed band, '—' for time to target, and --tune-lr is one line."""
+    from experiments.cli import main
+    base = ["compare", "--timing-only", "-q", "--no-straggler", "--strategies", "ps-asp", "--set", "train.steps=6",
+            "--set", "train.workers=2"]
+    assert main(base + ["--out", str(tmp_path / "a")]) == 0
+    text = (tmp_path / "a" / "report.md").read_text()
+    assert "## Seed noise" not in text and "not reached" not in text
+    capsys.readouterr()
+    assert main(base + ["--tune-lr", "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tune-lr compares training losses" in err[0]

@@ -56,7 +56,7 @@ def _run(mesh_shape, engine_kind, policy, opt, shards_per_group=1, ordered=False
     dp, pp = mesh_shape.get("dp", 1), mesh_shape.get("pp", 1)
     servers = _servers(pp, dp, policy, SERVER_OPT[opt], shards_per_group)
     with servers:
-        out = collectives.launch(_ps_worker, dp * pp, backend="zmq", timeout=TIMEOUT,
+        out = collectives.launch(_ps_worker, dp * pp, backend="zmq", timeout=TIMEOUT, secret=servers.secret,
                                  args=(mesh_shape, engine_kind, servers.group_addresses, ordered))
         held = [_shard_contents(addrs, {n: w.shape for r in out if r["coords"]["pp"] == g for n, w in
                                         r["slots"].items()}) for g, addrs in enumerate(servers.group_addresses)]
@@ -190,7 +190,8 @@ def test_attach_rejects_shards_sized_for_another_dp_group():
     """Shards started for 1 worker cannot serve a dp=2 group: attach raises PSStrategyError saying to start one
     shard set per slot group with num_workers = dp size (instead of hanging at the BSP gate or mis-averaging)."""
     with _servers(1, 1, "bsp", SERVER_OPT["sgd"]) as servers:
-        out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, args=(servers.group_addresses[0],))
+        out = collectives.launch(_mismatch_worker, 2, backend="zmq", timeout=TIMEOUT, secret=servers.secret,
+                                 args=(servers.group_addresses[0],))
     assert all(msg is not None and "num_workers = dp size" in msg for msg in out), out
 
 
@@ -219,7 +220,7 @@ def test_tp_ranks_of_a_worker_share_one_copy_of_the_replicated_tensors_under_asp
     """dp=2 x tp=2 under PS-ASP: the two workers' pushes race, yet the two tp ranks of each worker always hold the
     same LayerNorm / embedding / bias values (tp rank 0's shard set owns them and broadcasts), bit for bit."""
     with _servers(2, 2, "asp", SERVER_OPT["sgd"]) as servers:
-        out = collectives.launch(_tp_worker, 4, backend="zmq", timeout=TIMEOUT,
+        out = collectives.launch(_tp_worker, 4, backend="zmq", timeout=TIMEOUT, secret=servers.secret,
                                  args=(servers.group_addresses, 12))
     for d in (0, 1):
         a, b = [r["replicated"] for r in out if r["coords"]["dp"] == d]

@@ -66,7 +66,8 @@ def test_ps_worker_step_copies_no_gradient_and_no_weights():
     gradient copy); afterwards every weight's storage lies inside the shard's reply segment (no weight copy);
     the shard applied every push (versions 1..STEPS) and the weights equal SGD on the same batches."""
     with ps.start_servers(1, 1, "asp", "sgd:lr=0.1", start_method="fork", idle_timeout=60) as servers:
-        out = collectives.launch(_worker, 1, backend="zmq", timeout=60, args=(servers.group_addresses,))[0]
+        out = collectives.launch(_worker, 1, backend="zmq", timeout=60, secret=servers.secret,
+                                 args=(servers.group_addresses,))[0]
     assert out["shm"] == [True]
     assert out["grads_in_push_segment"] == [True] * STEPS
     assert out["push_copies"] == [0] * STEPS

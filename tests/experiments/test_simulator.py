@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.results.rundir import RunDir, read_jsonl
+from experiments.results.rundir import read_jsonl
 from experiments.results.records import steady_throughput
 from experiments.runner import execute
 from tests.experiments.conftest import small_config

@@ -1,5 +1,6 @@
 """Fixtures for the parameter-server tests: in-process shard servers (real ROUTER sockets on 127.0.0.1, served by
-threads) for the protocol-level tests that do not need separate processes; helpers to stop them."""
+threads) for the protocol-level tests that do not need separate processes; helpers to stop them. Every test runs
+with a job secret in the environment (PSLAB_JOB_SECRET), as a worker started by the job's controller would."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ import torch
 from ps.server import ServerConfig, ShardServer
 
 torch.set_num_threads(1)
+
+SECRET = "5ec7e7" * 8     # the tests' job secret (48 hex digits)
+
+
+@pytest.fixture(autouse=True)
+def job_secret_env():
+    with pytest.MonkeyPatch.context() as mp:     # its own: a test's monkeypatch.undo() keeps the secret
+        mp.setenv("PSLAB_JOB_SECRET", SECRET)
+        mp.delenv("PSLAB_JOB_SECRET_FILE", raising=False)
+        yield SECRET
 
 
 class ThreadServers:

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from ps.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from ps.admin import connect_admin
 from ps.client import connect
-from ps.errors import CheckpointError
+from ps.errors import AlreadyInitializedError, CheckpointError
+from ps.restore import load_state
 from ps.server import ServerConfig, ShardServer, start_servers
 from ps.shard import ShardState
 
@@ -26,14 +28,15 @@ def drive(st: ShardState, steps: range, k: int = 1) -> None:
 
 
 @pytest.mark.parametrize("opt", ["momentum:lr=0.1", "adam:lr=0.01,dc_lambda=0.1,dc_adaptive=1"])
-@pytest.mark.parametrize("policy", ["asp", "ssp:2"])
+@pytest.mark.parametrize("policy", ["asp", "ssp:2", "bsp"])
 def test_round_trip_resumes_exactly(tmp_path, opt, policy):
-    """Save mid-run (pending clock buffers, optimizer state, stats), load, continue: bitwise the uninterrupted run."""
+    """Save mid-run (pending clock buffers, optimizer state, DC backups, stats), load through the validating loader,
+    continue: bitwise the uninterrupted run."""
     a = ShardState(INIT, opt, policy, num_workers=2)
     drive(a, range(7), k=2)
     tensors, meta = a.state_dict()
     path = save_checkpoint(tmp_path, tensors, meta)
-    b = ShardState.from_state_dict(*load_checkpoint(path))
+    b = load_state(path)
     assert (b.version, b.clocks, b.committed_clock) == (a.version, a.clocks, a.committed_clock)
     assert b.stats.histogram() == a.stats.histogram()
     drive(a, range(7, 20), k=2)
@@ -87,7 +90,8 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path):
         servers.start(0)                                 # same config and checkpoint directory, new process
         with connect(servers.addresses, 0, INIT, timeout=20) as c:
             assert c.registration[0][0]["version"] == 10 and c.clocks == [10]
-            assert c.init(INIT).result(20)[0]["initialized"] is False   # restored state wins over a re-init
+            with pytest.raises(AlreadyInitializedError, match="restored from"):   # restored state wins
+                c.init(INIT).result(20)
             r = c.pull().result(20)
             assert r.versions == [10]
             for k in INIT:
@@ -104,15 +108,15 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path):
 
 
 def test_on_demand_checkpoint_and_mismatched_restart(thread_servers, tmp_path):
-    """client.checkpoint() writes a verifiable file at the current version; restarting the directory under another
-    policy or optimizer is refused with a CheckpointError that says so."""
+    """An admin client's checkpoint() writes a verifiable file at the current version; restarting the directory under
+    another policy or optimizer is refused with a CheckpointError that says so."""
     servers = thread_servers(1, num_workers=1, policy="asp", optimizer="adam:lr=0.01", checkpoint_dir=str(tmp_path))
-    with connect(servers.addresses, 0, INIT, timeout=20) as c:
+    with connect(servers.addresses, 0, INIT, timeout=20) as c, connect_admin(servers.addresses, timeout=20) as admin:
         c.init(INIT).result(20)
         for i in range(3):
             c.pull().result(20)
             c.push(GRADS[i]).result(20)
-        path = c.checkpoint().result(20)[0]["path"]
+        path = admin.checkpoint().result(20)[0]["path"]
     tensors, meta = load_checkpoint(path)
     assert meta["version"] == 3 and meta["clocks"] == [3]
     with pytest.raises(CheckpointError, match="policy"):

@@ -56,3 +56,55 @@ def test_server_bad_values_are_one_line(capsys, args, fragment):
         taken.close()
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err.count("\n") == 0 and fragment in err, err
+
+
+@pytest.mark.timeout(90)
+def test_server_without_a_secret_makes_one_and_prints_where(tmp_path):
+    """No --secret-file and no PSLAB_JOB_SECRET: the server writes a new secret into a 0600 file in a fresh 0700
+    directory, names it once in its start-up line, admits a client that reads it, and removes it on exit."""
+    import os
+    import re
+    import stat
+
+    from ps.admin import connect_admin
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSLAB_JOB_SECRET")}
+    p = subprocess.Popen([sys.executable, "-m", "experiments.cli", "server", "--workers", "1", "--idle-timeout", "3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        m = re.search(r"on (tcp://\S+) .*job secret: (\S+) \(new; workers: PSLAB_JOB_SECRET_FILE=(\S+)\)", line)
+        assert m and m.group(2) == m.group(3), line
+        addr, path = m.group(1), m.group(2)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        secret = open(path).read().strip()
+        with connect_admin([addr], secret=secret, timeout=10) as admin:
+            assert admin.ping().result(10)[0]["shard"] == 0
+        assert p.wait(30) == 0
+        assert not os.path.exists(os.path.dirname(path))
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+
+
+def test_server_secret_file_is_created_checked_and_bad_ones_are_one_line(tmp_path, capsys):
+    import os
+    import stat
+    path = tmp_path / "job.secret"
+    rc = cli_main(["server", "--workers", "1", "--idle-timeout", "0.2", "--secret-file", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"job secret: {path} (new)" in out
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and len(path.read_text().strip()) == 64
+    rc = cli_main(["server", "--workers", "1", "--idle-timeout", "0.2", "--secret-file", str(path)])
+    assert rc == 0 and f"job secret: {path}\n" in capsys.readouterr().out + "\n"
+    os.chmod(path, 0o644)
+    short = tmp_path / "short.secret"
+    short.write_text("abc\n")
+    os.chmod(short, 0o600)
+    for bad, fragment in [(path, "must be a regular file of mode 0600"), (short, "at least 32 printable"),
+                          (tmp_path / "no" / "dir", "cannot create it")]:
+        rc = cli_main(["server", "--workers", "1", "--secret-file", str(bad)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and err.count("\n") == 0 and fragment in err, err

@@ -62,3 +62,53 @@ def test_a_worker_pushing_nan_gets_the_error_and_the_shard_keeps_its_weights(thr
         bufs["b"][2] = 1.0
         acks, _ = c.push_pull(bufs).result(30)
         assert acks[0]["status"] == "applied"
+
+
+@pytest.mark.parametrize("policy", ["asp", "bsp"])
+def test_core_skip_policy_drops_the_push_and_advances_the_clock(policy):
+    """skip_nonfinite: a NaN push is acked "skipped", nothing is applied (parameters bitwise unchanged), the worker's
+    clock advances; under BSP the clock completes with the other worker's gradient alone (averaged over one)."""
+    st = ShardState(_params(), optimizer="sgd:lr=0.1", policy=policy, num_workers=2)
+    before = {k: v.clone() for k, v in st.params.items()}
+    bad = {k: torch.ones(s) for k, s in SHAPES.items()}
+    bad["b"][1] = float("nan")
+    res = st.push(0, 0, 0, bad, skip_nonfinite=True)
+    assert res.status == "skipped" and st.clocks == [1, 0] and st.version == 0
+    for k in SHAPES:
+        assert torch.equal(st.params[k], before[k])
+    good = {k: torch.full(s, 2.0) for k, s in SHAPES.items()}
+    res = st.push(1, 0, 0, good, skip_nonfinite=True)
+    assert res.status == "applied" and st.version == 1 and res.staleness == [(1, 0)]
+    for k in SHAPES:      # one SGD step on worker 1's gradient alone (not averaged with a zero)
+        assert torch.equal(st.params[k], before[k] - 0.1 * good[k].reshape(before[k].shape))
+    with pytest.raises(NonFiniteGradientError, match="gradient 'b' from worker 0 at clock 1"):
+        st.push(0, 1, 1, bad)                                           # the default still refuses
+
+
+def test_skipped_clock_survives_a_checkpoint():
+    """A buffered skipped push (BSP, waiting for the other worker) is kept by state_dict / from_state_dict."""
+    st = ShardState(_params(), optimizer="sgd:lr=0.1", policy="bsp", num_workers=2)
+    bad = {k: torch.full(s, float("inf")) for k, s in SHAPES.items()}
+    st.push(0, 0, 0, bad, skip_nonfinite=True)
+    back = ShardState.from_state_dict(*st.state_dict())
+    assert back.pending[0][0][0] is None and back.clocks == [1, 0]
+    back.push(1, 0, 0, {k: torch.ones(s) for k, s in SHAPES.items()})
+    assert back.version == 1
+
+
+def test_a_shard_with_the_skip_policy_acks_skipped_and_counts_it(thread_servers):
+    servers = thread_servers(1, num_workers=1, optimizer="sgd:lr=0.1", nonfinite="skip")
+    with connect(servers.addresses, 0, SHAPES) as c:
+        c.init({k: v.numpy() for k, v in _params().items()}).result(30)
+        before = c.pull().result(30).params
+        grads = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+        grads["w"][0, 0] = np.inf
+        acks, after = c.push_pull(grads).result(30)
+        assert acks[0]["status"] == "skipped" and acks[0]["version"] == 0 and after.clocks == [1]
+        for k in SHAPES:
+            np.testing.assert_array_equal(after.params[k], before[k])
+        grads["w"][0, 0] = 1.0
+        assert c.push(grads).result(30)[0]["status"] == "applied"        # clock 1: no resync needed
+        stats = c.stats().result(30)[0]
+        assert stats["counters"]["nonfinite_skipped"] == 1 and stats["counters"]["nonfinite_refused"] == 0
+        assert stats["version"] == 1 and stats["nonfinite"] == "skip"

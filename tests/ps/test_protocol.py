@@ -135,8 +135,8 @@ def test_client_refuses_a_shard_holding_another_model(thread_servers):
 
 
 def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
-    """A shard started with CURVE keys serves a client holding them and never answers one without them; a shard
-    cannot bind beyond loopback without keys."""
+    """A shard started with CURVE keys serves a client holding them and never answers one without them (the
+    refused handshake is an AuthenticationError at connect); a shard cannot bind beyond loopback without keys."""
     import threading
 
     import numpy as np
@@ -144,7 +144,7 @@ def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
 
     from collectives.curve import generate_keys
     from ps.client import connect
-    from ps.errors import ConfigError, RequestTimeoutError
+    from ps.errors import AuthenticationError, ConfigError
     from ps.server import ServerConfig, ShardServer
     generate_keys(str(tmp_path))
     with _pytest.raises(ConfigError, match="curve_keys_dir"):
@@ -159,7 +159,7 @@ def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
             c.init({"w": np.ones(3, np.float32)}).result(10)
             c.push({"w": np.ones(3, np.float32)}).result(10)
             assert c.pull().result(10).versions == [1]
-        with _pytest.raises(RequestTimeoutError):
+        with _pytest.raises(AuthenticationError, match="refused this client's credential"):
             connect([addr], 1, shapes, timeout=1.5)
         assert server.counters["messages"] == 5          # register, init, push, pull, unregister: the stranger's
         # register never reached the shard

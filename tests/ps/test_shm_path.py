@@ -114,7 +114,7 @@ def test_bad_shared_memory_requests_get_errors_and_change_nothing(thread_servers
     with connect([addr], 0, SHAPES) as good:
         good.init(tensors(0)).result(30)
         before = good.pull().result(30).params
-        raw = Raw(addr)
+        raw = Raw(addr, user="worker:1")
         try:
             r = raw.request("register", seq=1, meta={"worker": 1, "shm_probe": ["pslab-000000000000-1-0-1", 16, 0,
                                                                               "uint8", [16]], "shm_token": "0" * 32})
