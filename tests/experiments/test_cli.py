@@ -180,6 +180,38 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("strategy", ["ps-asp", "allreduce"])
+def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
+    """While `pslab run` trains (3 workers; for ps-asp also a shard), every TCP listener of its processes -- the
+    command, the ranks, the shards -- is bound to a loopback address (read from /proc/net/tcp and tcp6)."""
+    import ipaddress
+    from tests.collectives.hostile import listening
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
+                   'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
+    p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
+            if len(parts) == 3 and all(q.stat().st_size > 0 for q in parts):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("workers did not start")
+        found = listening(_session_processes(p.pid))
+        assert found, "no listener seen at all: the test would prove nothing"
+        assert all(ipaddress.ip_address(addr).is_loopback for _, addr, _ in found), found
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(timeout=30)
+        finally:
+            for pid in _session_processes(p.pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
     """`torchrun --nproc_per_node=N -m experiments.cli run CFG` on a free local port; returns the run directory."""
     cfg = tmp_path / "c.toml"
