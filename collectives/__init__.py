@@ -9,7 +9,8 @@
 
     collectives.launch(work, world_size=4, backend="zmq", args=(1000,), timeout=60)  # -> [4.0, 4.0, 4.0, 4.0]
 
-    group = collectives.init_process_group(backend="zmq")   # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    group = collectives.init_process_group(backend="zmq")   # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+                                                            # and PSLAB_JOB_SECRET[_FILE] for a multi-rank group
 
 Where each mechanism lives:
 
@@ -30,6 +31,8 @@ Where each mechanism lives:
                      127.0.0.1 only for a loopback MASTER_ADDR), the job secret required for a multi-rank zmq group
     launcher.py      launch(fn, world_size): N local processes, a FileStore in a 0700 directory (no listener), a
                      fresh job secret through the process arguments; first failure ends all, hung-rank stacks
+    cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
+                     (PSLAB_CLEANUP_DIR)
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
     errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, AuthError, MailboxOverflowError, ...
 

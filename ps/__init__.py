@@ -77,8 +77,8 @@ Server and client::
         # shards serving num_workers workers; all start in parallel; a failure stops all and raises PSError
         # ("shard 1 of slot group 0 failed to start: ..."). Shards ignore SIGINT, exit on SIGTERM, run 1 torch thread.
         # checkpoint_dir/shard-<i> (g<g>-shard-<i> with groups > 1). Beyond loopback needs curve_keys_dir.
-        # secret: the job secret every shard admits (default: PSLAB_JOB_SECRET[_FILE], else a new one, exported as
-        # PSLAB_JOB_SECRET for the processes started afterwards); nonfinite: "reject" | "skip" NaN/Inf pushes.
+        # secret: the job secret every shard admits (default: PSLAB_JOB_SECRET[_FILE], else a new one; nothing is
+        # written to the environment: clients in this process find it by the shards' addresses); nonfinite: "reject" | "skip" NaN/Inf pushes.
     servers.secret                          # hand it to workers: connect(..., secret=servers.secret)
     servers.admin(group=0, params=None)     # AdminClient of that group (checkpoint, shutdown, stats, init)
     servers.group_addresses[g]              # group g's shard addresses, in shard order (what connect takes)

@@ -1,3 +1,5 @@
-"""Studies made of many runs: `compare.py` (pslab compare), `sweep.py` (pslab sweep --knob), `staleness.py`
-(pslab sweep --preset staleness), `momentum.py` (--preset momentum: asynchrony begets momentum, with z scores),
+"""Studies made of many runs: `compare.py` (pslab compare), `fairness.py` (its lr rule, --tune-lr's bracketing
+grid, the seed-noise band), `sweep.py` (pslab sweep --knob), `staleness.py` (pslab sweep --preset staleness |
+staleness-remedies) with `staleness_search.py` (exact steps-to-target, bracketing lr search, censored medians) and
+`staleness_report.py` (tables, the four claims with a seed bootstrap, the plot), `momentum.py` (--preset momentum: asynchrony begets momentum, with z scores),
 `coherence.py` (--preset coherence: gradient coherence per model depth)."""

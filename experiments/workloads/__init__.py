@@ -12,6 +12,9 @@ the training split's mean and std (`data.digits_std`), He/Kaiming-normal weights
 U(+-1/sqrt(fan_in)) init) are unchanged, bit for bit. `quadratic.py` holds a quadratic with a known answer for the
 staleness emulator's exact tests and the momentum study (not registered: it is no real-run workload).
 
+Files: `data.py` (datasets, standardisation), `models.py` (model factories, init), `schedule.py` (BatchSchedule: which
+examples worker w gets at step t), `quadratic.py`; this file is the registry.
+
 Parameters travel as a dict name -> flat float32 numpy array (`get_params`, `set_params`, `get_grads`), which is
 what the parameter server and the collectives move.
 """
