@@ -81,6 +81,10 @@ class ParallelConfig:
     def model_parallel(self) -> int:
         return self.tp * self.pp
 
+    def unsplit(self) -> "ParallelConfig":
+        """The same settings for the unsplit model (what `local`, the single-process reference, trains)."""
+        return ParallelConfig(activation_checkpointing=self.activation_checkpointing)
+
     def describe(self) -> str:
         """A short tag for labels, e.g. "tp=2" or "pp=2/1f1b/m4"; "" for plain data parallelism."""
         parts = []

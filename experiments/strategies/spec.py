@@ -114,7 +114,7 @@ def parse_strategy(text: str) -> Strategy:
 def step_lr(t: "TrainConfig") -> float:
     """The learning rate of one optimizer step under `t.lr_rule` (module docstring): lr x G, lr x sqrt(G) or lr."""
     g = parse_strategy(t.strategy).gradients_per_step(t.workers)
-    rule = getattr(t, "lr_rule", "none")
+    rule = t.lr_rule
     return t.lr * g if rule == "linear" else t.lr * g ** 0.5 if rule == "sqrt" else t.lr
 
 
@@ -123,7 +123,7 @@ def lr_fields(t: "TrainConfig", applied: int, batch_size: int) -> dict[str, floa
     optimizer steps taken and samples seen (`applied` gradients of `batch_size` samples)."""
     g = parse_strategy(t.strategy).gradients_per_step(t.workers)
     lr = step_lr(t)
-    return {"lr_rule": getattr(t, "lr_rule", "none"), "lr_step": lr, "lr_per_gradient": lr / g,
+    return {"lr_rule": t.lr_rule, "lr_step": lr, "lr_per_gradient": lr / g,
             "gradients_per_step": g, "optimizer_steps": applied // g, "samples": applied * batch_size}
 
 

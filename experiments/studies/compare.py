@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.config import ParallelConfig, RunConfig, load_config
+from experiments.config import RunConfig, load_config
 from experiments.errors import ExperimentError
 from experiments.results.rundir import RunDir
 from experiments.results.report import write_report
@@ -88,7 +88,7 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
             if s in tuned:
                 c.train.lr = tuned[s][0]
             if s == "local":          # the single-process reference trains the unsplit model: same updates
-                c.parallel = ParallelConfig(activation_checkpointing=c.parallel.activation_checkpointing)
+                c.parallel = c.parallel.unsplit()
             c.validate()
             rd = run(c, out / "runs")
             runs.append(RunDir(rd.path).load())

@@ -49,8 +49,7 @@ def seed_band(cfg: RunConfig, out: Path, run: Callable[..., Any], seeds: int, si
         c.stragglers.factors = {}
         c.workload.seed = cfg.workload.seed + k
         if ref == "local":
-            from experiments.config import ParallelConfig
-            c.parallel = ParallelConfig(activation_checkpointing=c.parallel.activation_checkpointing)
+            c.parallel = c.parallel.unsplit()
         c.validate()
         rd = run(c, out, label=f"band-{ref}-seed{c.workload.seed}")
         rows.append(_final(RunDir(rd.path).load()))
@@ -107,16 +106,22 @@ def bracket_lr(lr0: float, score: Callable[[float], float | None]) -> tuple[floa
     for m in GRID:
         trial(lr0 * m)
     for _ in range(MAX_WIDEN):
-        b, grid = best(), sorted(tried)
-        if tried[b] is None:
-            trial(grid[0] / 2)              # everything diverged: go lower
-        elif b == grid[0]:
-            trial(b / 2)
-        elif b == grid[-1]:
-            trial(b * 2)
-        else:
+        b = best()
+        nxt = min(tried) / 2 if tried[b] is None else widen_past_edge(sorted(tried), b)   # all diverged: lower
+        if nxt is None:
             break
+        trial(nxt)
     return best(), sorted(tried.items())
+
+
+def widen_past_edge(tried: list[float], best: float, factor: float = 2.0) -> float | None:
+    """The next lr of a bracketing search: one step of `factor` beyond the winner if it sits at an edge of the
+    sorted `tried` values, else None (the optimum is bracketed)."""
+    if best == tried[0]:
+        return best / factor
+    if best == tried[-1]:
+        return best * factor
+    return None
 
 
 def tune_lr(cfg: RunConfig, strategy: str, out: Path, run: Callable[..., Any],

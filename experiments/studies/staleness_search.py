@@ -40,6 +40,7 @@ import torch
 
 from experiments.config import TrainConfig
 from experiments.sim.dai import run_dai
+from experiments.studies.fairness import widen_past_edge
 
 
 class _Reached(Exception):
@@ -197,12 +198,8 @@ def search_lr(make_workload: Any, train: TrainConfig, s: float, grid: tuple[floa
         trial(lr)
     added = 0
     while best is not None and added < widen:
-        tried = sorted(trials)
-        if best.lr == tried[0]:
-            nxt = best.lr / factor
-        elif best.lr == tried[-1]:
-            nxt = best.lr * factor
-        else:
+        nxt = widen_past_edge(sorted(trials), best.lr, factor)
+        if nxt is None:
             break
         added += 1
         trial(float(f"{nxt:.6g}"))
