@@ -6,6 +6,8 @@
                   target_acc
     [parallel]    tp, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (see ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
+    [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
+                  (experiments/faults/spec.py)
     [simulate]    enabled, compute_s, latency_intra_s, latency_inter_s, bandwidth_intra_Bps,
                   bandwidth_inter_Bps, workers_per_host, timing_only
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import ConfigError
+from experiments.faults.spec import FaultsConfig
 from experiments.strategies.spec import LR_RULES, Strategy, parse_strategy
 from experiments.stragglers import StragglerConfig
 
@@ -57,7 +60,8 @@ class TrainConfig:
     dc_adaptive: bool = False
     eval_every: int = 20        # evaluate test accuracy every this many global updates
     base_step_s: float = 0.0    # real runs: pad each step's compute to at least this many seconds
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0    # one request / one collective wait (failures are detected sooner: [faults] detect_s)
+    run_limit_s: float = 0.0    # the whole run's wall-clock limit; 0: none (progress is watched, not the clock)
     target_acc: float | None = None  # simulator: stop once an evaluation reaches this test accuracy (0..1]; every
                                      # run: time_to_target_s / updates_to_target in the summary
 
@@ -120,6 +124,7 @@ class RunConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     @property
     def strategy(self) -> Strategy:
@@ -160,6 +165,8 @@ class RunConfig:
             raise ConfigError(f"train.dc_lambda must be a finite number >= 0, got {t.dc_lambda}")
         if not (t.timeout_s > 0 and math.isfinite(t.timeout_s)):
             raise ConfigError(f"train.timeout_s must be a finite number of seconds > 0, got {t.timeout_s}")
+        if not (t.run_limit_s >= 0 and math.isfinite(t.run_limit_s)):
+            raise ConfigError(f"train.run_limit_s must be a number of seconds >= 0 (0: no limit), got {t.run_limit_s}")
         if not (0 <= t.base_step_s <= 3600):
             raise ConfigError(f"train.base_step_s must be between 0 and 3600 seconds, got {t.base_step_s}")
         if w.seed < 0:
@@ -169,6 +176,7 @@ class RunConfig:
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
         _validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
+        self.faults.validate(t.workers, t.shards, s.kind)
         m = self.simulate
         for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:

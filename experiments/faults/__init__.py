@@ -1,0 +1,10 @@
+"""Failures, as the article's last section promises: inject them, detect them, survive them, report them.
+
+    spec.py        the [faults] section: on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every,
+                   shard_checkpoint_every, events = [{kill = "worker:2", at_step = 50}, ...]; one event schema
+    (supervisor)   the launcher watches ranks and shards (heartbeats, exit codes), executes injected faults,
+                   and applies on_failure: abort | continue | shrink | replace
+
+Every failure becomes lines of RUN_DIR/events.jsonl (real runs and the simulator write the same schema, see
+`spec.EVENT_FIELDS`): inject -> detect -> recover (-> join), with times since the run's start.
+"""

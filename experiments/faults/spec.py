@@ -1,0 +1,172 @@
+"""The `[faults]` section: what fails, when, and what the run does about it.
+
+    [faults]
+    on_failure = "auto"        # auto | abort | continue | shrink | replace
+                               #   auto: ps-* continue with the survivors, allreduce shrinks (new ring at N-1),
+                               #   local aborts; replace: shrink/continue, then a replacement worker joins (N again)
+    detect_s = 3.0             # a process without a heartbeat for this long is failed (hung); a dead one at once
+    heartbeat_s = 0.5          # how often every rank and shard beats (detect_s >= 2 x heartbeat_s)
+    commit_every = 1           # allreduce: in-memory commit of model + optimizer every k steps (the rollback point)
+    checkpoint_every = 0       # engine checkpoints to RUN_DIR/checkpoints every k steps (0: none)
+    shard_checkpoint_every = 0 # PS shards checkpoint every k updates to RUN_DIR/shards (0: none); a dead shard is
+                               # restarted from its latest one
+    events = [ { kill = "worker:2", at_step = 50 },           # SIGKILL worker 2 when it starts step 50
+               { kill = "shard:0", at_s = 3.0 },              # SIGKILL shard 0 three seconds after the start
+               { stop = "worker:1", at_step = 20, for_s = 4 } ]   # SIGSTOP, SIGCONT 4 s later
+
+One event: exactly one action key (kill | stop) naming a target "worker:<w>" or "shard:<i>" (slot group 0), and
+exactly one trigger: at_step (workers only: when that worker begins the step) or at_s (seconds since the start
+barrier); `stop` needs for_s > 0. The same spec drives real runs (the supervisor sends the signals) and the
+simulator (virtual time).
+
+Events of a run (RUN_DIR/events.jsonl, one JSON object per line, EVENT_FIELDS): `event` is one of EVENTS,
+`time_s` seconds since the start, `who` the target, and what applies of: how (signal / reason), generation and
+world_size (membership after the event), step (the worker step it happened at / rolled back to), lost_steps,
+lost_updates, detect_s (time from inject to detect).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from experiments.errors import ConfigError
+
+ON_FAILURE = ("auto", "abort", "continue", "shrink", "replace")
+ACTIONS = ("kill", "stop")
+EVENTS = ("inject", "detect", "expel", "recover", "join", "shard_restart", "checkpoint_failed", "abort")
+EVENT_FIELDS = ("time_s", "event", "who", "how", "generation", "world_size", "step", "lost_steps", "lost_updates",
+                "detect_s")
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """One injected fault (validated)."""
+
+    action: str                 # kill | stop
+    kind: str                   # worker | shard
+    index: int
+    at_step: int | None = None
+    at_s: float | None = None
+    for_s: float = 0.0
+
+    @property
+    def who(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {self.action: self.who}
+        if self.at_step is not None:
+            d["at_step"] = self.at_step
+        if self.at_s is not None:
+            d["at_s"] = self.at_s
+        if self.action == "stop":
+            d["for_s"] = self.for_s
+        return d
+
+
+@dataclass
+class FaultsConfig:
+    on_failure: str = "auto"
+    detect_s: float = 3.0
+    heartbeat_s: float = 0.5
+    commit_every: int = 1
+    checkpoint_every: int = 0
+    shard_checkpoint_every: int = 0
+    events: list = field(default_factory=list)
+
+    def parsed(self) -> list[FaultEvent]:
+        """The events as FaultEvent (validate() has checked them)."""
+        return [parse_event(e, i) for i, e in enumerate(self.events)]
+
+    def policy(self, strategy_kind: str) -> str:
+        """on_failure with `auto` resolved for this strategy: abort | continue | shrink | replace."""
+        if self.on_failure != "auto":
+            return self.on_failure
+        if strategy_kind == "local":
+            return "abort"
+        return "shrink" if strategy_kind == "allreduce" else "continue"
+
+    def validate(self, workers: int, shards: int, strategy_kind: str) -> None:
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(f"faults.on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
+        for key in ("detect_s", "heartbeat_s"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 600):
+                raise ConfigError(f"faults.{key} must be a number of seconds in (0, 600], got {v!r}")
+        if self.detect_s < 2 * self.heartbeat_s:
+            raise ConfigError(f"faults.detect_s = {self.detect_s:g} must be at least 2 x faults.heartbeat_s = "
+                              f"{self.heartbeat_s:g} (one late beat is not a failure)")
+        for key in ("commit_every",):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"faults.{key} must be a positive integer, got {v!r}")
+        for key in ("checkpoint_every", "shard_checkpoint_every"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"faults.{key} must be an integer >= 0 (0: no checkpoints), got {v!r}")
+        if self.shard_checkpoint_every and not strategy_kind.startswith("ps"):
+            raise ConfigError(f"faults.shard_checkpoint_every applies to parameter-server strategies (ps-*), not "
+                              f"{strategy_kind}")
+        policy = self.policy(strategy_kind)
+        if strategy_kind == "local" and policy != "abort":
+            raise ConfigError(f"strategy local is one process: faults.on_failure = {self.on_failure!r} needs "
+                              "allreduce or ps-*; use abort (or auto)")
+        if strategy_kind == "allreduce" and policy == "continue":
+            raise ConfigError("faults.on_failure = continue: an all-reduce cannot go on without a member; use shrink "
+                              "(rebuild the ring with the survivors), replace, or abort")
+        if not isinstance(self.events, list):
+            raise ConfigError(f"faults.events must be a list of tables, e.g. [{{kill = \"worker:2\", at_step = 50}}], "
+                              f"got {self.events!r}")
+        for i, e in enumerate(self.parsed()):
+            if e.kind == "worker" and not 0 <= e.index < workers:
+                raise ConfigError(f"faults.events[{i}]: {e.who} is out of range (workers 0..{workers - 1})")
+            if e.kind == "shard":
+                if not strategy_kind.startswith("ps"):
+                    raise ConfigError(f"faults.events[{i}]: {e.who} needs a parameter-server strategy (ps-*)")
+                if not 0 <= e.index < shards:
+                    raise ConfigError(f"faults.events[{i}]: {e.who} is out of range (shards 0..{shards - 1})")
+            if strategy_kind == "local" and e.kind == "worker":
+                raise ConfigError(f"faults.events[{i}]: strategy local plays every worker in one process; "
+                                  "inject worker faults into allreduce or ps-* runs")
+
+
+def parse_event(e: Any, i: int = 0) -> FaultEvent:
+    """One `[faults] events` entry -> FaultEvent, or ConfigError naming what is wrong."""
+    where = f"faults.events[{i}]"
+    if not isinstance(e, dict):
+        raise ConfigError(f"{where} must be a table like {{kill = \"worker:2\", at_step = 50}}, got {e!r}")
+    known = set(ACTIONS) | {"at_step", "at_s", "for_s"}
+    unknown = sorted(set(e) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; keys are kill | stop, at_step | at_s, for_s")
+    acts = [a for a in ACTIONS if a in e]
+    if len(acts) != 1:
+        raise ConfigError(f"{where}: give exactly one of kill = \"worker:<w>\" | stop = \"worker:<w>\" "
+                          "(or \"shard:<i>\")")
+    action, target = acts[0], e[acts[0]]
+    kind, sep, num = str(target).partition(":")
+    if kind not in ("worker", "shard") or not sep or not num.isdigit():
+        raise ConfigError(f"{where}: {action} = {target!r}: the target is \"worker:<w>\" or \"shard:<i>\"")
+    trig = [k for k in ("at_step", "at_s") if k in e]
+    if len(trig) != 1:
+        raise ConfigError(f"{where}: give exactly one trigger: at_step (a worker's step) or at_s (seconds)")
+    at_step = e.get("at_step")
+    at_s = e.get("at_s")
+    if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
+        raise ConfigError(f"{where}: at_step must be an integer >= 0, got {at_step!r}")
+    if at_step is not None and kind == "shard":
+        raise ConfigError(f"{where}: shards have no steps: trigger {target} with at_s (seconds since the start)")
+    if at_s is not None and (isinstance(at_s, bool) or not isinstance(at_s, (int, float)) or not
+                             (math.isfinite(at_s) and at_s >= 0)):
+        raise ConfigError(f"{where}: at_s must be a number of seconds >= 0, got {at_s!r}")
+    for_s = e.get("for_s", 0.0)
+    if action == "stop":
+        if isinstance(for_s, bool) or not isinstance(for_s, (int, float)) or not (math.isfinite(for_s)
+                                                                                  and 0 < for_s <= 3600):
+            raise ConfigError(f"{where}: stop needs for_s, the seconds it stays stopped (0 < for_s <= 3600), "
+                              f"got {for_s!r}")
+    elif "for_s" in e:
+        raise ConfigError(f"{where}: for_s applies to stop, not kill")
+    return FaultEvent(action, kind, int(num), at_step, None if at_s is None else float(at_s), float(for_s))
