@@ -26,7 +26,11 @@ Where each mechanism lives:
     zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p;
                      which keys a group accepts, and the size and dtype of every payload it takes
     ring.py          ring reduce-scatter / all-gather / all-reduce as one pipelined, streamed ring pass
-    torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors)
+    torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors); standalone gloo
+                     groups (one per elastic generation)
+    elastic.py       elastic groups: a coordinator publishes signed, increasing membership generations in the store;
+                     a member's waits raise MembershipChanged (or Expelled) soon after, and join() builds the next
+                     generation's group (zmq: new transport; torch: new gloo group) without waiting on dead peers
     init.py          init_process_group: rendezvous through torch.distributed.TCPStore (torchrun variables; on
                      127.0.0.1 only for a loopback MASTER_ADDR), the job secret required for a multi-rank zmq group
     launcher.py      launch(fn, world_size): N local processes, a FileStore in a 0700 directory (no listener), a
@@ -34,20 +38,23 @@ Where each mechanism lives:
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
                      (PSLAB_CLEANUP_DIR)
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
-    errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, AuthError, MailboxOverflowError, ...
+    tensorfile.py    the tensor file (named tensors + msgpack meta; atomic, sha256, validated; no pickle): PS shard
+                     and engine checkpoints
+    errors.py        PeerTimeoutError, CollectiveMismatchError, WireError, AuthError, MailboxOverflowError,
+                     MembershipChanged, Expelled, PeerFailedError, ...
 
 This package knows nothing of parameter servers or models.
 """
 
-from .errors import (AuthError, CollectiveMismatchError, CollectivesError, LaunchError, MailboxOverflowError,
-                     PeerTimeoutError, RendezvousError, WireError)
+from .errors import (AuthError, CollectiveMismatchError, CollectivesError, Expelled, LaunchError, MailboxOverflowError,
+                     MembershipChanged, PeerFailedError, PeerTimeoutError, RendezvousError, WireError)
 from .group import REDUCE_OPS, ProcessGroup, Work, chunk_bounds
 from .traffic import TrafficCounter
 from .wire import PROTOCOL_VERSION, Message, WireLimits, decode, encode
 
 __all__ = [
-    "AuthError", "CollectiveMismatchError", "CollectivesError", "LaunchError", "MailboxOverflowError",
-    "PeerTimeoutError", "RendezvousError", "WireError",
+    "AuthError", "CollectiveMismatchError", "CollectivesError", "Expelled", "LaunchError", "MailboxOverflowError",
+    "MembershipChanged", "PeerFailedError", "PeerTimeoutError", "RendezvousError", "WireError",
     "REDUCE_OPS", "ProcessGroup", "Work", "chunk_bounds", "TrafficCounter", "PROTOCOL_VERSION", "Message",
     "WireLimits", "decode", "encode", "init_process_group", "launch",
 ]

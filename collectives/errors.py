@@ -51,3 +51,35 @@ class MailboxOverflowError(CollectivesError):
 
 class LaunchError(CollectivesError):
     """A rank started by `collectives.launch` failed or the launch timed out; carries the rank's traceback."""
+
+
+class MembershipChanged(CollectivesError):
+    """A newer elastic membership was published (collectives/elastic.py) while this group waited: the group is
+    stale. Buffers of the interrupted collective are undefined; roll back, then `ElasticGroup.join()` generation
+    `generation` (the newer one)."""
+
+    def __init__(self, generation: int, members: tuple[int, ...] = (), detail: str = "") -> None:
+        self.generation, self.members, self.detail = generation, tuple(members), detail
+        super().__init__(f"membership generation {generation} (members {list(members)}) was published"
+                         f"{' (' + detail + ')' if detail else ''}; roll back and join it (ElasticGroup.join)")
+
+    def __reduce__(self):  # picklable across multiprocessing (launcher only; never on the wire)
+        return (MembershipChanged, (self.generation, self.members, self.detail))
+
+
+class Expelled(CollectivesError):
+    """This member is not in the newest elastic membership (it was declared failed, e.g. while SIGSTOPped): it must
+    stop, cleanly, without touching shared state (the survivors went on without it)."""
+
+    def __init__(self, member: int, generation: int, members: tuple[int, ...] = ()) -> None:
+        self.member, self.generation, self.members = member, generation, tuple(members)
+        super().__init__(f"member {member} is not in membership generation {generation} (members {list(members)}): "
+                         f"it was declared failed; stop this process (the others continue without it)")
+
+    def __reduce__(self):
+        return (Expelled, (self.member, self.generation, self.members))
+
+
+class PeerFailedError(CollectivesError):
+    """A peer of the group failed in the middle of a collective (e.g. gloo: connection closed by a killed peer) and
+    no newer membership was published within the timeout; without an elastic coordinator the job cannot go on."""

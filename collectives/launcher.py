@@ -12,11 +12,19 @@ PSLAB_JOB_SECRET, else a fresh `auth.new_job_secret()`) that reaches the childre
 arguments, never through the store; each child also exports it
 as PSLAB_JOB_SECRET, so what `fn` starts (a PS client) can prove it belongs to the job. Each child sets
 `torch.set_num_threads(1)` and the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK), builds the group and calls
-`fn(group, *args)`. Results come back through a multiprocessing queue between these trusted local processes only.
+`fn(group, *args)`. Results come back through one pipe per child (to these trusted local processes only).
 If any rank raises, the others are killed and `LaunchError` carries that rank's traceback; if the whole launch
 outlives `timeout`, every child is killed and `LaunchError` says which ranks were still running and where: each
 hung rank's Python stacks (faulthandler, asked for with SIGUSR1) are appended to the message.
 With `return_exceptions=True` a failed or killed rank yields a `RankFailure` instead and the others run on.
+
+Supervision (`supervisor=`, see `Supervisor`): every child beats a heartbeat (a shared-memory clock slot written by a
+daemon thread every `supervisor.heartbeat_s`; SIGSTOP freezes it), and the parent, between polls, names a rank that
+died (exit code) or hung (no beat for `supervisor.detect_s`) and asks the supervisor whether the job goes on without
+it. The supervisor can signal, stop and resume ranks, start a replacement for a member (`Job.spawn`) and hear what
+children `notify()` it. With `supervisor.elastic` the children are members of a `collectives.elastic.ElasticGroup`
+(generation 0 = every rank, published before they start): `fn` gets that ElasticGroup, not a plain group.
+`timeout=None` is no limit on the whole launch (each collective wait is still bounded by `group_timeout`).
 """
 
 from __future__ import annotations
@@ -24,14 +32,13 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from . import cleanup
 from .auth import ENV_SECRET, job_secret, new_job_secret
@@ -49,6 +56,55 @@ class RankFailure:
 
 
 STOPPED = 128 + signal.SIGTERM      # a rank's exit code when the launcher stopped it
+MAX_PROCS = 4                       # heartbeat slots per rank: the rank and up to 3 replacements
+STARTUP_S = 120.0                   # a child that has not beaten yet (importing, under spawn) is hung only after this
+
+_NOTIFY: Any = None                 # in a child: its _Outbox, for notify()
+
+
+def notify(payload: Any) -> bool:
+    """From inside a launched child: send `payload` (plain data) to the launcher's supervisor. False outside one."""
+    if _NOTIFY is None:
+        return False
+    _NOTIFY.put("msg", payload)
+    return True
+
+
+class _Outbox:
+    """A child's own pipe to the launcher. Not a shared multiprocessing.Queue: a rank SIGKILLed while it held the
+    queue's write lock would block every other rank's writes (and so the whole job) forever."""
+
+    def __init__(self, conn: Any, rank: int, slot: int) -> None:
+        import threading
+        self.conn, self.rank, self.slot, self.lock = conn, rank, slot, threading.Lock()
+
+    def put(self, status: str, value: Any, tb: str = "") -> None:
+        with self.lock:
+            self.conn.send((self.rank, status, value, tb, self.slot))
+
+
+class Supervisor(Protocol):
+    """What `launch(supervisor=...)` asks; every method runs in the parent, between polls (no threads)."""
+
+    heartbeat_s: float
+    detect_s: float
+    elastic: bool
+
+    def started(self, job: "Job") -> None: ...
+    def failed(self, job: "Job", rank: int, how: str, hung: bool) -> bool: ...   # True: the job goes on
+    def message(self, job: "Job", rank: int, payload: Any) -> None: ...
+    def tick(self, job: "Job") -> None: ...
+
+
+def _beat(hb: Any, slot: int, every: float) -> None:
+    """The heartbeat thread; it also ends this process if the launcher (its parent) is gone, so no rank outlives
+    a killed launcher."""
+    parent = os.getppid()
+    while True:
+        hb[slot] = time.monotonic()
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(every)
 
 
 def _stopped(signum: int, frame: Any) -> None:
@@ -58,16 +114,24 @@ def _stopped(signum: int, frame: Any) -> None:
 
 
 def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callable, args: tuple, q: Any,
-           options: dict, release: Any) -> None:
+           options: dict, release: Any, hb: Any = None, slot: int = 0) -> None:
     # Ctrl-C reaches the whole process group; the launcher (the parent) owns it and stops the ranks with SIGTERM,
     # so a Ctrl-C prints one line from the parent, not a traceback per rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stopped)
+    if hb is not None:                  # beat from the first instant: a slow import is not a hang
+        import threading
+        hb[slot] = time.monotonic()
+        threading.Thread(target=_beat, args=(hb, slot, options.pop("heartbeat_s")), daemon=True,
+                         name="pslab-heartbeat").start()
     import torch
     torch.set_num_threads(1)
     stacks = open(options.pop("stacks_path"), "w")            # launch() asks a hung rank for its stacks
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     secret = options.pop("secret")
+    elastic = options.pop("elastic", False)
+    global _NOTIFY
+    q = _NOTIFY = _Outbox(q, rank, slot)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        ENV_SECRET: secret, cleanup.ENV: os.path.dirname(store_path)})
     if os.path.isdir("/sys/class/net/lo"):
@@ -80,17 +144,22 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
         launch_timeout = options.pop("launch_timeout")
         store = dist.FileStore(store_path, -1)
         store.set_timeout(timedelta(seconds=gt))
-        group = init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=gt,
-                                   secret=secret, **options)
+        if elastic:            # a member of the job's elastic group: fn drives generations (collectives/elastic.py)
+            from .elastic import ElasticGroup
+            group = ElasticGroup(backend, rank, store, secret=secret, timeout=gt, **options)
+            group.join()
+        else:
+            group = init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=gt,
+                                       secret=secret, **options)
         result = fn(group, *args)
-        q.put((rank, "ok", result, ""))
+        q.put("ok", result)
         # torch tensors in `result` travel as shared storage that the parent maps from this process:
         # stay alive until the parent has taken every result
         release.wait(launch_timeout)
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit non-zero
         if isinstance(e, SystemExit) and e.code == STOPPED:
             raise                        # the launcher is stopping us: nothing to report
-        q.put((rank, "err", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        q.put("err", f"{type(e).__name__}: {e}", traceback.format_exc())
         raise SystemExit(1)
     finally:
         if group is not None:
@@ -119,76 +188,230 @@ def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
     return "\n".join(out)
 
 
-def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (), timeout: float = 60.0,
-           *, group_timeout: float | None = None, return_exceptions: bool = False, start_method: str = "forkserver",
-           secret: str | None = None, **group_options: Any) -> list[Any]:
+def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (),
+           timeout: float | None = 60.0, *, group_timeout: float | None = None, return_exceptions: bool = False,
+           start_method: str = "forkserver", secret: str | None = None, supervisor: Supervisor | None = None,
+           **group_options: Any) -> list[Any]:
     """Run `fn(group, *args)` in `world_size` local processes; return the per-rank results in rank order.
 
     fn must be importable by the children (a module-level function). `group_timeout` bounds every single wait
-    inside a collective (default: `timeout`); `timeout` bounds the whole launch. `secret`: the job's secret (default:
-    this process's PSLAB_JOB_SECRET / _FILE if set, else a fresh one). What the ranks leave behind -- ipc
+    inside a collective (default: `timeout`, else 300 s); `timeout` bounds the whole launch (None: no limit).
+    `secret`: the job's secret (default: this process's PSLAB_JOB_SECRET / _FILE if set, else a fresh one).
+    `supervisor`: watch heartbeats and decide per failure (module docstring); a rank it let go yields a
+    `RankFailure`, a member it replaced yields the replacement's result. What the ranks leave behind -- ipc
     directories, shared-memory segments, even of a killed rank -- is swept when the launch ends (cleanup.py)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
-        ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "collectives.init",
-                                    "collectives.zmq_group"])
-    q = ctx.Queue()
-    options = dict(group_options, group_timeout=group_timeout or timeout,
-                   secret=secret or job_secret() or new_job_secret())
-    release = ctx.Event()
-    job_dir = cleanup.make_dir("pslab-job-")   # 0700: the store, the stacks, the ranks' ipc dirs + shm notes
-    store_path = os.path.join(job_dir, "store")
-    procs = [ctx.Process(target=_child, args=(r, world_size, store_path, backend, fn, args, q,
-                                              dict(options, launch_timeout=timeout,
-                                                   stacks_path=os.path.join(job_dir, f"rank{r}.txt")), release),
-                         daemon=True, name=f"pslab-rank{r}") for r in range(world_size)]
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
+    job = Job(fn, world_size, backend, args, timeout, group_timeout=group_timeout, start_method=start_method,
+              secret=secret, supervisor=supervisor, group_options=group_options)
+    return job.run(return_exceptions)
+
+
+class Job:
+    """The processes of one `launch`: started, watched, and always reaped (see `launch`)."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, backend: str, args: tuple, timeout: float | None,
+                 *, group_timeout: float | None, start_method: str, secret: str | None,
+                 supervisor: Supervisor | None, group_options: dict[str, Any]) -> None:
+        self.fn, self.world_size, self.backend, self.args, self.timeout = fn, world_size, backend, args, timeout
+        self.supervisor = supervisor
+        self.ctx = mp.get_context(start_method)
+        if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
+            self.ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq",
+                                             "collectives.init", "collectives.zmq_group"])
+        self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
+        gt = group_timeout or timeout or 300.0
+        self.options = dict(group_options, group_timeout=gt, secret=secret or job_secret() or new_job_secret())
+        if supervisor is not None:
+            self.options["heartbeat_s"] = supervisor.heartbeat_s
+            self.options["elastic"] = bool(supervisor.elastic)
+        self.hb = self.ctx.Array("d", world_size * MAX_PROCS, lock=False) if supervisor is not None else None
+        self.release = self.ctx.Event()
+        self.job_dir = cleanup.make_dir("pslab-job-")   # 0700: the store, the stacks, the ranks' ipc dirs + shm
+        self.store_path = os.path.join(self.job_dir, "store")
+        self.procs: dict[int, Any] = {}                  # rank (member) -> its current process
+        self.spawned: dict[int, int] = {r: 0 for r in range(world_size)}   # processes started per rank
+        self.all_procs: list[Any] = []
+        self.results: dict[int, Any] = {}
+        self.gone: set[int] = set()                      # ranks the supervisor let go (dead or hung)
+        self.started_at = time.monotonic()
+        self._inbox: list[tuple] = []
+        self._store: Any = None
+
+    # ------------------------------------------------------------------ what a supervisor may do
+    @property
+    def store(self) -> Any:
+        """The job's rendezvous store (a FileStore), e.g. to publish an elastic membership."""
+        if self._store is None:
+            import torch.distributed as dist
+            self._store = dist.FileStore(self.store_path, -1)
+        return self._store
+
+    @property
+    def secret(self) -> str:
+        return self.options["secret"]
+
+    def pid(self, rank: int) -> int | None:
+        p = self.procs.get(rank)
+        return p.pid if p is not None else None
+
+    def signal(self, rank: int, sig: int) -> bool:
+        """Send `sig` to rank's current process; False if it is not running."""
+        p = self.procs.get(rank)
+        if p is None or p.pid is None or p.exitcode is not None:
+            return False
+        try:
+            os.kill(p.pid, sig)
+        except OSError:
+            return False
+        return True
+
+    def _slot(self, rank: int) -> int:
+        return rank * MAX_PROCS + self.spawned[rank] - 1
+
+    def heartbeat_age(self, rank: int) -> float:
+        """Seconds since rank's current process last beat (supervised launches only); 0 while it starts (before its
+        first beat: a spawned child imports its modules first), up to STARTUP_S."""
+        beat = self.hb[self._slot(rank)]
+        if beat < 0:                         # not beating yet: -(its start time)
+            return max(0.0, time.monotonic() + beat - STARTUP_S)
+        return time.monotonic() - beat
+
+    def spawn(self, rank: int, extra_args: tuple = ()) -> None:
+        """Start a replacement process for `rank` (its previous one must be gone or let go): fn(group, *args,
+        *extra_args). Its result replaces the rank's failure."""
+        if self.spawned[rank] >= MAX_PROCS:
+            raise LaunchError(f"rank {rank} was replaced {MAX_PROCS - 1} times already; not starting another")
+        self.gone.discard(rank)
+        self.results.pop(rank, None)
+        self._start(rank, self.args + tuple(extra_args))
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, r: int, args: tuple) -> None:
+        n = self.spawned[r]
+        slot = r * MAX_PROCS + n
+        if self.hb is not None:
+            self.hb[slot] = -time.monotonic()     # started, not beating yet (see heartbeat_age)
+        opts = dict(self.options, launch_timeout=self.timeout or 1e9,
+                    stacks_path=os.path.join(self.job_dir, f"rank{r}.txt" if n == 0 else f"rank{r}.{n}.txt"))
+        read, write = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(target=_child, args=(r, self.world_size, self.store_path, self.backend, self.fn, args,
+                                                  write, opts, self.release, self.hb, slot),
+                             daemon=True, name=f"pslab-rank{r}" if n == 0 else f"pslab-rank{r}.{n}")
+        self.spawned[r] = n + 1
+        self.procs[r] = p
+        self.all_procs.append(p)
+        try:
             p.start()
-        while len(results) < world_size:
-            try:
-                rank, status, value, tb = q.get(timeout=0.05)
-            except queue.Empty:
-                for r, p in enumerate(procs):  # a rank that died without reporting (SIGKILL, segfault)
-                    if r not in results and p.exitcode is not None and p.exitcode != 0 and q.empty():
-                        time.sleep(0.05)
-                        if not q.empty():
-                            break
-                        fail = RankFailure(r, f"process exited with code {p.exitcode}", exitcode=p.exitcode)
-                        if not return_exceptions:
-                            raise LaunchError(f"rank {r} died with exit code {p.exitcode} before reporting a result")
-                        results[r] = fail
-                if time.monotonic() > deadline:
-                    running = [r for r in range(world_size) if r not in results]
-                    stacks = _hung_stacks({r: procs[r] for r in running}, job_dir)
-                    raise LaunchError(f"launch timed out after {timeout:g}s; ranks {running} had not finished\n"
-                                      f"{stacks}")
-                continue
-            if status == "ok":
-                results[rank] = value
-            elif return_exceptions:
-                results[rank] = RankFailure(rank, value, tb, procs[rank].exitcode)
-            else:
-                raise LaunchError(f"rank {rank} failed: {value}\n--- traceback of rank {rank} ---\n{tb}")
-        release.set()
-        for p in procs:
-            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-    finally:
-        release.set()
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            if p.pid is None:                  # never started
-                continue
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
+        finally:
+            write.close()              # only the child writes: its death reads as EOF here
+        self.conns[read] = r
+
+    def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
+        """A rank died, hung or raised: the supervisor decides whether the job goes on."""
+        sup = self.supervisor
+        if sup is not None:
+            self.gone.add(r)                 # let go (a replacement, if the supervisor spawns one, undoes this)
+            self.results[r] = failure
+            if sup.failed(self, r, failure.error, hung):
+                return
+            self.gone.discard(r)
+            self.results.pop(r, None)
+        if return_exceptions:
+            self.results[r] = failure
+            return
+        if failure.traceback:
+            raise LaunchError(f"rank {r} failed: {failure.error}\n--- traceback of rank {r} ---\n{failure.traceback}")
+        raise LaunchError(f"rank {r} {failure.error}")
+
+    def _receive(self) -> tuple | None:
+        """The next message of any child within 50 ms, or None; a closed pipe (its child exited) is dropped."""
+        if not self._inbox:
+            ready = mp.connection.wait(list(self.conns), timeout=0.05) if self.conns else time.sleep(0.05)
+            for c in ready or ():
+                try:
+                    while c.poll():
+                        self._inbox.append(c.recv())
+                except (EOFError, OSError):
+                    self.conns.pop(c, None)
+                    c.close()
+        return self._inbox.pop(0) if self._inbox else None
+
+    def _unread(self, rank: int) -> bool:
+        """Whether a message of `rank` may still be waiting (its pipe not yet drained to EOF)."""
+        return any(r == rank for r in self.conns.values()) or any(m[0] == rank for m in self._inbox)
+
+    def _pending(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.results]
+
+    def run(self, return_exceptions: bool) -> list[Any]:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        sup = self.supervisor
+        try:
+            if sup is not None:
+                sup.started(self)           # e.g. publish generation 0 before anyone joins
+            for r in range(self.world_size):
+                self._start(r, self.args)
+            while self._pending():
+                msg = self._receive()
+                if msg is None:
+                    self._watch(return_exceptions)
+                    if sup is not None:
+                        sup.tick(self)
+                    if deadline is not None and time.monotonic() > deadline:
+                        running = [r for r in self._pending() if r not in self.gone]
+                        stacks = _hung_stacks({r: self.procs[r] for r in running}, self.job_dir)
+                        raise LaunchError(f"launch timed out after {self.timeout:g}s; ranks {running} had not "
+                                          f"finished\n{stacks}")
+                    continue
+                rank, status, value, tb, slot = msg
+                if status == "msg":
+                    if sup is not None:
+                        sup.message(self, rank, value)
+                elif rank in self.gone or slot != self._slot(rank):
+                    continue                 # a let-go process woke up (SIGCONT) and reported: it is out of the job
+                elif status == "ok":
+                    self.results[rank] = value
+                else:
+                    self._fail(rank, RankFailure(rank, value, tb, self.procs[rank].exitcode), False,
+                               return_exceptions)
+            self.release.set()
+            for p in self.procs.values():
+                p.join(timeout=5.0 if deadline is None else max(0.1, min(5.0, deadline - time.monotonic())))
+        finally:
+            self.release.set()
+            for p in self.all_procs:
+                if p.is_alive():
+                    if p.pid is not None:
+                        try:
+                            os.kill(p.pid, signal.SIGCONT)     # a stopped rank cannot handle SIGTERM
+                        except OSError:
+                            pass
+                    p.terminate()
+            for p in self.all_procs:
+                if p.pid is None:            # never started
+                    continue
                 p.join(timeout=2)
-        q.close()
-        cleanup.sweep(job_dir)                 # also what killed ranks could not remove (collectives/cleanup.py)
-    return [results[r] for r in range(world_size)]
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=2)
+            for c in self.conns:
+                c.close()
+            cleanup.sweep(self.job_dir)      # also what killed ranks could not remove (collectives/cleanup.py)
+        return [self.results[r] for r in range(self.world_size)]
+
+    def _watch(self, return_exceptions: bool) -> None:
+        """Name ranks that died without reporting (SIGKILL, segfault) or whose heartbeat stopped (SIGSTOP, hang)."""
+        for r in self._pending():
+            if r in self.gone:
+                continue
+            p = self.procs[r]
+            if p.exitcode is not None and p.exitcode != 0 and not self._unread(r):
+                how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                       else f"exited with code {p.exitcode}")
+                self._fail(r, RankFailure(r, f"died ({how}) before reporting a result", exitcode=p.exitcode),
+                           False, return_exceptions)
+            elif (self.supervisor is not None and p.exitcode is None
+                  and self.heartbeat_age(r) > self.supervisor.detect_s):
+                age = self.heartbeat_age(r)
+                self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)

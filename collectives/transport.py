@@ -21,6 +21,12 @@ waits for all of them, so a caller may reuse its buffers afterwards.
 Malformed messages (anything `wire.decode_header`, the identity check, the mailbox's routes, the shared-memory
 inbox or the caller's `expect` rejects) are dropped and counted in `dropped`; the rank keeps working. Every wait
 has a timeout that raises `PeerTimeoutError`.
+
+Interrupting a wait (elastic groups, elastic.py): when `interrupt` is set, every wait (`recv`, `flush`, a peer's
+address in the store) calls it at least every `interrupt_every` seconds, and whatever it raises ends the wait (the
+collective's buffers are then undefined). Unset (None, the default), the waits are what they were. `realm` prefixes
+the role names ("<realm>rank:<r>"), so the credentials of one realm (an elastic generation) open no socket of
+another, even one that reuses a port.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import zmq
 
 from . import auth, cleanup, shm, wire
 from .curve import connect_curve, load_keys, serve_curve
-from .errors import AuthError, PeerTimeoutError, RendezvousError, WireError
+from .errors import AuthError, CollectivesError, PeerTimeoutError, RendezvousError, WireError
 from .mailbox import MAILBOX_BYTES, SEQ_WINDOW, Key, Mailbox, routing_key
 
 
@@ -58,7 +64,8 @@ class Transport:
     def __init__(self, rank: int, world_size: int, store: Any, *, timeout: float = 60.0,
                  bind_host: str = "127.0.0.1", use_ipc: bool = True, curve: CurveKeys | None = None,
                  limits: wire.WireLimits = wire.DEFAULT_LIMITS, use_shm: bool = True, secret: str | None = None,
-                 mailbox_bytes: int = MAILBOX_BYTES, seq_window: int = SEQ_WINDOW, namespace: str = "") -> None:
+                 mailbox_bytes: int = MAILBOX_BYTES, seq_window: int = SEQ_WINDOW, namespace: str = "",
+                 realm: str = "") -> None:
         if secret is None and curve is None:
             if world_size > 1:
                 raise AuthError(f"rank {rank}: a {world_size}-rank zmq group listens on tcp://{bind_host} and needs "
@@ -66,6 +73,8 @@ class Transport:
             secret = auth.new_job_secret()       # alone in the world: nobody else needs to know it
         self.rank, self.world_size, self.timeout, self.limits = rank, world_size, timeout, limits
         self.store, self.namespace = store, namespace
+        self.interrupt: Callable[[], None] | None = None   # called by every wait when set (see the module docstring)
+        self.interrupt_every = 0.05
         self.mailbox = Mailbox(rank, mailbox_bytes, seq_window)
         self.dropped = 0
         self.last_drop_reason = ""
@@ -78,8 +87,8 @@ class Transport:
         self._inbox = shm.Inbox(rank)
         self._peer_job: dict[int, str] = {}     # the shm job id each peer published: its segments' names
         self._secret = secret
-        self.user = f"rank:{rank}"
-        users = [f"rank:{r}" for r in range(world_size)]
+        self.user = f"{realm}rank:{rank}"
+        users = [f"{realm}rank:{r}" for r in range(world_size)]
         self._uid_rank = {u: r for r, u in enumerate(users)}
         self.authenticated = secret is not None  # False only under CURVE keys without a secret: src unchecked
         self._curve = load_keys(curve.keys_dir) if curve else None
@@ -128,8 +137,10 @@ class Transport:
     def _address(self, dst: int) -> tuple[str, list[str]]:
         """(host id, endpoints) that rank `dst` published, checked against its signature."""
         try:
-            self.store.wait([f"addr/{dst}"])
+            self._wait_key(f"addr/{dst}")
             record = self.store.get(f"addr/{dst}").decode()
+        except CollectivesError:
+            raise                     # raised by `interrupt`: e.g. a newer elastic membership
         except Exception as e:
             raise RendezvousError(f"rank {self.rank}: no address published by rank {dst} ({e})") from None
         if self._secret is not None:
@@ -140,6 +151,20 @@ class Transport:
         host, *eps = record.split("|")
         self._peer_job[dst] = next((e[6:] for e in eps if e.startswith("shm://")), "")
         return host, eps
+
+    def _wait_key(self, key: str) -> None:
+        """Wait until `key` is in the store (the store's own timeout; polled, and interruptible, under `interrupt`)."""
+        if self.interrupt is None:
+            self.store.wait([key])
+            return
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while not self.store.check([key]):
+            self.interrupt()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{key} not in the store after {self.timeout:g}s")
+            time.sleep(pause)
+            pause = min(2 * pause, self.interrupt_every)
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _peer_socket(self, dst: int) -> zmq.Socket:
@@ -211,10 +236,17 @@ class Transport:
         """Wait until ZeroMQ no longer needs any buffer passed to `send`."""
         deadline = time.monotonic() + self.timeout
         for t in self._trackers:
-            try:
-                t.wait(max(0.0, deadline - time.monotonic()))
-            except zmq.NotDone:
-                raise PeerTimeoutError(op, seq, peer, self.timeout, "send buffer still held by ZeroMQ") from None
+            while True:
+                remaining = max(0.0, deadline - time.monotonic())
+                try:
+                    t.wait(remaining if self.interrupt is None else min(remaining, self.interrupt_every))
+                    break
+                except zmq.NotDone:
+                    if time.monotonic() >= deadline:
+                        raise PeerTimeoutError(op, seq, peer, self.timeout, "send buffer still held by ZeroMQ") \
+                            from None
+                    if self.interrupt is not None:
+                        self.interrupt()
         self._trackers.clear()
 
     # ---- receiving ----------------------------------------------------------------------------------------------
@@ -243,6 +275,9 @@ class Transport:
                 self.drop(str(e))
         while True:
             remaining = deadline - time.monotonic()
+            if self.interrupt is not None:
+                self.interrupt()
+                remaining = min(remaining, self.interrupt_every)
             if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
                 if time.monotonic() >= deadline:
                     detail = (f"{self.dropped - dropped} message(s) dropped meanwhile, the last: "
@@ -286,10 +321,11 @@ class Transport:
             msg.tensors["0"] = self._inbox.view(src, h["meta"]["shm"], self._peer_job[src])
         return got, h, msg
 
-    def close(self, linger: float = 5.0) -> None:
-        """Close all sockets; messages still queued get up to `linger` seconds to reach live peers."""
-        for s in self._push.values():
-            s.close(int(linger * 1000))
+    def close(self, linger: float = 5.0, lingers: dict[int, float] | None = None) -> None:
+        """Close all sockets; messages still queued get up to `linger` seconds to reach live peers (`lingers`: per
+        peer rank, e.g. 0 for a dead one, whose queue would otherwise hold the close for `linger`)."""
+        for dst, s in self._push.items():
+            s.close(int((lingers or {}).get(dst, linger) * 1000))
         for box in self._outbox.values():
             box.close()
         self._inbox.close()

@@ -14,16 +14,23 @@ that runs another collective (or another size) at the same sequence number is re
 (`CollectiveMismatchError`). The group's route (`_route`) tells the mailbox which keys it may file: members only,
 one tensor per message, keys of the shapes below, sequence numbers from the collective in progress on (p2p: counts
 from the receives done); every payload taken must have the size and dtype of the slice it lands in, else it is
-dropped (`WireError`) and the wait goes on.
+dropped (`WireError`) and the wait goes on. Until a rank creates its next sub-group (`new_group`), messages for it
+are filed under this group's members and floors 0 (a peer that created it first may already send).
 
     collectives  [gid, seq, step, segment], [gid, seq, "ack" | "d" | "up" | "down"], [gid, seq, segment]
     p2p          ["p2p", gid, tag, count]
+
+`interrupt` (the transport's: see transport.py) is called by every wait of the group and its sub-groups when set;
+an elastic group (elastic.py) raises `MembershipChanged` from it. What it interrupts leaves that collective's
+buffers undefined.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -105,6 +112,7 @@ class ZmqGroup(ProcessGroup):
         self._cur: tuple[str, int, int] = ("", -1, -1)  # (op, seq, numel) of the collective in progress
         self._member = {g: i for i, g in enumerate(self.ranks)}   # global rank -> group rank
         transport.mailbox.routes[gid] = self._route
+        self._expect_child()
 
     # ---- messaging with accounting -----------------------------------------------------------------------------
     def _send(self, dst: int, op: str, key: tuple, t: torch.Tensor, mode: str = "copy", base: torch.Tensor | None = None
@@ -151,6 +159,15 @@ class ZmqGroup(ProcessGroup):
             raise WireError(f"collective key must be [group, seq, step/segment/part...], got {key!r:.80}")
         if not wanted:
             self.tr.mailbox.in_window("collective", key[1], max(self._cur[1], 0), sender, key)
+
+    def _expect_child(self) -> None:
+        """A peer may create the next sub-group and send to this rank before this rank has created it: until then,
+        messages for it are filed if a member of this group could have sent them for the sub-group's first
+        collectives (`_route` with this group's members and floors 0); `new_group` then installs the sub-group's
+        own route (or removes this one where this rank is not a member)."""
+        gid = f"{self.gid}.{self._children + 1}"
+        pending = SimpleNamespace(gid=gid, tr=self.tr, _member=self._member, _cur=("", -1, -1), _p2p_floor={})
+        self.tr.mailbox.routes[gid] = partial(ZmqGroup._route, pending)
 
     def _check(self, sender: int, h: dict) -> None:
         k = h["meta"]["k"]
@@ -369,12 +386,24 @@ class ZmqGroup(ProcessGroup):
             raise ValueError(f"new_group ranks {ranks} must be distinct members of this group {self.ranks}")
         self._children += 1
         gid = f"{self.gid}.{self._children}"
+        self._expect_child()
         if self.tr.rank not in ranks:
+            self.tr.mailbox.routes.pop(gid, None)
             return None
         return ZmqGroup(self.tr, ranks, gid, small_bytes=self.small_bytes, segment_bytes=self.segment_bytes,
                         traffic=TrafficCounter(), owns_transport=False)
 
-    def destroy(self) -> None:
+    @property
+    def interrupt(self) -> Callable[[], None] | None:
+        return self.tr.interrupt
+
+    @interrupt.setter
+    def interrupt(self, fn: Callable[[], None] | None) -> None:
+        self.tr.interrupt = fn
+
+    def destroy(self, linger: float = 5.0, lingers: dict[int, float] | None = None) -> None:
+        """Close the transport (if this group owns it); queued messages get `linger` s to reach live peers
+        (`lingers`: per peer rank; 0 drops them, e.g. for a dead peer)."""
         if self._owns and self.tr is not None:
-            self.tr.close()
+            self.tr.close(linger, lingers)
             self.tr = None  # type: ignore[assignment]

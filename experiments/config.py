@@ -177,6 +177,11 @@ class RunConfig:
         self.stragglers.validate(t.workers)
         _validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
         self.faults.validate(t.workers, t.shards, s.kind)
+        split = self.parallel.model_parallel > 1 or self.parallel.zero > 0
+        if split and self.faults.policy(s.kind, split) != "abort":
+            raise ConfigError(f"faults.on_failure = {self.faults.on_failure}: a run that splits the model "
+                              f"({self.parallel.describe()}) cannot re-cut it around a lost rank; use abort (or auto) "
+                              "and resume from an engine checkpoint (faults.checkpoint_every, pslab run --resume)")
         m = self.simulate
         for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:

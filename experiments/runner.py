@@ -83,9 +83,10 @@ def default_label(cfg: RunConfig, simulated: bool) -> str:
 
 
 def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None, simulate: bool | None = None,
-            quiet: bool = False, force: bool = False) -> RunDir:
+            quiet: bool = False, force: bool = False, resume: RunDir | None = None) -> RunDir:
     """Run `cfg` and return its run directory (summary.json written on success). `force`: allow more processes
-    than `check_processes` admits on this machine."""
+    than `check_processes` admits on this machine. `resume`: continue that run directory from its newest valid
+    engine checkpoint, appending to its records (`strategies/resume.py`; cfg from `resume.resume_config`)."""
     import torch
     torch.set_num_threads(1)  # this process too (and so the forked workers) — the machines here have 2 cores
     sim = (cfg.simulate.enabled or cfg.simulate.timing_only) if simulate is None else simulate
@@ -94,13 +95,21 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     if sim:
         cfg.simulate.enabled = True
         cfg.validate()
+    if sim and resume is not None:
+        raise ConfigError("--resume continues a real run from its engine checkpoints; drop --simulate")
     if not sim:
         check_processes(cfg, force)
     wl = _preload(cfg)
     if not sim:
         check_layout(cfg, wl)
     label = label or default_label(cfg, sim)
-    rd = RunDir.create(root, label, cfg, {"label": label, "simulated": sim})
+    plan = None
+    if resume is not None:
+        from experiments.strategies import resume as resuming
+        rd, plan = resume, resuming.prepare(cfg, resume)
+        label = json.loads((rd.path / "env.json").read_text()).get("label", label)
+    else:
+        rd = RunDir.create(root, label, cfg, {"label": label, "simulated": sim})
     total = cfg.train.workers * cfg.train.steps
     bar = tqdm(total=total, desc=label[:34].ljust(34), unit="grad", disable=quiet, leave=not quiet)
     extra: dict[str, Any] = {}
@@ -117,6 +126,8 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
             extra = summary_fields(cfg, results)
         ok = True
     finally:
+        if plan is not None:
+            resuming.append_parts(cfg, rd, plan)
         collect(cfg, rd, results)
         done = _count_lines([rd.metrics_path])       # the poller samples; end the bar on the true count
         if done > bar.n:

@@ -18,6 +18,8 @@ Files, one idea each:
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     checkpointing.py activation checkpointing and the saved-activation meter
     export.py        gather_full_state: the full single-process model reassembled from one replica's ranks
+    snapshot.py      a rank's state as pieces of the full tensors (+ optimizer, RNG): capture / restore_into, re-cut
+    state_io.py      sharded engine checkpoints: a file per rank, a manifest commits the step, load re-cuts them
     plot.py          the pipeline timeline picture (`pslab schedule`)
     models.py        small MLP and GPT-style models the engines are tested on
 
@@ -30,6 +32,7 @@ from .data import DataParallel, DataParallelEngine, GradReducer
 from .engine import (AllReduceStrategy, Engine, EngineError, LocalReplica, ParamSlot, Replica, SyncStrategy,
                      train_step)
 from .export import gather_full_state
+from .snapshot import SnapshotError, capture, restore_into
 from .mesh import DeviceMesh, MeshError, MeshLayout
 from .pipeline import PipelineEngine, PipelineReplica, bubble_fraction
 from .schedule import Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b, simulate
@@ -41,7 +44,7 @@ from .zero_memory import StateBytes, zero_bytes_per_rank
 __all__ = [
     "ActivationMeter", "CheckpointWrapper", "Comm", "CommLog", "DataParallel", "DataParallelEngine", "GradReducer",
     "AllReduceStrategy", "Engine", "EngineError", "LocalReplica", "ParamSlot", "Replica", "SyncStrategy",
-    "train_step", "gather_full_state", "DeviceMesh", "MeshError", "MeshLayout", "PipelineEngine", "PipelineReplica",
+    "train_step", "gather_full_state", "SnapshotError", "capture", "restore_into", "DeviceMesh", "MeshError", "MeshLayout", "PipelineEngine", "PipelineReplica",
     "bubble_fraction",
     "Action", "PipelineSchedule", "ScheduleError", "gpipe", "make_schedule", "one_f_one_b", "simulate",
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelEngine",

@@ -18,7 +18,8 @@ Where each mechanism lives:
     parking.py      reads that wait at the consistency gate (parked, retried, timed out)
     admission.py    who may do what: handshake identities (PLAIN / CURVE User-Id), one live registration per
                     worker, owner-only init, admin-only checkpoint/shutdown; the job-secret helpers
-    processes.py    start_servers / ServerGroup: the one way to start shard processes (slot groups, fork/spawn)
+    processes.py    start_servers / ServerGroup: the one way to start shard processes (slot groups, fork/spawn);
+                    heartbeats, check(): dead/hung shard detection and restart on the same address
     client.py       PSClient / connect: DEALER per shard, push / pull / push_pull futures, grad_buffers
     admin.py        AdminClient / connect_admin: the job controller's connection (init, checkpoint, shutdown)
     handshake.py    a client's authenticated sockets; a refused handshake is an AuthenticationError at once
@@ -75,7 +76,8 @@ Server and client::
                             idle_timeout=600.0, start_timeout=60.0, secret=None, nonfinite="reject") -> ServerGroup
         # `groups` independent shard sets ("slot groups": one per pipeline stage x tp coordinate), each of num_shards
         # shards serving num_workers workers; all start in parallel; a failure stops all and raises PSError
-        # ("shard 1 of slot group 0 failed to start: ..."). Shards ignore SIGINT, exit on SIGTERM, run 1 torch thread.
+        # ("shard 1 of slot group 0 failed to start: ..."). Shards ignore SIGINT, on SIGTERM write a final
+        # checkpoint (with checkpoint_dir) and exit, run 1 torch thread.
         # checkpoint_dir/shard-<i> (g<g>-shard-<i> with groups > 1). Beyond loopback needs curve_keys_dir.
         # secret: the job secret every shard admits (default: PSLAB_JOB_SECRET[_FILE], else a new one; nothing is
         # written to the environment: clients in this process find it by the shards' addresses); nonfinite: "reject" | "skip" NaN/Inf pushes.
@@ -83,7 +85,11 @@ Server and client::
     servers.admin(group=0, params=None)     # AdminClient of that group (checkpoint, shutdown, stats, init)
     servers.group_addresses[g]              # group g's shard addresses, in shard order (what connect takes)
     servers.addresses                       # flat, group-major; with groups=1 == group_addresses[0]
-    servers.kill(shard, sig=SIGKILL, group=0) / .alive(shard, group=0) / .start(shard, group=0) -> new address
+    servers.kill(shard, sig=SIGKILL, group=0) / .alive(shard, group=0) / .start(shard, group=0) -> its address
+    servers.check(detect_s, restart=True) -> list[dict]   # events.jsonl dicts: "detect" / "shard_restart" / "abort"
+        # (who "shard:<i>", how, detect_s, lost_updates, restored_version, checkpoint, restart_s; time_s None)
+    servers.heartbeat(shard, group=0) -> (monotonic time, version)    servers.restarts, servers.who(shard, group)
+    servers.set_members(alive, version) -> list[dict]     # every group's shards; re-sent to a restarted shard
     servers.processes, servers.configs[g][i], servers.stop()            # also a context manager
     serve(ServerConfig(bind="tcp://127.0.0.1:0", shard_id=0, num_workers=1, policy="asp",
                        optimizer="sgd:lr=0.01",    # OptimizerSpec | str, held as an OptimizerSpec (cfg.spec typed)
@@ -103,9 +109,14 @@ Server and client::
     client.stats(series=False)              # Future[list of per-shard dicts: version, clocks, stats (summary),
                                             #   counters, and with series=True [[now, worker, tau, version], ...]]
     client.resync()                         # adopt the shards' clocks/versions (after an error or a restart)
+    client.restarts, client.last_restart    # restarts seen at resync: {shard, restored_version, lost_updates, ...}
+    client.lost, client.checkpoint_errors   # shards dropped since the last register (ShardLostError until resync);
+                                            # per shard: the failed periodic checkpoint its last push ack reported
     client.close()
     admin = connect_admin(addresses, params=None, secret=None)            # authenticated as "admin"
     admin.checkpoint() / admin.shutdown_servers() / admin.stats() / admin.init(params) / admin.close()
+    admin.set_members(alive, version)       # versioned membership: gates stop waiting for the dead (ps/README.md)
+    st.set_members(alive, version, now=None), st.members, st.membership_version, st.membership_log, st.rejoin_clock()
 
 Who may do what (ps.admission): a connection proves "worker:<w>" or "admin" at the handshake; it registers and
 pushes/pulls only as that worker, one live registration per worker id; init by worker 0 or admin, once;

@@ -3,6 +3,7 @@ read stats, checkpoint and shut the shards down -- the operations a worker's con
 
     with servers.admin() as admin:               # ServerGroup.admin(): same addresses, the group's secret
         admin.checkpoint().result()              # Future[list of {path, version}]
+        admin.set_members([0, 1, 3], version=1).result()   # worker 2 is gone: the gates stop waiting for it
         admin.shutdown_servers()
 
 An admin client does not register (it is no worker: no clock, no push, no pull, no shared-memory path); connecting
@@ -18,7 +19,6 @@ from .admission import ADMIN
 from .client import PSClient
 from .errors import ConfigError, PSError
 from .futures import metas
-from .handshake import await_handshake
 
 _NO_MODEL = {"(no model)": (1,)}        # an admin client made without params only needs some partition
 
@@ -34,7 +34,7 @@ class AdminClient(PSClient):
 
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """No registration: ping every shard, which proves the handshake."""
-        await_handshake(self._all("ping"), self._monitors, self.addresses, self.user, self.timeout + 1)
+        self._all("ping").result(self.timeout + 1)     # a refused handshake: AuthenticationError (ps.client)
         return []
 
     def init(self, params: Mapping[str, Any]) -> Future:
@@ -46,6 +46,14 @@ class AdminClient(PSClient):
     def checkpoint(self) -> Future:
         """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""
         return metas(self._all("checkpoint"))
+
+    def set_members(self, alive: Sequence[int], version: int) -> Future:
+        """Make `alive` the workers every shard waits for, as membership `version` (> the last one; repeating the
+        same version and set is a no-op). Removed workers' registrations are dropped and the reads and clocks that
+        waited only for them go on; a re-admitted worker starts at the committed clock (aggregating policies) or the
+        slowest live clock, after its resync(). Future[list of per shard {members, version, committed, clocks,
+        shard_version}]."""
+        return metas(self._all("members", {"alive": [int(w) for w in alive], "version": int(version)}))
 
     def shutdown_servers(self, timeout: float = 10.0) -> None:
         """Ask every shard to checkpoint (if configured) and exit."""

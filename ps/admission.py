@@ -12,7 +12,8 @@ the handshake: none of its messages reaches the shard. Every message then carrie
     push, pull             only on a registered connection, as the worker it registered as (header src == w)
     init                   only the designated owner: registered worker 0, or "admin"; once (a second one is an
                            AlreadyInitializedError)
-    checkpoint, shutdown   only "admin" (the job's controller: whoever started the shards)
+    checkpoint, shutdown,  only "admin" (the job's controller: whoever started the shards)
+    members
     stats, ping            any authenticated connection
 
 One live registration per worker id: a second connection registering as w is refused (DuplicateWorkerError)
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .errors import AccessDeniedError, ConfigError, DuplicateWorkerError, ProtocolError
+from .errors import AccessDeniedError, ConfigError, DuplicateWorkerError, NotRegisteredError, ProtocolError
 from .protocol import ADMIN_OPS
 
 from collectives import auth
@@ -145,8 +146,8 @@ class Admission:
                                                          else ", not registered"))
         elif op in ("pull", "push"):
             if p.worker is None:
-                raise ProtocolError(f"{op} from an unregistered connection; send 'register' with your worker id "
-                                    "first")
+                raise NotRegisteredError(f"{op} from an unregistered connection; send 'register' with your worker id "
+                                         "first (after a shard restart: client.resync())")
             if src != p.worker:
                 raise AccessDeniedError(f"{op} claims worker {src} but this connection registered as worker "
                                         f"{p.worker}")

@@ -21,6 +21,18 @@ client, so that it (and only it) may re-register on a new connection while the o
 The client computes the same `Partition` as every other worker (pure function of names, shapes, shard count),
 splits gradients into per-shard flat slices (zero-copy views: do not modify the tensors until the push's future is
 done), and remembers, per shard, its clock and the version its last pull returned (sent with the next push).
+
+Shard restarts. Each socket's monitor is read together with the replies (before them, so the order holds): a
+"disconnected" event after a successful handshake means the shard died or is being restarted; every request in
+flight to it fails at once with ShardLostError (it may never be answered; it is not resent, since the shard may
+have applied it), and so does every later request to it until `resync()`. The DEALER reconnects by itself to the
+same address; `resync()` queues a register that the new incarnation answers, re-negotiates shared memory and adopts
+the restored clocks and versions. A register reply naming another `incarnation` than before is a restart: it is
+appended to `restarts` ({shard, restored_version, lost_updates, restored_from}; lost_updates = the highest version
+this client saw from that shard minus the restored one: a lower bound, the shard's parent knows it exactly). A push
+on a connection the shard does not know (a request queued before the reconnect) is answered NotRegisteredError.
+A push ack carrying `checkpoint_error` (the shard's periodic checkpoint failed) warns once per shard
+(CheckpointWarning) and is kept in `checkpoint_errors[shard]` until an ack without it.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import itertools
 import secrets
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -40,10 +53,11 @@ import zmq
 from collectives.errors import WireError
 from collectives.wire import decode, encode
 
-from .admission import secret_for, worker_user
-from .errors import ConfigError, PSError, RequestTimeoutError, error_from_reply
+from .admission import ADMIN, secret_for, worker_user
+from .errors import (CheckpointWarning, ConfigError, PSError, RequestTimeoutError, ShardLostError,
+                     error_from_reply)
 from .futures import LazyFuture, gather, mapped, metas
-from .handshake import await_handshake, open_sockets, stop_monitors
+from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
 from . import shm_path
 from .protocol import CLIENT_LIMITS
@@ -96,6 +110,16 @@ class PSClient:
         self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
         self.versions = [0] * len(self.addresses)
+        n = len(self.addresses)
+        self.incarnations: list[str | None] = [None] * n     # the shard process each register reply came from
+        self.restarts: list[dict[str, Any]] = []              # restarts seen at resync (module docstring)
+        self.disconnects = [0] * n
+        self.checkpoint_errors: list[str | None] = [None] * n
+        self._warned = [False] * n
+        self._seen = [0] * n                                  # highest shard version any reply named
+        self._handshaken = [False] * n                        # a handshake succeeded once (so a drop is a loss)
+        self._lost: set[int] = set()                          # dropped since the last register
+        self._refused: dict[int, PSError] = {}                # shard -> its refused handshake (until one succeeds)
         self._seq = itertools.count(1)
         self._ctx = context or zmq.Context.instance()
         self._pending: dict[tuple[int, int], _Pending] = {}
@@ -103,8 +127,9 @@ class PSClient:
         self._closed = False
         self._socks, self._monitors = open_sockets(self._ctx, self.addresses, self.user, secret, curve_keys_dir)
         self._poller = zmq.Poller()
-        for sock in self._socks:
+        for sock in self._socks + self._monitors:
             self._poller.register(sock, zmq.POLLIN)
+        self._monitor_of = {m: i for i, m in enumerate(self._monitors)}
         self._links = [ClientLink(self.worker, i, shm_path.wanted(a) if shm is None else bool(shm))
                        for i, a in enumerate(self.addresses)]
         try:
@@ -112,9 +137,6 @@ class PSClient:
         except BaseException:
             self.close()
             raise
-        finally:
-            stop_monitors(self._socks, self._monitors)
-            self._monitors = []
         for i, (r, _) in enumerate(self.registration):
             mine = {s.key: s.numel for s in self._keys_of[i]}
             theirs = {k: int(np.prod(v)) for k, v in r.get("keys", {}).items()}
@@ -128,12 +150,29 @@ class PSClient:
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
         per = [(dict({"worker": self.worker, "token": self._token}, **link.probe()), None) for link in self._links]
-        regs = await_handshake(self._all("register", per_shard=per), self._monitors, self.addresses, self.user,
-                               self.timeout + 1)
+        regs = self._all("register", per_shard=per).result(self.timeout + 1)
         for i, (r, _) in enumerate(regs):
             self._links[i].accept(r)
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
+            inc = r.get("incarnation")
+            if self.incarnations[i] is not None and inc != self.incarnations[i]:
+                self.restarts.append({"shard": i, "restored_version": int(r["version"]),
+                                      "lost_updates": max(0, self._seen[i] - int(r["version"])),
+                                      "restored_from": r.get("restored_from"), "clock": int(r["clock"])})
+            self.incarnations[i] = inc if isinstance(inc, str) else None
+            self._seen[i] = int(r["version"])
+            self._lost.discard(i)
         return regs
+
+    @property
+    def last_restart(self) -> dict[str, Any] | None:
+        """The last shard restart this client resynced after ({shard, restored_version, lost_updates, ...})."""
+        return self.restarts[-1] if self.restarts else None
+
+    @property
+    def lost(self) -> list[int]:
+        """Shards whose connection dropped since this client last registered (resync() to use them again)."""
+        return sorted(self._lost)
 
     @property
     def shm(self) -> list[bool]:
@@ -145,6 +184,12 @@ class PSClient:
         if self._closed:
             raise PSError("this client is closed; call ps.connect again")
         fut = LazyFuture(self._drive)
+        if shard in self._refused:           # the handshake failed, maybe before anything was sent: say so at once
+            fut.set_exception(self._refused[shard])
+            return fut
+        if shard in self._lost and op != "register" and self.user != ADMIN:
+            fut.set_exception(self._lost_error(shard, op))
+            return fut
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             seq = next(self._seq)
@@ -173,6 +218,12 @@ class PSClient:
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
              timeout: float | None = None) -> Future:
         """Send to every shard in parallel; a Future of the list of replies (shard order), first error wins."""
+        with self._lock:
+            self._watch()                 # a shard that dropped meanwhile fails fast instead of never answering
+            if self._lost and op != "register" and self.user != ADMIN:   # and nothing goes to the others either:
+                fut = LazyFuture(self._drive)                              # no clock moves on a surviving shard
+                fut.set_exception(self._lost_error(min(self._lost), op))
+                return fut
         futs = [self._request(i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
                               None if per_shard is None else per_shard[i][1], timeout)
                 for i in range(len(self.addresses))]
@@ -248,8 +299,11 @@ class PSClient:
 
     def resync(self) -> list[int]:
         """Re-register and adopt each shard's clock and version for this worker (after an error or a shard
-        restart); returns the clocks."""
-        self._register()
+        restart); returns the clocks. The shards answer this connection's parked reads with an error first (a lost
+        shard's requests have failed already: ShardLostError)."""
+        with self._lock:
+            self._watch()
+        self.registration = self._register()
         return list(self.clocks)
 
     def ping(self) -> Future:
@@ -298,15 +352,55 @@ class PSClient:
                 if fut.done() or self._closed:
                     break
                 wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
-                for sock, _ in self._poller.poll(wait_ms):
-                    i = self._socks.index(sock)
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_reply(i, frames)
+                ready = self._poller.poll(wait_ms)
+                if any(sock in self._monitor_of for sock, _ in ready):
+                    self._watch()         # first: a drop is noted before any reply of the new incarnation
+                for sock, _ in ready:
+                    if sock not in self._monitor_of:
+                        self._drain(self._socks.index(sock))
                 self._expire(time.monotonic())
+
+    def _drain(self, shard: int) -> None:
+        """Dispatch every reply waiting on shard's socket."""
+        sock = self._socks[shard]
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_reply(shard, frames)
+
+    def _watch(self) -> None:
+        """Read every socket monitor: a refused handshake fails that shard's requests (AuthenticationError); a drop
+        after a handshake marks the shard lost and fails its requests in flight (ShardLostError)."""
+        for mon, i in self._monitor_of.items():
+            for event in read_events(mon):
+                if event & HANDSHAKE_FAILED:
+                    self._refused[i] = refused(i, self.addresses[i], self.user, event)
+                    self._fail_shard(i, self._refused[i])
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._refused.pop(i, None)
+                    self._handshaken[i] = True
+                    if self.user == ADMIN:             # nothing to re-register: usable again
+                        self._lost.discard(i)
+                elif event == zmq.EVENT_DISCONNECTED and self._handshaken[i]:
+                    self._handshaken[i] = False
+                    self._drain(i)                     # answers that came before the drop are good answers
+                    self._lost.add(i)
+                    self.disconnects[i] += 1
+                    self._fail_shard(i, None)
+
+    def _lost_error(self, shard: int, op: str, seq: int | None = None) -> ShardLostError:
+        what = f"request #{seq} ({op})" if seq is not None else f"{op}"
+        return ShardLostError(f"shard {shard} ({self.addresses[shard]}) dropped the connection (it died or is "
+                              f"being restarted): {what} not answered; call resync() once it is back")
+
+    def _fail_shard(self, shard: int, exc: Exception | None) -> None:
+        for key in [k for k in self._pending if k[0] == shard]:
+            p = self._pending.pop(key)
+            self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
+            if not p.future.done():
+                p.future.set_exception(exc if exc is not None else self._lost_error(shard, "request", key[1]))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
@@ -324,6 +418,7 @@ class PSClient:
         pend = self._pending.pop((shard, msg.seq), None)
         if pend is None:
             return
+        self._note(shard, msg.meta)
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
             if msg.op == "error":
@@ -335,6 +430,23 @@ class PSClient:
             if not pend.future.done():
                 pend.future.set_exception(PSError(f"shard {shard} sent a reply this client cannot use: "
                                                   f"{type(e).__name__}: {e} (shared-memory replies are now off)"))
+
+    def _note(self, shard: int, meta: Any) -> None:
+        """Remember the highest version a reply named, and a push ack's checkpoint_error (warned once per shard)."""
+        if not isinstance(meta, dict):
+            return
+        for m in (meta, meta.get("read")):
+            v = m.get("version") if isinstance(m, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                self._seen[shard] = max(self._seen[shard], v)
+        if "status" not in meta:
+            return
+        err = meta.get("checkpoint_error")
+        self.checkpoint_errors[shard] = str(err)[:2000] if err is not None else None
+        if err is not None and not self._warned[shard]:
+            self._warned[shard] = True
+            warnings.warn(f"{str(err)[:2000]} (pushes go on; a restart would lose the updates since)",
+                          CheckpointWarning, stacklevel=2)
 
     def _fail_all(self, exc: Exception) -> None:
         for p in self._pending.values():
@@ -348,6 +460,8 @@ class PSClient:
                 return
             self._closed = True
             self._fail_all(PSError("client closed with requests in flight"))
+            stop_monitors(self._socks, self._monitors)
+            self._monitors, self._monitor_of = [], {}
             for sock in self._socks:           # tell each shard to forget this connection (best effort)
                 try:
                     sock.send_multipart(encode("unregister", None, seq=next(self._seq), src=self.worker, meta={}),

@@ -6,6 +6,7 @@ credentials derived from the job's secret (`secret`, else PSLAB_JOB_SECRET[_FILE
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from dataclasses import dataclass, field
@@ -19,6 +20,20 @@ from .errors import CheckpointError, ConfigError
 from .optim import OptimizerSpec, optimizer_from_string
 
 NONFINITE_POLICIES = ("reject", "skip")
+
+
+def check_writable_dir(directory: str) -> None:
+    """Make `directory` (and its parents) and prove it writable by creating and removing a probe file; ConfigError
+    naming the cause otherwise (a parent that is a regular file, a read-only file system, no permission). Root
+    passes every os.access check, so only a real write tells."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".pslab-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"checkpoint_dir {directory!r} is not a writable directory ({e.strerror or e}): choose "
+                          "another directory") from None
 
 
 @dataclass
@@ -46,6 +61,8 @@ class ServerConfig:
     max_shm_links: int = 0                # shared-memory links held at once (0: one per worker)
     sweep_interval: float = 1.0           # seconds between liveness checks of quiet connections
     shm_idle_timeout: float = 30.0        # free a link's reply segment unused this long (re-made on demand)
+    restore_max_version: int | None = None  # restore the newest checkpoint of at most this version (a slot
+                                            # group's common restore point, ps.processes); None: the newest
 
     def __post_init__(self) -> None:
         self.optimizer = optimizer_from_string(self.optimizer)
@@ -75,11 +92,10 @@ class ServerConfig:
         elif not os.path.isdir(os.path.dirname(self.bind[len("ipc://"):]) or "."):
             raise ConfigError(f"bind address {self.bind!r}: the directory of the ipc path does not exist")
         if self.checkpoint_dir:
-            d = Path(self.checkpoint_dir)
-            parent = next((q for q in (d, *d.parents) if q.exists()), Path("."))
-            if not os.access(parent, os.W_OK):
-                raise ConfigError(f"checkpoint_dir {self.checkpoint_dir!r} is not writable (by this user): choose "
-                                  "another directory")
+            check_writable_dir(self.checkpoint_dir)
+        if self.restore_max_version is not None and not (isinstance(self.restore_max_version, int)
+                                                         and self.restore_max_version >= 0):
+            raise ConfigError(f"restore_max_version must be None or an integer >= 0; got {self.restore_max_version!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; got {self.nonfinite!r}")
         if not (self.max_shm_links >= 0 and self.sweep_interval > 0 and self.shm_idle_timeout >= 0):

@@ -59,6 +59,29 @@ class DuplicateWorkerError(AccessDeniedError):
     client): close the other client first, or connect as another worker."""
 
 
+class MembershipError(ProtocolError):
+    """A membership change is malformed or stale (its version is not newer than the shard's)."""
+
+
+class NotAMemberError(ProtocolError):
+    """A worker removed from the membership pushed or pulled: the controller must re-admit it (set_members), then the
+    worker calls resync()."""
+
+
+class NotRegisteredError(ProtocolError):
+    """A push or pull on a connection that is not registered: after a shard restart, the client must resync()."""
+
+
+class ShardLostError(PSError):
+    """The connection to a shard dropped (it died or was restarted) with requests in flight; call resync() once it is
+    back (the requests are not retried: the shard may or may not have applied them)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A shard's periodic checkpoint failed (the push that triggered it was applied; the last good checkpoint
+    stays the restore point)."""
+
+
 class AlreadyInitializedError(ProtocolError):
     """A second `init`: the shard already holds parameters (from the first init, or restored from a checkpoint)."""
 
@@ -91,7 +114,8 @@ class RemoteError(PSError):
 ERROR_CLASSES: dict[str, type[PSError]] = {c.__name__: c for c in (
     PSError, ConfigError, ProtocolError, UnknownKeyError, ShapeError, DuplicateRequestError, ClockError,
     NotInitializedError, NonFiniteGradientError, AccessDeniedError, DuplicateWorkerError, AlreadyInitializedError,
-    ShmLimitError, AuthenticationError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError)}
+    ShmLimitError, AuthenticationError, GateTimeoutError, RequestTimeoutError, CheckpointError, RemoteError,
+    MembershipError, NotAMemberError, NotRegisteredError, ShardLostError)}
 
 
 def error_from_reply(kind: str, message: str, shard: int | None = None) -> PSError:

@@ -10,8 +10,19 @@ the parallelism engines (one shard set per *slot group*: pipeline stage x tensor
 Every process is started first and then all are awaited (start-up runs in parallel; forked shards start in
 milliseconds, spawned ones import torch afresh). If any shard fails or is late, everything started is stopped and a
 PSError names the shard and its slot group. A server process ignores SIGINT (its parent stops it, so a Ctrl-C in the
-terminal prints no tracebacks from shards), exits at once on SIGTERM, runs torch with one thread, and exits by itself
-after `idle_timeout` seconds without a message (so an orphan does not linger).
+terminal prints no tracebacks from shards), on SIGTERM finishes the message at hand, writes a final checkpoint (with
+a checkpoint_dir) and exits, runs torch with one thread, and exits by itself after `idle_timeout` seconds without a
+message (so an orphan does not linger).
+
+Liveness and restart (`ServerGroup.check`, called from the job's supervisor loop in the parent; no thread):
+every shard writes (time.monotonic(), version) into its slot of a shared double array (`multiprocessing.RawArray`,
+fork- and spawn-safe) at each loop iteration (<= 50 ms apart) and after each push. A shard is dead when its process
+has exited (any exit: a shard never ends on its own during a run) and hung when its beat is older than detect_s
+(then it is SIGKILLed). Either is restarted from its latest valid checkpoint on the SAME address (the ipc path or tcp
+port it first bound), so the clients' DEALER sockets reconnect by themselves; updates lost = the last version the
+shard reported minus the version it restored. Under an aggregating policy a slot group of several shards restarts
+together from its newest common checkpoint version, so that all its shards hold the same clock. Each incarnation notes its shared-memory segments in a sweep
+directory of its own, swept as soon as it is dead.
 
 Authentication: the shards admit only holders of the job's secret (ps.admission). `start_servers(secret=...)` uses
 the given one, else PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE, else makes a new one. Nothing is
@@ -23,9 +34,11 @@ The secret reaches the shard processes through their start-up arguments, never t
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -33,16 +46,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from collectives import cleanup
 
 from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
+from .checkpoint import list_checkpoints
+from .consistency import policy_from_string
 from .errors import ConfigError, PSError
 from .optim import OptimizerSpec, optimizer_from_string
 from .server import ServerConfig, ShardServer
 
 START_METHODS = ("spawn", "fork")
+_CKPT = re.compile(r"ckpt-(\d{12})\.pslab")
 TRANSPORTS = ("tcp", "ipc")
 
 
@@ -54,11 +70,13 @@ def _warm_up_torch_optim() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None) -> None:
-    """A shard server process: report ("ok", address) or ("error", why) through `conn`, then serve until stopped.
-    Its shared-memory segments are noted in `sweep_dir`, which the ServerGroup sweeps when it stops the shard."""
+def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None, beats: Any = None,
+                 slot: int = 0) -> None:
+    """A shard server process: report ("ok", address, restore info) or ("error", why) through `conn`, then serve
+    until stopped. Its shared-memory segments are noted in `sweep_dir`, which the ServerGroup sweeps when the shard is
+    gone; it beats into beats[2 * slot] (monotonic time) and beats[2 * slot + 1] (version)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)            # the parent stops us (SIGTERM); Ctrl-C is for the parent
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # no cleanup needed here: the parent sweeps sweep_dir
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # until serving: nothing to checkpoint yet
     if sweep_dir:
         os.environ[cleanup.ENV] = sweep_dir
     import torch
@@ -66,7 +84,16 @@ def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None) 
     server: ShardServer | None = None
     try:
         server = ShardServer(config)
-        reply = ("ok", server.bind())
+        info = {"restored_from": server.restored_from,
+                "restored_version": server.state.version if server.state is not None else None}
+        reply: tuple[Any, ...] = ("ok", server.bind(), info)
+        if beats is not None:
+            def beat(now: float, version: int, b: Any = beats, i: int = 2 * slot) -> None:
+                b[i], b[i + 1] = now, float(version)
+            server.heartbeat = beat
+            beat(time.monotonic(), info["restored_version"] if info["restored_version"] is not None else -1)
+        stopping = server
+        signal.signal(signal.SIGTERM, lambda *_: stopping.request_stop("SIGTERM"))   # final checkpoint, then exit
     except Exception as e:  # start-up errors (bad checkpoint, address in use, missing keys) go to the parent
         server, reply = None, ("error", f"{type(e).__name__}: {e}")
     try:
@@ -97,14 +124,21 @@ class ServerGroup:
     start_timeout: float = 60.0
     secret: str | None = field(default=None, repr=False)     # the job secret every shard admits
     group_addresses: list[list[str]] = field(default_factory=list, init=False)
+    restored: list[list[dict[str, Any]]] = field(default_factory=list, init=False)   # per shard: its last start's
+    restarts: list[dict[str, Any]] = field(default_factory=list, init=False)         # restore info; check()'s log
+    membership: tuple[list[int], int] | None = field(default=None, init=False)      # the last set_members
     _procs: list[list[Any]] = field(default_factory=list, init=False, repr=False)
     _tmpdir: str | None = None
-    _sweep: str | None = field(default=None, init=False, repr=False)   # where the shards note their shm segments
+    _sweeps: list[list[str | None]] = field(default_factory=list, init=False, repr=False)  # per shard incarnation
+    _beats: Any = field(default=None, init=False, repr=False)         # RawArray('d'): [time, version] per shard
 
     def __post_init__(self) -> None:
-        self._sweep = cleanup.make_dir("pslab-ps-sweep-")
         self.group_addresses = [["" for _ in g] for g in self.configs]
+        self.restored = [[{} for _ in g] for g in self.configs]
         self._procs = [[None for _ in g] for g in self.configs]
+        self._sweeps = [[None for _ in g] for g in self.configs]
+        n = sum(len(g) for g in self.configs)
+        self._beats = mp.get_context(self.start_method).RawArray("d", 2 * max(n, 1))
 
     @property
     def groups(self) -> int:
@@ -128,8 +162,10 @@ class ServerGroup:
 
     # ------------------------------------------------------------------ one shard
     def start(self, shard: int, group: int = 0) -> str:
-        """(Re)start one shard with its config and wait for it; returns its (new) address. A shard with a checkpoint
-        directory resumes from its latest checkpoint. Raises PSError if it is still running or fails to start."""
+        """(Re)start one shard with its config and wait for it; returns its address: the one it bound first (the
+        config's bind is pinned to it at the first start, so clients reconnect by themselves). A shard with a
+        checkpoint directory resumes from its latest checkpoint. Raises PSError if it is still running or fails to
+        start (e.g. its tcp port was taken meanwhile)."""
         p = self._procs[group][shard]
         if p is not None and p.is_alive():
             raise PSError(f"{_label(group, shard)} is still running (pid {p.pid}); kill(shard) it before starting "
@@ -150,6 +186,117 @@ class ServerGroup:
         p = self._procs[group][shard]
         return p is not None and p.is_alive()
 
+    def who(self, shard: int, group: int = 0) -> str:
+        """The shard's name in events: "shard:<i>", or "g<g>-shard:<i>" with several slot groups."""
+        return f"shard:{shard}" if self.groups == 1 else f"g{group}-shard:{shard}"
+
+    def heartbeat(self, shard: int, group: int = 0) -> tuple[float, int]:
+        """(monotonic time of the shard's last beat, the version it last reported; -1 before init)."""
+        i = 2 * (group * self.num_shards + shard)
+        return float(self._beats[i]), int(self._beats[i + 1])
+
+    def check(self, detect_s: float, restart: bool = True) -> list[dict[str, Any]]:
+        """Find dead shards (process exited, any way) and hung ones (no beat for `detect_s` s: SIGKILLed), and with
+        `restart` start each again from its latest checkpoint on its address. Under an aggregating policy (bsp,
+        ssp-agg, backup) a slot group of several shards is restarted together from its newest common checkpoint
+        version (the survivors are SIGKILLed): every shard is then at the same clock, so the workers, rewound to it,
+        stay in step on all of them. Returns events in the events.jsonl schema (experiments.faults.spec), time_s
+        None for the caller: {"event": "detect", "who", "how", "detect_s" (age of the last beat: time since it died,
+        to within a beat)} and per restarted shard {"event": "shard_restart", "who", "how", "lost_updates",
+        "restored_version", "version_before", "checkpoint", "restart_s"}, or {"event": "abort", ...} if a restart
+        failed. restart=False only reports (at every call while a shard is dead). Call only while the run is going
+        (a shard that exits then is a failure)."""
+        if not detect_s > 0:
+            raise ConfigError(f"detect_s must be > 0 seconds; got {detect_s!r}")
+        events: list[dict[str, Any]] = []
+        for g, row in enumerate(self._procs):
+            failed: dict[int, int] = {}                      # shard -> the version it last reported
+            for i, p in enumerate(row):
+                if p is None:
+                    continue
+                beat, version = self.heartbeat(i, g)
+                age = time.monotonic() - beat
+                if not p.is_alive():
+                    p.join(1)
+                    how = _exit_how(p.exitcode)
+                elif age > detect_s:
+                    how = f"no heartbeat for {age:.1f} s"
+                    p.kill()
+                    p.join(5)
+                else:
+                    continue
+                failed[i] = version
+                events.append({"event": "detect", "who": self.who(i, g), "how": how, "time_s": None,
+                               "detect_s": round(age, 3)})
+            if failed and restart:
+                events += self._restart(g, failed)
+        return events
+
+    def set_members(self, alive: Sequence[int], version: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Set the versioned membership (admin op "members", ps/README.md) on every shard of every slot group and
+        remember it: a shard that check() restarts gets it again (its checkpoint may predate it). Returns the
+        shards' replies, group-major. Raises what the shards answer (e.g. MembershipError for a stale version)."""
+        self.membership = (sorted({int(w) for w in alive}), int(version))
+        return [r for g in range(self.groups) for r in self._send_members(g, timeout)]
+
+    def _send_members(self, group: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        assert self.membership is not None
+        alive, version = self.membership
+        with self.admin(group, timeout=timeout) as admin:
+            return admin.set_members(alive, version).result(timeout)
+
+    def common_restore_point(self, group: int) -> int | None:
+        """The newest checkpoint version every shard of `group` holds (None: there is none, or no checkpoints)."""
+        common: set[int] | None = None
+        for cfg in self.configs[group]:
+            if not cfg.checkpoint_dir:
+                return None
+            versions = {int(m.group(1)) for p in list_checkpoints(cfg.checkpoint_dir)
+                        if (m := _CKPT.fullmatch(p.name))}
+            common = versions if common is None else common & versions
+        return max(common) if common else None
+
+    def _restart(self, group: int, failed: dict[int, int]) -> list[dict[str, Any]]:
+        """Restart the failed shards of `group` (all of them, from the common restore point, when the group must
+        move together); one event per restarted shard."""
+        bound = None
+        if self.num_shards > 1 and policy_from_string(self.configs[group][0].policy).aggregate:
+            bound = self.common_restore_point(group)
+            if bound is not None:
+                for i, p in enumerate(self._procs[group]):
+                    if i not in failed and p is not None and p.is_alive():
+                        failed[i] = self.heartbeat(i, group)[1]
+                        p.kill()
+                        p.join(5)
+        t0 = time.monotonic()
+        try:
+            self._await({self._launch(group, i, bound): (group, i) for i in sorted(failed)})
+        except PSError as e:
+            return [{"event": "abort", "who": self.who(min(failed), group), "how": f"restart failed: {e}",
+                     "time_s": None}]
+        took = round(time.monotonic() - t0, 3)
+        resent: Any = None
+        if self.membership is not None:             # the restored checkpoint may predate the last change
+            try:
+                self._send_members(group)
+                resent = self.membership[1]
+            except PSError as e:
+                resent = f"not re-sent: {e}"
+        events = []
+        for i, version in sorted(failed.items()):
+            info = self.restored[group][i]
+            restored = info.get("restored_version")
+            how = f"from {info['restored_from']}" if info.get("restored_from") else "empty (no checkpoint)"
+            ev = {"event": "shard_restart", "who": self.who(i, group), "time_s": None, "restart_s": took,
+                  "how": how + (f" (slot group's common restore point {bound})" if bound is not None else ""),
+                  "checkpoint": info.get("restored_from"), "restored_version": restored, "version_before": version,
+                  "lost_updates": max(0, version - (restored or 0)) if version >= 0 else 0}
+            if self.membership is not None:
+                ev["membership"] = resent
+            self.restarts.append(ev)
+            events.append(ev)
+        return events
+
     # ------------------------------------------------------------------ all
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every shard (SIGTERM, then SIGKILL after `timeout` s) and remove the ipc temp directory. Idempotent."""
@@ -166,7 +313,9 @@ class ServerGroup:
                     p.join(5)
         finally:
             forget_secret(a for g in self.group_addresses for a in g)
-            cleanup.sweep(self._sweep)          # segments of shards that died without unlinking them
+            for row in self._sweeps:            # segments of shards that died without unlinking them
+                for d in row:
+                    cleanup.sweep(d)
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
@@ -184,15 +333,26 @@ class ServerGroup:
         self.stop()
 
     # ------------------------------------------------------------------ internals
-    def _launch(self, group: int, shard: int) -> Any:
-        """Start one shard's process (without waiting); returns the read end of its start-up pipe."""
+    def _launch(self, group: int, shard: int, restore_max_version: int | None = None) -> Any:
+        """Start one shard's process (without waiting); returns the read end of its start-up pipe. With
+        `restore_max_version`, this start restores the newest checkpoint of at most that version."""
         if self.start_method == "fork":
             _warm_up_torch_optim()
         ctx = mp.get_context(self.start_method)
+        old = self._procs[group][shard]
+        if old is not None and not old.is_alive():
+            old.join(1)
+            cleanup.sweep(self._sweeps[group][shard])       # the dead incarnation's segments
+        self._sweeps[group][shard] = cleanup.make_dir("pslab-ps-sweep-")
         parent, child = ctx.Pipe(duplex=False)
         name = f"pslab-shard-{shard}" if self.groups == 1 else f"pslab-g{group}-shard-{shard}"
-        p = ctx.Process(target=_server_main, args=(self.configs[group][shard], child, self._sweep), daemon=True,
-                        name=name)
+        slot = group * self.num_shards + shard
+        self._beats[2 * slot], self._beats[2 * slot + 1] = time.monotonic(), -1.0   # start-up counts as a beat
+        cfg = self.configs[group][shard]
+        if restore_max_version is not None:
+            cfg = dataclasses.replace(cfg, restore_max_version=restore_max_version)
+        p = ctx.Process(target=_server_main, args=(cfg, child, self._sweeps[group][shard],
+                                                   self._beats, slot), daemon=True, name=name)
         self.group_addresses[group][shard] = ""
         try:
             p.start()
@@ -221,17 +381,22 @@ class ServerGroup:
                 for conn in ready:
                     g, i = pending.pop(conn)
                     try:
-                        status, info = conn.recv()
+                        status, info, *extra = conn.recv()
                     except EOFError:
                         p = self._procs[g][i]
                         p.join(2)
                         status, info = "error", f"the process exited during start-up (exit code {p.exitcode})"
+                        extra = []
                     finally:
                         conn.close()
                     if status != "ok":
                         self._reap(g, i)
                         raise PSError(f"{_label(g, i)} failed to start: {info}")
                     self.group_addresses[g][i] = info
+                    self.restored[g][i] = dict(extra[0]) if extra else {}
+                    cfg = self.configs[g][i]
+                    if cfg.bind != info:     # pin the bound address: a restart binds the same one
+                        self.configs[g][i] = dataclasses.replace(cfg, bind=info)
         finally:
             for conn in pending:
                 conn.close()
@@ -242,6 +407,16 @@ class ServerGroup:
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+def _exit_how(code: int | None) -> str:
+    """How a process ended, as events name it: "SIGKILL", "SIGTERM", "exit code 1"."""
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 def _bind(transport: str, bind_host: str, tmpdir: str | None, tag: str) -> str:

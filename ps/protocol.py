@@ -19,7 +19,11 @@ an admin connection). Every connection is authenticated at the handshake (ZeroMQ
     stats      meta {}                                        -> ok {version, clocks, stats, counters}
     checkpoint meta {}           (admin)                      -> ok {path}
     ping       meta {}                                        -> ok {}
-    shutdown   meta {}           (admin)                      -> ok {} then the server exits
+    shutdown   meta {}           (admin)                      -> ok {} then the server exits (final checkpoint)
+    members    meta {alive: [w...], version} (admin)          -> ok {members, version, committed, clocks}: the
+               versioned membership (versions only increase); removed workers' registrations are dropped
+    A push ack carries checkpoint_error: "..." while the shard's last periodic checkpoint failed; register and
+    stats replies carry the shard's incarnation (random per process: a change means it restarted).
     unregister meta {}                                        -> (no reply) the client is closing: the shard forgets
                                                                  the connection, its shm link and parked reads
 
@@ -39,9 +43,10 @@ from collectives.wire import WireLimits
 
 from .errors import ProtocolError
 
-OPS = frozenset({"register", "unregister", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown"})
+OPS = frozenset({"register", "unregister", "init", "pull", "push", "stats", "checkpoint", "ping", "shutdown",
+                 "members"})
 REPLY_OPS = frozenset({"ok", "error"})
-ADMIN_OPS = frozenset({"checkpoint", "shutdown"})
+ADMIN_OPS = frozenset({"checkpoint", "shutdown", "members"})
 
 
 def server_limits(max_message_bytes: int = 1 << 31, max_tensors: int = 4096) -> WireLimits:
@@ -58,6 +63,14 @@ def meta_int(meta: Mapping[str, Any], key: str, lo: int = 0, hi: int = 1 << 62) 
     v = meta.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise ProtocolError(f"request field {key!r} must be an integer in [{lo}, {hi}], got {v!r:.60}")
+    return v
+
+
+def meta_list(meta: Mapping[str, Any], key: str, max_len: int = 1 << 20) -> list[Any]:
+    """meta[key] as a list of at most `max_len` items, or ProtocolError naming the field."""
+    v = meta.get(key)
+    if not isinstance(v, list) or len(v) > max_len:
+        raise ProtocolError(f"request field {key!r} must be a list (at most {max_len} items), got {type(v).__name__}")
     return v
 
 

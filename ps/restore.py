@@ -14,6 +14,7 @@ the tensors present, before `ShardState.from_state_dict` sees it:
                 tensor pend\\0clock\\0worker\\0name per parameter unless skipped
     backups     distinct worker ids, each with one tensor bak\\0worker\\0name per parameter
     stats       {hist, per_worker, wait_seconds, dropped}: integer-like keys (workers in range), numbers >= 0
+    members, membership_version   optional: distinct worker ids in range (at least one); an integer >= 0
 
 Anything else is a `CheckpointError` naming the file and the field; `restore_state` also refuses a checkpoint of
 another shard, worker count, policy or optimizer (`ServerConfig.check_checkpoint`), and turns any failure left in
@@ -132,6 +133,14 @@ def check_state(path: Any, tensors: Mapping[str, torch.Tensor], meta: Any) -> No
         for name, n in numel.items():
             c.tensor(f"bak\x00{w}\x00{name}", n)
     _check_stats(c, c.map(meta.get("stats"), "stats"), workers)
+    if "membership_version" in meta:                 # optional (older checkpoints: every worker a member)
+        c.int(meta["membership_version"], "membership_version")
+    if "members" in meta:
+        members = c.list(meta["members"], "members")
+        if not members or len(set(map(repr, members))) != len(members):
+            raise c.fail("meta field members must list distinct worker ids, at least one")
+        for w in members:
+            c.int(w, "members[]", 0, workers - 1)
 
 
 def _check_optimizer(c: _Check, opt: Mapping[str, Any], numel: Mapping[str, int]) -> None:
@@ -190,10 +199,19 @@ def restore_state(config: ServerConfig | None, path: Any, tensors: Mapping[str, 
 
 
 def restore(config: ServerConfig) -> tuple[Path, ShardState, list[list[str]]] | None:
-    """The newest valid checkpoint in config.checkpoint_dir as (path, state, rejected newer files), or None."""
+    """The newest valid checkpoint in config.checkpoint_dir as (path, state, rejected newer files), or None; with
+    config.restore_max_version, the newest one of at most that version (newer ones are passed over)."""
     if not config.checkpoint_dir:
         return None
-    return restore_latest(config.checkpoint_dir, lambda p, tensors, meta: restore_state(config, p, tensors, meta))
+    bound = config.restore_max_version
+
+    def build(p: Path, tensors: Mapping[str, torch.Tensor], meta: Any) -> ShardState:
+        if bound is not None and isinstance(meta, Mapping) and isinstance(meta.get("version"), int) \
+                and meta["version"] > bound:
+            raise CheckpointError(f"version {meta['version']} is past the restore point {bound} (a slot group "
+                                  "restarted together resumes from its newest common checkpoint)")
+        return restore_state(config, p, tensors, meta)
+    return restore_latest(config.checkpoint_dir, build)
 
 
 def load_state(path: str | Path, config: ServerConfig | None = None) -> ShardState:

@@ -8,11 +8,23 @@ through. A pull that the consistency gate (or a missing init) holds back is park
 retried after every push/init. Every `sweep_interval` quiet connections are probed; a vanished one's registration,
 parked reads and shared-memory link are freed, and idle links give back their reply segment. Any exception while
 handling one message becomes an error reply to that sender; the loop itself never stops on a bad message.
+
+Failures. Each loop iteration (at most every 50 ms: the poll timeout) calls `heartbeat(now, version)` if set, so a
+parent can tell a hung shard from a busy one without zmq (ps.processes gives it a shared double array); the version
+is also written after every push. `incarnation` (random per process) is in the register and stats replies: a
+client that sees it change knows the shard restarted. `request_stop()` (the SIGTERM/SIGINT handlers call it) ends
+the loop after the current message and writes a final checkpoint when a checkpoint_dir is set, so a stopped and
+restarted shard loses no update. A periodic checkpoint that fails is counted (counters["checkpoint_failures"]),
+kept in `checkpoint_error` and carried by every push ack (meta "checkpoint_error") until one succeeds; it is retried
+at the next multiple of checkpoint_every. The admin op "members" sets the versioned membership (ShardState
+.set_members), drops removed workers' registrations (their shm links and parked reads) and releases the reads that
+waited only for them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any, Callable
 
@@ -28,7 +40,7 @@ from .config import ServerConfig
 from .errors import (AccessDeniedError, AlreadyInitializedError, ConfigError, DuplicateRequestError,
                      NotInitializedError, ProtocolError, PSError, ShmLimitError)
 from .parking import Parked, Parking
-from .protocol import meta_int, server_limits, wire_safe
+from .protocol import meta_int, meta_list, server_limits, wire_safe
 from .restore import restore
 from .shard import ShardState, _all_finite
 from .shm_path import ServerLink
@@ -52,11 +64,18 @@ class ShardServer(Parking):
         self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
                          "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0,
-                         "peers_gone": 0, "replies_released": 0}
+                         "peers_gone": 0, "replies_released": 0, "checkpoint_failures": 0,
+                         "membership_changes": 0}
         self.address = ""
         self.restored_from: str | None = None
         self.rejected_checkpoints: list[list[str]] = []
         self._last_ckpt_version = -1
+        self._ckpt_attempt_version = -1     # the version of the last periodic attempt (failed or not)
+        self.checkpoint_error: str | None = None   # why the last periodic checkpoint failed (None: it did not)
+        self.last_checkpoint: str | None = None
+        self.incarnation = secrets.token_hex(8)
+        self.heartbeat: Callable[[float, int], None] | None = None
+        self.stop_reason: str | None = None
         self._stop = False
         self._inflight: list[Any] = []      # trackers of zero-copy pull replies that still reference the params
         self._gone: set[bytes] = set()      # connections a reply could not be routed to
@@ -68,7 +87,16 @@ class ShardServer(Parking):
         if found is not None:
             path, self.state, self.rejected_checkpoints = found
             self.restored_from = str(path)
-            self._last_ckpt_version = self.state.version
+            self._last_ckpt_version = self._ckpt_attempt_version = self.state.version
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """End the loop after the current message (signal-safe); a final checkpoint follows if configured."""
+        self.stop_reason = self.stop_reason or reason
+        self._stop = True
+
+    def _beat(self, now: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat(now, self.state.version if self.state is not None else -1)
 
     @property
     def registered(self) -> dict[bytes, int]:
@@ -124,7 +152,8 @@ class ShardServer(Parking):
         last_msg = time.monotonic()
         try:
             while not self._stop:
-                events = dict(poller.poll(50))
+                self._beat(time.monotonic())
+                events = dict(poller.poll(50))      # <= the heartbeat interval
                 now = time.monotonic()
                 if self.sock in events:
                     for _ in range(64):   # drain a burst, then check timeouts
@@ -143,7 +172,11 @@ class ShardServer(Parking):
                     break
         finally:
             if self.state is not None and self.config.checkpoint_dir and self._stop:
-                self._checkpoint()
+                try:                                 # the final checkpoint: nothing applied is lost
+                    self._checkpoint()
+                except (OSError, PSError) as e:
+                    log.error("shard %d: final checkpoint failed: %s", self.config.shard_id, e)
+                    self.checkpoint_error = f"final checkpoint failed: {e}"
             self._close()
 
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
@@ -265,7 +298,8 @@ class ShardServer(Parking):
         st = self.state
         self._send(identity, "ok", msg.seq, {"shm": link is not None, **(link.reply_probe if link else {}),
             "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
-            "initialized": st is not None, "version": st.version if st else 0,
+            "initialized": st is not None, "version": st.version if st else 0, "incarnation": self.incarnation,
+            "restored_from": self.restored_from, "member": st is None or worker in st.members,
             "clock": st.clocks[worker] if st else 0,
             "keys": {k: list(s) for k, s in st.shapes.items()} if st else {}})
 
@@ -322,8 +356,15 @@ class ShardServer(Parking):
                               skip_nonfinite=self.config.nonfinite == "skip")
         self.counters["pushes"] += 1
         self.counters["nonfinite_skipped"] += res.status == "skipped"
+        if self.heartbeat is not None:                     # the parent learns every applied version at once
+            self.heartbeat(now, self.state.version)
+        every = self.config.checkpoint_every
+        if every and self.state.version // every > max(self._ckpt_attempt_version, 0) // every:
+            self._periodic_checkpoint()
         ack = {"status": res.status, "version": res.version, "clock": res.clock,
                "staleness": [list(x) for x in res.staleness]}
+        if self.checkpoint_error is not None:
+            ack["checkpoint_error"] = self.checkpoint_error
         if msg.meta.get("pull") is True:                   # push_pull: read at the new clock, then answer once
             p = Parked(identity, msg.seq, worker, self.state.clocks[worker], now,
                        self._shm_reply(identity, msg.meta), ack)
@@ -331,9 +372,6 @@ class ShardServer(Parking):
                 self.parked.append(p)
         else:
             self._send(identity, "ok", msg.seq, ack)
-        every = self.config.checkpoint_every
-        if every and self.state.version // every > max(self._last_ckpt_version, 0) // every:
-            self._checkpoint()
         if self.parked:
             self._retry_parked(now)
 
@@ -341,10 +379,12 @@ class ShardServer(Parking):
         st = self.state
         meta = {"shard": self.config.shard_id, "counters": dict(self.counters), "parked": len(self.parked),
                 "restored_from": self.restored_from, "connections": len(self.admission.peers),
-                "links": len(self.links), "nonfinite": self.config.nonfinite}
+                "links": len(self.links), "nonfinite": self.config.nonfinite, "incarnation": self.incarnation,
+                "checkpoint_error": self.checkpoint_error, "last_checkpoint": self.last_checkpoint}
         if st is not None:
             meta.update(version=st.version, clocks=list(st.clocks), committed=st.committed_clock,
-                        policy=str(st.policy), stats=st.stats.summary())
+                        policy=str(st.policy), stats=st.stats.summary(), members=list(st.members),
+                        membership_version=st.membership_version, membership_log=st.membership_log)
             if msg.meta.get("series") is True:
                 meta["series"] = [list(x) for x in st.stats.series]
         self._send(identity, "ok", msg.seq, wire_safe(meta))
@@ -355,17 +395,55 @@ class ShardServer(Parking):
                               "parameters yet")
         tensors, meta = self.state.state_dict()
         path = save_checkpoint(self.config.checkpoint_dir, tensors, meta)
-        self._last_ckpt_version = self.state.version
+        self._last_ckpt_version = self._ckpt_attempt_version = self.state.version
         self.counters["checkpoints"] += 1
+        self.checkpoint_error = None
+        self.last_checkpoint = str(path)
         return str(path)
+
+    def _periodic_checkpoint(self) -> None:
+        """A checkpoint_every checkpoint; a failure (unwritable directory, disk full) is counted and reported in
+        the push acks, never raised: the push that triggered it was applied."""
+        assert self.state is not None
+        self._ckpt_attempt_version = self.state.version
+        try:
+            self._checkpoint()
+        except (OSError, PSError) as e:
+            self.counters["checkpoint_failures"] += 1
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            self.checkpoint_error = (f"shard {self.config.shard_id}: checkpoint at version {self.state.version} "
+                                     f"into {self.config.checkpoint_dir} failed ({type(e).__name__}: {why}); the "
+                                     f"last good one is {self.last_checkpoint or self.restored_from or 'none'}")
+            log.error("%s", self.checkpoint_error)
 
     def _on_checkpoint(self, identity: bytes, msg: Any, now: float) -> None:
         path = self._checkpoint()
         self._send(identity, "ok", msg.seq, {"path": path, "version": self.state.version if self.state else 0})
 
+    def _on_members(self, identity: bytes, msg: Any, now: float) -> None:
+        """Admin: set the versioned membership; forget removed workers' connections; release what waited for them."""
+        if self.state is None:
+            raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: set members after init")
+        alive = meta_list(msg.meta, "alive")
+        version = meta_int(msg.meta, "version")
+        before = list(self.state.members)
+        self._before_update()
+        self.state.set_members(alive, version, now)
+        if self.state.members != before:
+            self.counters["membership_changes"] += 1
+            gone = [i for i, w in self.admission.registered.items() if w not in self.state.members]
+            for identity_ in gone:                 # their shm links and parked reads go with them
+                self._forget(identity_)
+        self._send(identity, "ok", msg.seq, wire_safe({
+            "members": list(self.state.members), "version": self.state.membership_version,
+            "committed": self.state.committed_clock, "clocks": list(self.state.clocks),
+            "shard_version": self.state.version}))
+        if self.parked:
+            self._retry_parked(now)
+
     def _on_shutdown(self, identity: bytes, msg: Any, now: float) -> None:
         self._send(identity, "ok", msg.seq, {})
-        self._stop = True
+        self.request_stop("shutdown by admin")
 
 
 def _user_id(frame: Any) -> str | None:

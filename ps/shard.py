@@ -10,6 +10,13 @@ Versions. Each optimizer step bumps `version` by one: one per push under ASP / e
 SSP / backup-BSP. Staleness of an update: tau = version (before the step) - version the gradient was read at.
 Read guarantee (SSP(s)): a read at clock c is allowed only when min_w clock_w >= c - s, and then contains every
 update stamped <= c - s - 1 (aggregate mode: version == number of complete clocks >= c - s).
+Membership (`set_members`, versioned; versions only increase; each change appended to `membership_log`): the gates
+and the clock commit of aggregating policies count only the live members, so a read blocked only by a removed worker
+proceeds and a clock commits when every live worker pushed it, averaged over those G' live gradients with the
+configured step lr unchanged (under `linear`, lr x K fixed at start: the per-gradient lr becomes lr x K / G'; the
+log records G'). A removed worker's buffered gradients are dropped; its pushes and reads are refused
+(NotAMemberError). Re-admitted (a later `set_members` naming it again), it starts at `rejoin_clock()`: the committed
+clock under aggregating policies, the slowest live worker's clock otherwise.
 A push is validated completely before anything changes: all-or-nothing. A push holding NaN/Inf is refused
 (NonFiniteGradientError naming the tensor) or, with push(..., skip_nonfinite=True), skipped: the worker's clock
 advances and nothing is applied (an aggregating policy averages that clock over the gradients it did get).
@@ -24,7 +31,8 @@ import numpy as np
 import torch
 
 from .consistency import Policy, policy_from_string
-from .errors import ClockError, ConfigError, NonFiniteGradientError, ProtocolError, ShapeError, UnknownKeyError
+from .errors import (ClockError, ConfigError, MembershipError, NonFiniteGradientError, NotAMemberError, ProtocolError,
+                     ShapeError, UnknownKeyError)
 from .optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
 from .staleness import StalenessStats
 
@@ -98,6 +106,70 @@ class ShardState:
         self.stats = StalenessStats(num_workers)
         self.reads = 0
         self.pushes = 0
+        self.members: list[int] = list(range(num_workers))     # live workers, sorted
+        self.membership_version = 0
+        self.membership_log: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ membership
+    def live_clocks(self) -> list[int]:
+        return [self.clocks[w] for w in self.members]
+
+    def rejoin_clock(self) -> int:
+        """Where a (re-)admitted worker starts: the committed clock (aggregating policies), else the slowest live
+        worker's clock."""
+        if self.policy.aggregate:
+            return self._committed
+        live = self.live_clocks()
+        return min(live) if live else max(self.clocks)
+
+    def set_members(self, alive: Any, version: Any, now: float | None = None) -> list[tuple[int, int]]:
+        """Make `alive` (worker ids) the membership, numbered `version` (> the current one; the same version with
+        the same set is a no-op). Removed workers' buffered gradients are dropped; re-admitted ones start at
+        `rejoin_clock()`; clocks now complete with the live workers commit. Returns the (worker, tau) applied."""
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise MembershipError(f"membership version must be an integer >= 0, got {version!r:.40}")
+        if not isinstance(alive, (list, tuple)) or not all(isinstance(w, int) and not isinstance(w, bool)
+                                                           and 0 <= w < self.num_workers for w in alive):
+            raise MembershipError(f"members must be a list of worker ids in 0..{self.num_workers - 1}, got "
+                                  f"{alive!r:.80}")
+        members = sorted(set(alive))
+        if version == self.membership_version and members == self.members:
+            return []
+        if version <= self.membership_version:
+            raise MembershipError(f"membership version {version} is not newer than shard {self.shard_id}'s "
+                                  f"{self.membership_version}: generations only increase")
+        if len(members) <= self.policy.backups:
+            raise MembershipError(f"{self.policy} needs more than {self.policy.backups} live workers; got "
+                                  f"{members}")
+        removed = [w for w in self.members if w not in members]
+        added = [w for w in members if w not in self.members]
+        for contribs in self.pending.values():
+            for w in removed:
+                contribs.pop(w, None)
+        self.members = [w for w in members if w not in added]     # where the newcomers start: the others' clock
+        start = self.rejoin_clock() if self.members else max(self.clocks)
+        self.members = members
+        for w in added:
+            self.clocks[w] = start
+            self.backups.pop(w, None)
+        self._blocked_since = {k: v for k, v in self._blocked_since.items() if k[0] in members}
+        self.membership_version = version
+        applied = self._commit_ready(now) if self.policy.aggregate else []
+        self.membership_log.append({"version": version, "members": members, "removed": removed, "added": added,
+                                    "rejoin_clock": start, "committed": self.committed_clock,
+                                    "shard_version": self.version, "gradients_per_step": self._needed(),
+                                    "time": now})
+        return applied
+
+    def _check_member(self, worker: int, what: str) -> None:
+        if worker not in self.members:
+            raise NotAMemberError(f"worker {worker} is not a member of shard {self.shard_id}'s membership version "
+                                  f"{self.membership_version} (live: {self.members}); its {what} is refused: the "
+                                  "job's controller re-admits it (set_members), then the worker calls resync()")
+
+    def _needed(self) -> int:
+        """Gradients that complete a clock: the live workers less the backups."""
+        return max(1, len(self.members) - self.policy.backups)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -124,19 +196,20 @@ class ShardState:
     def may_read(self, worker: int, clock: int, now: float | None = None) -> bool:
         """Whether worker's read at `clock` may proceed now; a refusal remembers `now` to measure the wait."""
         self._check_clock(self._check_worker(worker), clock, "read")
-        ok = self.policy.may_read(clock, self.clocks, self._committed)
+        self._check_member(worker, "read")
+        ok = self.policy.may_read(clock, self.live_clocks(), self._committed)
         if not ok:
             self._blocked_since.setdefault((worker, clock), now)
         return ok
 
     def blocking_workers(self, clock: int) -> list[int]:
         """Workers whose progress a read at `clock` is waiting for (empty if it may proceed)."""
-        if self.policy.may_read(clock, self.clocks, self._committed):
+        if self.policy.may_read(clock, self.live_clocks(), self._committed):
             return []
         bound = self.policy.bound() or 0
         if self.policy.backups:
-            return [w for w, c in enumerate(self.clocks) if c <= self._committed]
-        return [w for w, c in enumerate(self.clocks) if c < clock - bound]
+            return [w for w in self.members if self.clocks[w] <= self._committed]
+        return [w for w in self.members if self.clocks[w] < clock - bound]
 
     # ------------------------------------------------------------------ read
     def read(self, worker: int, clock: int, now: float | None = None, *, copy: bool = True) -> ReadResult:
@@ -159,6 +232,7 @@ class ShardState:
     def validate_push(self, worker: int, clock: int, read_version: int, grads: Mapping[str, Any]) -> None:
         """Raise a ProtocolError subclass if the push is not acceptable; changes nothing."""
         self._check_clock(self._check_worker(worker), clock, "push")
+        self._check_member(worker, "push")
         if not isinstance(read_version, int) or isinstance(read_version, bool) or not 0 <= read_version <= self.version:
             raise ProtocolError(f"push from worker {worker} claims read version {read_version!r}, but shard "
                                 f"{self.shard_id} is at version {self.version}")
@@ -214,10 +288,10 @@ class ShardState:
         return PushResult(status, self.version, self.clocks[worker], applied)
 
     def _commit_ready(self, now: float | None) -> list[tuple[int, int]]:
-        needed = self.num_workers - self.policy.backups
+        needed = self._needed()
         applied: list[tuple[int, int]] = []
         while len(self.pending.get(self._committed, ())) >= needed:
-            contribs = self.pending.pop(self._committed)
+            contribs = self.pending.pop(self._committed)    # only live members' (removal drops the others')
             chosen = sorted(list(contribs.items())[:needed])   # the first N to arrive, summed in worker order so
                                                                # the float result does not depend on arrival order
             steps, now_applied = [], []
@@ -253,7 +327,8 @@ class ShardState:
                 "policy": str(self.policy), "num_workers": self.num_workers, "shard_id": self.shard_id,
                 "shapes": {k: list(s) for k, s in self.shapes.items()}, "optimizer": opt_meta,
                 "pending": pending_meta, "backups": sorted(self.backups), "stats": self.stats.state(),
-                "reads": self.reads, "pushes": self.pushes}
+                "reads": self.reads, "pushes": self.pushes,
+                "members": list(self.members), "membership_version": self.membership_version}
         return tensors, meta
 
     @classmethod
@@ -273,6 +348,8 @@ class ShardState:
             st.pending.setdefault(int(clock), {})[int(w)] = (grads, int(rv), st.backups.get(int(w)))
         st.stats = StalenessStats.from_state(st.num_workers, meta["stats"])
         st.reads, st.pushes = int(meta.get("reads", 0)), int(meta.get("pushes", 0))
+        st.members = sorted(int(w) for w in meta.get("members", range(st.num_workers)))
+        st.membership_version = int(meta.get("membership_version", 0))
         return st
 
     def unshare_params(self) -> None:

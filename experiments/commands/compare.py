@@ -4,6 +4,9 @@
     pslab compare --strategies allreduce,ps-ssp:1,ps-asp --set train.workers=8
     pslab compare --config experiments/configs/transformer_tp.toml --no-straggler     # on a tp-split model
     pslab compare --tune-lr                                    # each strategy at its own tuned lr (minutes)
+    pslab compare --preset failure --simulate                  # each strategy without and with one failure
+    pslab compare --preset failure --failure "stop=worker:1,at_step=20,for_s=5"
+    pslab compare --preset failure --failure '[{kill = "worker:3", at_step = 50}, {kill = "shard:0", at_s = 1.0}]'
 
 Only the strategy (and, in the second half, one 4x straggler on the last worker) changes between runs: model, data,
 seed, batch schedule and [parallel] layout are the same (`local`, the single-process reference, trains the unsplit
@@ -12,6 +15,13 @@ workers' gradients into one step uses K x lr (train.lr_rule = linear | sqrt | no
 strategy gets its best lr from a grid that brackets the optimum. Writes report.md with a summary table (lr per
 gradient and per step, optimizer steps, samples, time to --target-acc), the seed-noise band of the reference, bytes
 per step by kind, and the plots.
+
+--preset failure: allreduce, ps-bsp, ps-ssp:3 and ps-asp (or --strategies), each without and with one failure
+(default: kill the last worker when it starts step steps/2), real runs or --simulate (virtual time). Each reacts by
+[faults] on_failure (auto: ps-* continue with the survivors, allreduce shrinks the ring to N-1 after rolling back to
+its last commit; --set faults.on_failure=replace: a replacement joins). The report adds the failure timeline (world
+size, throughput, loss across the failure) and a table: time to detect, time to recover, steps or updates lost,
+final accuracy next to the no-failure run; the summary table gains the same columns.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import time
 from pathlib import Path
 
 from experiments.commands.common import add_config_args
+
+PRESETS = ("failure",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,9 +47,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tune-lr", action="store_true",
                    help="tune each strategy's per-gradient lr (grid train.lr x 1/4..4, widened until the best is "
                         "inside; lowest final train loss without a straggler) and use it; ~25 extra runs")
-    p.add_argument("--noise-seeds", type=int, default=5,
+    p.add_argument("--noise-seeds", type=int, default=None,
                    help="reference runs (seeds seed..seed+N-1) for the seed-noise band in the report; 0: none "
-                        "(default: 5)")
+                        "(default: 5; not with --preset failure)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="failure: each strategy (default allreduce,ps-bsp,ps-ssp:3,ps-asp) without and with one "
+                        "failure, and the failure report (timeline; time to detect, time to recover, lost, final "
+                        "accuracy vs the no-failure run)")
+    p.add_argument("--failure", default=None, metavar="EVENT",
+                   help="--preset failure: the failure, as key=value pairs (\"kill=worker:3,at_step=50\", "
+                        "\"stop=worker:1,at_s=2.0,for_s=5\", \"kill=shard:0,at_s=1.5\") or TOML (one table or a "
+                        "list of tables, the [faults] events syntax); default: --set faults.events if given, else "
+                        "kill the last worker at step steps/2")
     p.add_argument("--target-acc", type=float, default=0.9,
                    help="test accuracy for the time-to-accuracy column, in (0, 1] (default: 0.9)")
     p.set_defaults(func=run)
@@ -51,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if any(o.split("=", 1)[0].strip() == "train.strategy" for o in args.overrides):
         raise ConfigError("pslab compare sets train.strategy itself, one run per strategy: use --strategies "
                           "A,B,... instead of --set train.strategy=...")
+    if args.preset is None and args.failure is not None:
+        raise ConfigError("--failure applies to --preset failure (each strategy without and with that failure)")
+    if args.preset == "failure":
+        return _failure(args)
     cfg = default_config(args.config, args.overrides)
     if args.strategies is None:
         strategies = DEFAULT_STRATEGIES
@@ -63,8 +88,34 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     t0 = time.perf_counter()
     report, runs = run_compare(cfg, out, strategies, straggler=not args.no_straggler, simulate=args.simulate,
-                               quiet=args.quiet, force=args.force, noise_seeds=args.noise_seeds,
+                               quiet=args.quiet, force=args.force,
+                               noise_seeds=5 if args.noise_seeds is None else args.noise_seeds,
                                target_acc=args.target_acc, tune=args.tune_lr)
+    print(summary_table(runs, args.target_acc))
+    print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def _failure(args: argparse.Namespace) -> int:
+    from experiments.errors import ConfigError
+    from experiments.results.report import summary_table
+    from experiments.strategies.spec import parse_strategy
+    from experiments.studies.compare import FAILURE_STRATEGIES, default_config, parse_failure, run_failure_compare
+    for flag, given in (("--no-straggler", args.no_straggler), ("--tune-lr", args.tune_lr),
+                        ("--noise-seeds", args.noise_seeds is not None)):
+        if given:
+            raise ConfigError(f"{flag} applies to the default comparison; --preset failure runs each strategy "
+                              "without and with one failure (no straggler, no seed band, train.lr as set)")
+    cfg = default_config(args.config, args.overrides)
+    strategies = FAILURE_STRATEGIES if args.strategies is None else tuple(
+        s.strip() for s in args.strategies.split(",") if s.strip())
+    for s in strategies:
+        parse_strategy(s)
+    events = parse_failure(args.failure) if args.failure is not None else None
+    out = Path(args.out or f"runs/compare-failure-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    t0 = time.perf_counter()
+    report, runs = run_failure_compare(cfg, out, strategies, events, simulate=args.simulate, quiet=args.quiet,
+                                       force=args.force, target_acc=args.target_acc)
     print(summary_table(runs, args.target_acc))
     print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
     return 0

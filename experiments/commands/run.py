@@ -1,12 +1,21 @@
-"""`pslab run CONFIG.toml [--set key=value ...] [--simulate]`: one run, written to a run directory.
+"""`pslab run CONFIG.toml [--set key=value ...] [--simulate]` (or `--resume RUN_DIR`): one run, in a run directory.
 
     pslab run experiments/configs/compare_default.toml --set train.strategy=ps-ssp:2
     pslab run experiments/configs/transformer_tp.toml --set parallel.tp=1 --set parallel.pp=2   # dp=2 x pp=2
     pslab run experiments/configs/compare_default.toml --simulate --set train.target_acc=0.9  # stop at 90%
     pslab run experiments/configs/sim64.toml --timing-only --set train.steps=5000    # no gradients: staleness, time
+    pslab run experiments/configs/compare_default.toml --set train.strategy=allreduce --set faults.checkpoint_every=20
+    pslab run --resume runs/<run> --set train.steps=200 --set train.workers=2   # go on from its newest checkpoint
 
 The run starts train.workers x parallel.tp x parallel.pp processes (train.workers is the data-parallel degree) and
 prints the accuracy, the staleness and the bytes per step by kind next to their formulas.
+
+--resume RUN_DIR continues a run (allreduce with any engine, or local) from the newest committed checkpoint in
+RUN_DIR/checkpoints that verifies (faults.checkpoint_every wrote them; a corrupt one is skipped with a warning) up to
+train.steps, with RUN_DIR's own config.toml. --set may change the layout and the length (train.workers,
+parallel.tp / pp / zero, train.steps, ...): the state is re-cut for the new layout; at a new train.workers each
+worker keeps its batch size and the lr follows train.lr_rule for the new count. Overrides of the workload, its batch
+size or seed, or the optimizer are refused. Records are appended to RUN_DIR; summary.json is rewritten.
 """
 
 from __future__ import annotations
@@ -21,21 +30,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run one config (real processes, or --simulate) into a run directory",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, config_required=True)
+    for action in p._actions:           # the config file is optional with --resume (RUN_DIR has its own)
+        if action.dest == "config":
+            action.nargs, action.default = "?", None
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue RUN_DIR from its newest valid engine checkpoint (see above); no CONFIG then")
     p.add_argument("--out", default="runs", help="parent directory of the run directory (default: runs)")
     p.add_argument("--label", default=None, help="name of the run (default: strategy and conditions)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, run_parser=p)
 
 
 def run(args: argparse.Namespace) -> int:
     from experiments.config import load_config
     from experiments.strategies.roles import from_environment
     from experiments.runner import execute
+    if args.resume is not None:
+        return _resume(args)
+    if args.config is None:                 # a malformed command line: argparse's usage message, exit status 2
+        args.run_parser.error("the following arguments are required: config (or --resume RUN_DIR)")
     cfg = load_config(args.config, args.overrides)
     role = from_environment()
     if role is not None and not args.simulate:
         from experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
     rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet, force=args.force)
+    return _report(rd)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from experiments.errors import ConfigError
+    from experiments.results.rundir import RunDir
+    from experiments.runner import execute
+    from experiments.strategies.resume import resume_config
+    from experiments.strategies.roles import from_environment
+    if args.config is not None or args.simulate or args.label is not None:
+        raise ConfigError("--resume RUN_DIR takes RUN_DIR's own config: drop CONFIG, --simulate and --label "
+                          "(change settings with --set)")
+    if from_environment() is not None:
+        raise ConfigError("--resume under torchrun/SLURM is not supported yet: resume on one host with pslab run")
+    cfg = resume_config(args.resume, args.overrides)
+    return _report(execute(cfg, quiet=args.quiet, force=args.force, resume=RunDir(args.resume)))
+
+
+def _report(rd) -> int:
     s = json.loads((rd.path / "summary.json").read_text())
     acc = s.get("final_test_acc")
     print(f"{s['label']}: {s['updates']} updates in {s['time_s']:.2f} s{' (virtual)' if s['simulated'] else ''}"
@@ -52,5 +89,23 @@ def run(args: argparse.Namespace) -> int:
         model = v.get("model_per_step")
         print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
+    _print_failures(rd)
     print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path}, into {rd.path / 'report'})")
     return 0
+
+
+def _print_failures(rd) -> None:
+    """One line per injected fault: detection, recovery, what was lost (results/faults.py reads events.jsonl)."""
+    from experiments.results.faults import failures, validate_events
+    from experiments.results.rundir import read_jsonl
+    for f in failures(validate_events(read_jsonl(rd.path / "events.jsonl"))):
+        parts = [f"{f['who']} {f['how'] or ''}".strip()]
+        parts.append(f"detected after {f['detect_s']:.3g} s" if f["detect_s"] is not None else "not detected (a pause)")
+        if f["recover_s"] is not None:
+            parts.append(f"training went on {f['recover_s']:.3g} s later")
+        if f["world_size"] is not None:
+            parts.append(f"world size {f['world_size']}")
+        for k in ("lost_steps", "lost_updates"):
+            if f[k] is not None:
+                parts.append(f"{k.replace('_', ' ')} {f[k]}")
+        print("\n  failure: " + ", ".join(parts), end="")

@@ -7,12 +7,18 @@ Workers connect with `ps.connect([addr0, addr1, ...], worker=w, params=...)`, ad
 job's secret: `--secret-file FILE` (mode 0600; created if missing) or PSLAB_JOB_SECRET[_FILE]; with neither, the
 server makes one in a fresh 0700 directory and prints the file's path in its start-up line (workers: set
 PSLAB_JOB_SECRET_FILE to it; the directory is removed when the server exits).
+
+Ctrl-C (SIGINT) and SIGTERM stop the server after the message at hand and write a final checkpoint when
+--checkpoint-dir is set (so a restarted server loses no update); exit status 130 / 143. An unwritable
+--checkpoint-dir is refused at start-up (one line, exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,11 +67,24 @@ def run(args: argparse.Namespace) -> int:
                     if server.restored_from else "")
         print(f"pslab server: shard {cfg.shard_id} serving {cfg.num_workers} workers on {address} "
               f"[{cfg.policy}, {cfg.spec.to_string()}]{restored}; job secret: {where}", flush=True)
+        stopped_by: list[int] = []
+
+        def stop(signum: int, _frame: object) -> None:       # graceful: the loop ends, then the final checkpoint
+            stopped_by.append(signum)
+            server.request_stop(signal.Signals(signum).name)
+        main = threading.current_thread() is threading.main_thread()     # signals reach the main thread only
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             server.serve_forever()
-        except KeyboardInterrupt:
-            print("pslab server: interrupted", file=sys.stderr)
-            return 130
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if server.checkpoint_error:
+            print(f"pslab server: {server.checkpoint_error}", file=sys.stderr)
+        if stopped_by:
+            saved = f"; final checkpoint {server.last_checkpoint}" if server.last_checkpoint else ""
+            print(f"pslab server: stopped by {signal.Signals(stopped_by[0]).name}{saved}", file=sys.stderr)
+            return 128 + stopped_by[0]
         return 0
     finally:
         if made_dir:

@@ -12,17 +12,21 @@
                                # restarted from its latest one
     events = [ { kill = "worker:2", at_step = 50 },           # SIGKILL worker 2 when it starts step 50
                { kill = "shard:0", at_s = 3.0 },              # SIGKILL shard 0 three seconds after the start
-               { stop = "worker:1", at_step = 20, for_s = 4 } ]   # SIGSTOP, SIGCONT 4 s later
+               { stop = "worker:1", at_step = 20, for_s = 4 },   # SIGSTOP, SIGCONT 4 s later
+               { leave = "worker:3", at_step = 30 } ]            # a planned departure (elastic scale-down)
 
-One event: exactly one action key (kill | stop) naming a target "worker:<w>" or "shard:<i>" (slot group 0), and
-exactly one trigger: at_step (workers only: when that worker begins the step) or at_s (seconds since the start
-barrier); `stop` needs for_s > 0. The same spec drives real runs (the supervisor sends the signals) and the
+One event: exactly one action key (kill | stop | leave) naming a target "worker:<w>" or "shard:<i>" (slot group 0),
+and exactly one trigger: at_step (workers only: when that worker begins the step) or at_s (seconds since the start
+barrier); `stop` needs for_s > 0. `leave` (workers, at_step) is the planned twin of a kill: every member knows it
+from the config, so the survivors change membership at that step boundary without a failure or a rollback -- the
+reference a failure run is compared with. The same spec drives real runs (the supervisor sends the signals) and the
 simulator (virtual time).
 
 Events of a run (RUN_DIR/events.jsonl, one JSON object per line, EVENT_FIELDS): `event` is one of EVENTS,
 `time_s` seconds since the start, `who` the target, and what applies of: how (signal / reason), generation and
 world_size (membership after the event), step (the worker step it happened at / rolled back to), lost_steps,
-lost_updates, detect_s (time from inject to detect).
+lost_updates, detect_s (time from inject to detect), lr_step (allreduce: the step lr at the new world size), and for
+a restarted shard restored_version, version_before, restart_s and checkpoint (the file it restarted from).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from typing import Any
 from experiments.errors import ConfigError
 
 ON_FAILURE = ("auto", "abort", "continue", "shrink", "replace")
-ACTIONS = ("kill", "stop")
-EVENTS = ("inject", "detect", "expel", "recover", "join", "shard_restart", "checkpoint_failed", "abort")
+ACTIONS = ("kill", "stop", "leave")
+EVENTS = ("inject", "detect", "expel", "recover", "join", "leave", "shard_restart", "checkpoint_failed", "abort")
 EVENT_FIELDS = ("time_s", "event", "who", "how", "generation", "world_size", "step", "lost_steps", "lost_updates",
-                "detect_s")
+                "detect_s", "lr_step", "restored_version", "version_before", "restart_s", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,12 @@ class FaultsConfig:
         """The events as FaultEvent (validate() has checked them)."""
         return [parse_event(e, i) for i, e in enumerate(self.events)]
 
-    def policy(self, strategy_kind: str) -> str:
-        """on_failure with `auto` resolved for this strategy: abort | continue | shrink | replace."""
+    def policy(self, strategy_kind: str, split: bool = False) -> str:
+        """on_failure with `auto` resolved for this strategy: abort | continue | shrink | replace. `split`: the
+        model is split over ranks (tp, pp or ZeRO), which only an engine checkpoint can re-cut: auto aborts."""
         if self.on_failure != "auto":
             return self.on_failure
-        if strategy_kind == "local":
+        if strategy_kind == "local" or split:
             return "abort"
         return "shrink" if strategy_kind == "allreduce" else "continue"
 
@@ -106,6 +111,9 @@ class FaultsConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"faults.{key} must be an integer >= 0 (0: no checkpoints), got {v!r}")
+        if self.checkpoint_every and strategy_kind.startswith("ps"):
+            raise ConfigError(f"faults.checkpoint_every writes engine checkpoints (allreduce, local); {strategy_kind} "
+                              "checkpoints its shards: use faults.shard_checkpoint_every")
         if self.shard_checkpoint_every and not strategy_kind.startswith("ps"):
             raise ConfigError(f"faults.shard_checkpoint_every applies to parameter-server strategies (ps-*), not "
                               f"{strategy_kind}")
@@ -127,6 +135,9 @@ class FaultsConfig:
                     raise ConfigError(f"faults.events[{i}]: {e.who} needs a parameter-server strategy (ps-*)")
                 if not 0 <= e.index < shards:
                     raise ConfigError(f"faults.events[{i}]: {e.who} is out of range (shards 0..{shards - 1})")
+            if e.action == "leave" and policy == "abort":
+                raise ConfigError(f"faults.events[{i}]: leave needs an elastic run: faults.on_failure = shrink, "
+                                  "continue or replace (auto for allreduce and ps-*)")
             if strategy_kind == "local" and e.kind == "worker":
                 raise ConfigError(f"faults.events[{i}]: strategy local plays every worker in one process; "
                                   "inject worker faults into allreduce or ps-* runs")
@@ -140,11 +151,11 @@ def parse_event(e: Any, i: int = 0) -> FaultEvent:
     known = set(ACTIONS) | {"at_step", "at_s", "for_s"}
     unknown = sorted(set(e) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; keys are kill | stop, at_step | at_s, for_s")
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; keys are kill | stop | leave, at_step | at_s, for_s")
     acts = [a for a in ACTIONS if a in e]
     if len(acts) != 1:
-        raise ConfigError(f"{where}: give exactly one of kill = \"worker:<w>\" | stop = \"worker:<w>\" "
-                          "(or \"shard:<i>\")")
+        raise ConfigError(f"{where}: give exactly one of kill = \"worker:<w>\" | stop = \"worker:<w>\" | "
+                          "leave = \"worker:<w>\" (kill and stop also take \"shard:<i>\")")
     action, target = acts[0], e[acts[0]]
     kind, sep, num = str(target).partition(":")
     if kind not in ("worker", "shard") or not sep or not num.isdigit():
@@ -156,6 +167,9 @@ def parse_event(e: Any, i: int = 0) -> FaultEvent:
     at_s = e.get("at_s")
     if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
         raise ConfigError(f"{where}: at_step must be an integer >= 0, got {at_step!r}")
+    if action == "leave" and (kind != "worker" or at_step is None):
+        raise ConfigError(f"{where}: leave is a worker's planned departure at a step: leave = \"worker:<w>\", "
+                          "at_step = <n>")
     if at_step is not None and kind == "shard":
         raise ConfigError(f"{where}: shards have no steps: trigger {target} with at_s (seconds since the start)")
     if at_s is not None and (isinstance(at_s, bool) or not isinstance(at_s, (int, float)) or not

@@ -6,7 +6,8 @@ is one worker's mini-batch), so curves show its running mean over a window of ~5
 simulator are labelled "(simulated)" and their time axis is virtual seconds; timing-only simulations have no loss
 and no evaluations, so their report has no loss or accuracy plot. The per-worker staleness histograms carry the
 analytic laws of `experiments.sim.laws` (ASP: mean K − 1, Geometric(1/K) for exponential compute times, a persistent
-straggler's spike at c(K − 1); the SSP bound).
+straggler's spike at c(K − 1); the SSP bound). Runs with failures (events.jsonl) add the failure timeline of
+`experiments.results.faults`.
 """
 
 from __future__ import annotations
@@ -319,4 +320,7 @@ def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
             "bytes_per_worker": plot_bytes(runs, out),
             **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {}),
             "staleness_per_worker": plot_staleness_per_worker(runs, out)}
+    if any(r.get("events") for r in runs):
+        from experiments.results.faults import plot_timeline
+        plots["failure_timeline"] = plot_timeline(runs, out)
     return {k: v for k, v in plots.items() if v is not None}

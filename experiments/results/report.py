@@ -52,6 +52,15 @@ EXPLAIN = {
                      "counted once, where it is sent (a PS step: the worker's push and the shard's reply). Tensor "
                      "parallelism talks in every layer, pipeline parallelism only at stage boundaries -- why TP "
                      "stays on the fastest link.",
+    "failure_timeline": "Each run with failures over time: the world size (membership after each event), "
+                        "throughput (applied updates per second over a sliding window) and the training loss with "
+                        "test accuracy points; dotted lines mark inject (red), detect (orange), recover (green) and "
+                        "join / expel (blue); the grey dashed curves are the same strategy without the failure. "
+                        "ps-asp keeps going at once with the survivors; ps-bsp's throughput drops to zero until the "
+                        "failure is detected (a kill at once, a hung process after faults.detect_s); allreduce "
+                        "stalls, rolls back to its last commit and rebuilds the ring at N - 1 -- the article's point: "
+                        "at scale failures are routine, so detection time and what a recovery loses decide how much "
+                        "of the cluster's time is spent training.",
 }
 
 
@@ -79,10 +88,14 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
     (they differ by the number of gradients a step averages, see train.lr_rule); with `target_acc`, the time and
     the samples it took to first reach that test accuracy."""
     from experiments.results.records import time_to_accuracy
+    from experiments.results.faults import baseline_for, failure_summary
     target = f" | time to {100 * target_acc:g} % (s) | samples to {100 * target_acc:g} %" if target_acc else ""
+    faults = any(r.get("events") for r in runs)
     head = ("| run | workers | gradients / optimizer steps | samples | lr / gradient (step) | time (s) | "
             "updates/s (all running)" + target + " | final train loss | test acc (%) | staleness mean / max | "
-            "wait per worker (s) | MB per worker |")
+            "wait per worker (s) | MB per worker |" +
+            (" failures | time to detect (s) | time to recover (s) | steps / updates lost | acc vs no-failure "
+             "(points) |" if faults else ""))
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in runs:
         s = r.get("summary") or {}
@@ -103,8 +116,22 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
             f"{_fmt(s.get('updates_per_s'))}{cells} | {_fmt(s.get('final_train_loss'))} | "
             f"{_fmt(100 * acc if acc is not None else None)} | "
             f"{_fmt(s.get('staleness_mean'), 2)} / {_fmt(s.get('staleness_max'))} | "
-            f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} |")
+            f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} |" +
+            (_fault_cells(r, runs, failure_summary, baseline_for) if faults else ""))
     return "\n".join(rows)
+
+
+def _fault_cells(run: dict[str, Any], runs: list[dict[str, Any]], failure_summary: Any, baseline_for: Any) -> str:
+    """failures | detect | recover | lost | final acc minus the no-failure run's (percentage points)."""
+    if not run.get("events"):
+        return " 0 | — | — | — | — |"
+    f = failure_summary(run)
+    base = baseline_for(run, runs)
+    acc = (run.get("summary") or {}).get("final_test_acc")
+    bacc = ((base or {}).get("summary") or {}).get("final_test_acc")
+    delta = f"{100 * (acc - bacc):+.2f}" if acc is not None and bacc is not None else "—"
+    return (f" {f['failures']} | {_fmt(f['detect_s'])} | {_fmt(f['recover_s'])} | "
+            f"{f['lost_steps']} / {f['lost_updates']} | {delta} |")
 
 
 def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comparison",
@@ -122,6 +149,13 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
                   "simulation of the same schedule), but there is no loss or accuracy, so no loss or accuracy "
                   "plot.", ""]
     lines += ["## Summary", "", summary_table(runs, target_acc), ""]
+    from experiments.results.faults import failure_table
+    if failure_table(runs):
+        lines += ["## Failures", "", "Per injected fault (RUN_DIR/events.jsonl): time from inject to detect (a kill is "
+                  "seen by its parent at once, a hung process after faults.detect_s without heartbeats), from "
+                  "detect to recover (training going on again), what the recovery lost (all-reduce: steps since "
+                  "the last commit; a restarted shard: updates since its checkpoint), and the final accuracy next "
+                  "to the same strategy without the failure.", "", failure_table(runs), ""]
     for block in sections or []:
         lines += [block, ""]
     if bytes_table(runs):

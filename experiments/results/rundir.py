@@ -6,6 +6,8 @@
         metrics.jsonl     one `UpdateRecord` per update (experiments/results/records.py: worker, step, clock,
                           time_s, loss, staleness, bytes_sent, bytes_recv, wait_s, batch[, dropped])
         eval.jsonl        periodic test metrics: updates, time_s, test_loss, test_acc
+        events.jsonl      failures, when [faults] events were injected: inject, detect, recover, join, ... (one
+                          object a line, experiments/faults/spec.py EVENT_FIELDS; experiments/results/faults.py)
         summary.json      totals and rates, written last (its absence means the run was interrupted)
 
 Writers flush every line, so an interrupted run keeps what it wrote. Multi-process runs write one part file per
@@ -126,6 +128,11 @@ class RunDir:
     def eval_path(self) -> Path:
         return self.path / "eval.jsonl"
 
+    @property
+    def events_path(self) -> Path:
+        """events.jsonl: the run's failures (experiments/faults/spec.py EVENT_FIELDS); absent if none were injected."""
+        return self.path / "events.jsonl"
+
     def part_path(self, kind: str, k: int) -> Path:
         return self.path / f"{kind}.w{k}.jsonl"
 
@@ -155,4 +162,5 @@ class RunDir:
             raise ExperimentError(f"{self.path} is not a pslab run directory (no config.toml)")
         return {"path": str(self.path), "config": tomllib.loads(cfg_p.read_text()),
                 "summary": json.loads(summary_p.read_text()) if summary_p.exists() else None,
-                "updates": read_jsonl(self.metrics_path), "evals": read_jsonl(self.eval_path)}
+                "updates": read_jsonl(self.metrics_path), "evals": read_jsonl(self.eval_path),
+                "events": read_jsonl(self.events_path)}

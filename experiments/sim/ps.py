@@ -21,6 +21,10 @@ Every train.eval_every applied updates the shards' live parameters are evaluated
 stops at the first evaluation whose test accuracy reaches it (gradients still in flight are abandoned, not recorded),
 so time to accuracy is resolved to eval_every updates. `[simulate] timing_only` runs `experiments.sim.timing`
 instead: this loop without tensors, giving the same records but for loss.
+
+`[faults] events` (kill / stop of workers, kill of a shard) are injected, detected and recovered from in virtual
+time by `experiments.sim.ps_faults` (the model: `experiments.sim.faults`), which writes RUN_DIR/events.jsonl and
+changes the shards' membership (ShardState.set_members) as real runs do. Without events nothing changes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from experiments.results.rundir import JsonlWriter, RunDir
 from experiments.sim.network import Network
 from experiments.strategies.spec import optimizer_spec
 from experiments.stragglers import StragglerModel
+from ps.errors import NotAMemberError
+from ps.shard import PushResult
 from experiments.workloads import compute_grads, get_params, get_workload, set_params
 
 READ_ARRIVE, REPLY, COMPUTE_DONE, PUSH_ARRIVE = range(4)
@@ -56,6 +62,10 @@ class WorkerState:
     done: bool = False
     computing: Any = None          # (token, loss, digest) of the gradient in flight; None when not computing
     token: int = 0                 # bumps per compute: an aborted compute's COMPUTE_DONE is ignored
+    dead: bool = False             # [faults]: killed, or expelled
+    frozen_until: float | None = None   # [faults]: SIGSTOP'd until then
+    stop_idx: int = -1             # [faults]: the stop event that froze it
+    epoch: int = 0                 # [faults]: bumped at each resync; replies of an older epoch are dropped
 
 
 class Simulator:
@@ -82,6 +92,10 @@ class Simulator:
         self.applied = 0
         self.now = 0.0
         self.reached = False           # an evaluation reached train.target_acc: stop
+        self.fx = None
+        if cfg.faults.events:
+            from experiments.sim.ps_faults import PSFaults
+            self.fx = PSFaults(self)
 
     # -- event plumbing ------------------------------------------------------------------------------------------
     def _at(self, when: float, kind: int, worker: int, shard: int = 0, payload: Any = None) -> None:
@@ -91,7 +105,12 @@ class Simulator:
         ws = self.workers[w]
         ws.read_sent, ws.replies, ws.gate_wait, ws.bytes_recv = self.now, {}, 0.0, 0
         for s in range(len(self.shards)):
-            self._at(self.net.to_shard(self.now, w, s, 0), READ_ARRIVE, w, s)
+            epoch = self.fx.shard_epoch[s] if self.fx else 0
+            self._at(self.net.to_shard(self.now, w, s, 0), READ_ARRIVE, w, s, (epoch, ws.epoch))
+
+    def _begin_step(self, w: int) -> None:
+        if self.fx is None or self.fx.begin_step(w):
+            self._send_read(w)
 
     def _try_read(self, w: int, s: int, since: float) -> bool:
         st, ws = self.shards[s], self.workers[w]
@@ -100,7 +119,7 @@ class Simulator:
         rr = st.read(w, ws.clock, now=self.now)
         nbytes = sum(int(v.numel()) * v.element_size() for v in rr.params.values())
         ws.gate_wait = max(ws.gate_wait, self.now - since)
-        self._at(self.net.from_shard(self.now, w, s, nbytes), REPLY, w, s, (rr, nbytes))
+        self._at(self.net.from_shard(self.now, w, s, nbytes), REPLY, w, s, (rr, nbytes, ws.epoch))
         return True
 
     def _recheck(self, s: int) -> None:
@@ -139,30 +158,49 @@ class Simulator:
             nbytes = sum(a.nbytes for a in piece.values())
             sent += nbytes
             version = int(ws.replies[s].version)
-            self._at(self.net.to_shard(self.now, w, s, nbytes), PUSH_ARRIVE, w, s, (ws.clock, version, piece))
+            epoch = self.fx.shard_epoch[s] if self.fx else 0
+            self._at(self.net.to_shard(self.now, w, s, nbytes), PUSH_ARRIVE, w, s, (ws.clock, version, piece, epoch))
         self.pending[w].append(UpdateRecord(w, ws.clock, ws.clock + 1, 0.0, loss, None, sent, ws.bytes_recv,
                                             ws.gate_wait, digest))
         ws.clock += 1
         if self.progress:
             self.progress(1)
         if ws.clock < self.steps:
-            self._send_read(w)
+            self._begin_step(w)
         else:
             ws.done = True
 
     def _on_push(self, w: int, s: int, payload: Any) -> None:
-        clock, version, piece = payload
-        pr = self.shards[s].push(w, clock, version, {k: torch.from_numpy(v) for k, v in piece.items()}, now=self.now)
-        if s == 0:
-            if pr.status == "dropped":
-                rec = self.pending[w].pop()  # the newest: this very push
-                self._emit(rec, None, dropped=True)
-            for worker, tau in pr.staleness:
-                if self.pending[worker]:
-                    self._emit(self.pending[worker].popleft(), int(tau))
+        clock, version, piece, epoch = payload
+        if self.fx and self.fx.lost(s, epoch):
+            return                                   # sent to a dead shard: its record is flushed at the resync
+        try:
+            pr = self.shards[s].push(w, clock, version, {k: torch.from_numpy(v) for k, v in piece.items()},
+                                     now=self.now)
+        except NotAMemberError:                      # an expelled worker's push, still on the wire
+            pr = PushResult("refused", self.shards[s].version, clock)
+        if s == 0 and pr.status in ("dropped", "refused"):   # refused: an expelled worker's push
+            rec = self.pending[w].pop()  # the newest: this very push
+            self._emit(rec, None, dropped=True)
+        self._applied_now(s, pr.staleness)
+        if self.fx:
+            self.fx.after_push(s)
         if self.cfg.train.backup_abort and pr.staleness:
             self._abort_committed()
         self._recheck(s)
+
+    def _applied_now(self, s: int, staleness: list[tuple[int, int]]) -> None:
+        """Emit the records of the updates shard `s` just applied (shard 0 speaks for all)."""
+        if s != 0:
+            return
+        for worker, tau in staleness:
+            if self.pending[worker]:
+                self._emit(self.pending[worker].popleft(), int(tau))
+
+    def _flush_pending(self, w: int) -> None:
+        """Records of pushes that will never become an update (lost with a shard, or dropped at a resync)."""
+        while self.pending[w]:
+            self._emit(self.pending[w].popleft(), None)
 
     def _abort_committed(self) -> None:
         """backup_abort (Chen et al. 2016's idealised model): a worker computing a clock that every shard has now
@@ -176,7 +214,7 @@ class Simulator:
                                         digest), None, dropped=True)
                 if self.progress:
                     self.progress(1)
-                self._send_read(w)
+                self._begin_step(w)
 
     def _emit(self, rec: UpdateRecord, tau: int | None, dropped: bool = False) -> None:
         rec.time_s, rec.staleness, rec.dropped = self.now, tau, dropped
@@ -216,40 +254,66 @@ class Simulator:
 
     # -- main loop -----------------------------------------------------------------------------------------------
     def run(self, rundir: RunDir) -> dict[str, Any]:
-        with JsonlWriter(rundir.metrics_path) as self.mw, JsonlWriter(rundir.eval_path) as self.ew:
+        try:
+            if self.fx:
+                self.fx.open(rundir.events_path)
+            with JsonlWriter(rundir.metrics_path) as self.mw, JsonlWriter(rundir.eval_path) as self.ew:
+                return self._loop()
+        finally:
+            if self.fx:
+                self.fx.close()
+
+    def _loop(self) -> dict[str, Any]:   # noqa: C901 -- one dispatch
+        fx = self.fx
+        from experiments.sim.ps_faults import PLAN_KINDS
+        self._evaluate()
+        if fx:
+            fx.start()
+        for w in range(self.K):
+            self._begin_step(w)
+        while self.heap and not self.reached:
+            when, _, kind, w, s, payload = heapq.heappop(self.heap)
+            if fx and kind in PLAN_KINDS and not fx.live_work():
+                continue                         # the run is over: a later fault has nothing to hit
+            self.now = when
+            if fx and kind in (REPLY, COMPUTE_DONE) and fx.defer(kind, w, when, s, payload):
+                continue
+            if kind == READ_ARRIVE:
+                if fx and (fx.lost(s, payload[0]) or payload[1] != self.workers[w].epoch
+                           or self.workers[w].dead or w not in fx.members):
+                    continue
+                if not self._try_read(w, s, self.now):
+                    self.blocked[s][w] = self.now
+            elif kind == REPLY:
+                self._on_reply(w, s, payload)
+            elif kind == COMPUTE_DONE:
+                self._on_compute_done(w, payload)
+            elif kind == PUSH_ARRIVE:
+                self._on_push(w, s, payload)
+            else:
+                fx.handle(kind, w, s, payload)
+        if self.reached:
+            return self._result()
+        stuck = [w for w, ws in enumerate(self.workers) if not ws.done and not ws.dead
+                 and (fx is None or w in fx.members)]    # an expelled one still stopped is ended with the run
+        if stuck:
+            raise ExperimentError(f"simulation stopped with workers {stuck} blocked at the consistency gate "
+                                  f"({self.cfg.strategy.policy}); this is a deadlock in the policy")
+        for q in self.pending:  # pushes that never became an update (e.g. a clock left incomplete)
+            while q:
+                rec = q.popleft()
+                rec.time_s = self.now
+                self.mw.write(rec.to_json())
+        if self.applied % self.cfg.train.eval_every:
             self._evaluate()
-            for w in range(self.K):
-                self._send_read(w)
-            while self.heap and not self.reached:
-                when, _, kind, w, s, payload = heapq.heappop(self.heap)
-                self.now = when
-                if kind == READ_ARRIVE:
-                    if not self._try_read(w, s, self.now):
-                        self.blocked[s][w] = self.now
-                elif kind == REPLY:
-                    self._on_reply(w, s, payload)
-                elif kind == COMPUTE_DONE:
-                    self._on_compute_done(w, payload)
-                else:
-                    self._on_push(w, s, payload)
-            if self.reached:
-                return self._result()
-            stuck = [w for w, ws in enumerate(self.workers) if not ws.done]
-            if stuck:
-                raise ExperimentError(f"simulation stopped with workers {stuck} blocked at the consistency gate "
-                                      f"({self.cfg.strategy.policy}); this is a deadlock in the policy")
-            for q in self.pending:  # pushes that never became an update (e.g. a clock left incomplete)
-                while q:
-                    rec = q.popleft()
-                    rec.time_s = self.now
-                    self.mw.write(rec.to_json())
-            if self.applied % self.cfg.train.eval_every:
-                self._evaluate()
         return self._result()
 
     def _result(self) -> dict[str, Any]:
-        return {"virtual_time_s": self.now, "applied_updates": self.applied, "stopped_at_target": self.reached,
-                "shard_stats": [shard_summary(st) for st in self.shards]}
+        out = {"virtual_time_s": self.now, "applied_updates": self.applied, "stopped_at_target": self.reached,
+               "shard_stats": [shard_summary(st) for st in self.shards]}
+        if self.fx:
+            out.update(fault_events=self.fx.log.summary(), world_size_final=len(self.fx.members))
+        return out
 
 
 def shard_summary(st: Any) -> dict[str, Any]:
@@ -266,6 +330,9 @@ def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | N
     if not cfg.strategy.uses_ps:
         raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "
                               f"{cfg.strategy}: `local` is already a single process, run it without --simulate")
+    if cfg.faults.events:
+        from experiments.sim.faults import check_supported
+        check_supported(cfg)
     if cfg.simulate.timing_only:
         from experiments.sim.timing import simulate_timing
         return simulate_timing(cfg, rundir, progress)

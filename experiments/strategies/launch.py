@@ -4,7 +4,10 @@ turn what the ranks returned into summary fields.
     shards  ps.start_servers(train.shards, num_workers=D, policy, optimizer spec, groups=P·T)  (forked, loopback)
     ranks   collectives.launch(train_worker, D·T·P, backend=train.backend)   (local: 1 rank playing all K workers)
 
-The first failure or the timeout (`train.timeout_s`) ends every process; the shards are always stopped.
+A supervisor (experiments/faults/supervisor.py) watches every rank and shard: a dead or hung one is named within
+faults.detect_s and handled by faults.on_failure (abort ends every process; continue / shrink / replace go on, see
+strategies/elastic.py); train.timeout_s bounds each request, train.run_limit_s (0: none) the whole run. The shards
+are always stopped.
 """
 
 from __future__ import annotations
@@ -21,32 +24,43 @@ from experiments.results.rundir import RunDir
 START_METHOD = os.environ.get("PSLAB_START_METHOD", "fork")
 
 
-def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None) -> Any:
-    """The run's shard servers: one set of train.shards per slot group (pp × tp), each serving D workers."""
+def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None,
+                 run_path: str | None = None) -> Any:
+    """The run's shard servers: one set of train.shards per slot group (pp × tp), each serving D workers; with
+    faults.shard_checkpoint_every = k they checkpoint every k updates into RUN_DIR/shards (a restarted shard
+    resumes there)."""
     import ps
     from experiments.strategies.spec import optimizer_spec
+    every = cfg.faults.shard_checkpoint_every
     return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, optimizer_spec(cfg.train),
                             groups=cfg.parallel.model_parallel, start_method=START_METHOD, bind_host=bind_host,
                             curve_keys_dir=curve_keys_dir, request_timeout=cfg.train.timeout_s,
-                            idle_timeout=cfg.train.timeout_s)
+                            idle_timeout=cfg.train.timeout_s,
+                            checkpoint_dir=os.path.join(run_path, "shards") if every and run_path else None,
+                            checkpoint_every=every)
 
 
 def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
-    """Launch the ranks (and the shards); returns each rank's `train_worker` result."""
+    """Launch the ranks (and the shards) under the run's supervisor; returns each rank's `train_worker` result
+    (a `collectives.RankFailure` for a member the run went on without)."""
     import collectives
+    from experiments.faults.supervisor import RunSupervisor
     from experiments.strategies.build import world_size
     from experiments.strategies.loop import train_worker
-    servers = start_shards(cfg) if cfg.strategy.uses_ps else None
+    servers = start_shards(cfg, run_path=str(rd.path)) if cfg.strategy.uses_ps else None
+    sup = RunSupervisor(cfg, rd, servers)
     try:
         addresses = servers.group_addresses if servers is not None else None
         # one job secret: the ranks get the shards' one (as PSLAB_JOB_SECRET, never through the store)
         return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
-                                  args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.timeout_s,
-                                  start_method=START_METHOD, secret=servers.secret if servers else None)
+                                  args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.run_limit_s or None,
+                                  group_timeout=cfg.train.timeout_s, start_method=START_METHOD,
+                                  secret=servers.secret if servers else None, supervisor=sup)
     except collectives.LaunchError as e:
         first = str(e).splitlines()[0]
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
     finally:
+        sup.close()
         if servers is not None:
             servers.stop()
 
@@ -60,7 +74,7 @@ def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:
     rd.merge_parts("eval")
     if results and cfg.strategy.uses_ps:
         ups = read_jsonl(rd.metrics_path)
-        assign_staleness(ups, (results[0] or {}).get("series") or [])
+        assign_staleness(ups, _first(results, "series") or [])
         write_jsonl(rd.metrics_path, ups)
 
 
@@ -69,12 +83,23 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     shards' own statistics (slot group 0, shard 0)."""
     from experiments.results.bytes import bytes_by_kind
     from experiments.workloads import get_workload
+    finished = [r for r in results if isinstance(r, dict) and "bytes_sent" in r]   # not the failed or expelled
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
-                           "bytes_by_kind": bytes_by_kind(cfg, wl, results)}
+                           "bytes_by_kind": bytes_by_kind(cfg, wl, finished)}
+    if len(finished) < len(results):
+        out["finished_ranks"] = len(finished)
     if cfg.strategy.uses_ps and results:
-        st = (((results[0] or {}).get("shard_stats") or [{}])[0]).get("stats") or {}
+        st = ((_first(results, "shard_stats") or [{}])[0]).get("stats") or {}
         out.update(shard_staleness_mean=st.get("mean"), shard_staleness_max=st.get("max"),
                    gate_wait_s_total=sum(float(v) for v in (st.get("wait_seconds") or {}).values()),
                    shard_dropped=sum(int(v) for v in (st.get("dropped") or {}).values()))
     return out
+
+
+def _first(results: list[Any], key: str) -> Any:
+    """`key` of the first rank result that has it (rank 0 of the last generation reports the shards' stats)."""
+    for r in results:
+        if isinstance(r, dict) and r.get(key) is not None:
+            return r[key]
+    return None

@@ -17,124 +17,300 @@ rank 0 of a PS run, the shards' own staleness series and statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
 from typing import Any, Sequence
 
 import torch
 
+from collectives.launcher import notify
 from experiments.config import RunConfig, config_from_dict
 from experiments.errors import DIVERGED, DivergedError
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
+from experiments.strategies import resume
 from experiments.stragglers import StragglerModel
 from experiments.workloads import Workload, batch_digest, get_workload
 
 
 def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
                  addresses: Sequence[Sequence[str]] | None = None, curve_keys_dir: str | None = None,
-                 secret: str | None = None) -> dict[str, Any]:
-    """One rank of a run (for `collectives.launch`, or a torchrun/SLURM process); see the module docstring."""
-    from parallelism.mesh import DeviceMesh
-    from experiments.strategies.build import make_engine, make_strategy
+                 secret: str | None = None, joining: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank of a run (for `collectives.launch`, or a torchrun/SLURM process); see the module docstring.
+    `group` may be a `collectives.elastic.ElasticGroup` (a supervised launch): then membership changes are
+    survived as `strategies/elastic.py` says; `joining` = {"t0": ...} for a replacement member."""
     torch.set_num_threads(1)
-    cfg: RunConfig = config_from_dict(cfg_dict)
-    t, K = cfg.train, cfg.train.workers
-    wl = get_workload(cfg.workload.name, K, cfg.workload.batch_size, cfg.workload.seed)
-    # -- 1. the layout: D data-parallel workers, each a tp x pp model-parallel group of ranks ------------------
-    D = 1 if cfg.strategy.kind == "local" else K
-    mesh = DeviceMesh(group, dp=D, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+    return _Worker(group, config_from_dict(cfg_dict), run_path, addresses, curve_keys_dir, secret, joining).run()
+
+
+class _Worker:
+    """The state of one rank's run; `_build` makes (mesh, replica, strategy, evaluator) for the current group."""
+
+    def __init__(self, group: Any, cfg: RunConfig, run_path: str, addresses: Sequence[Sequence[str]] | None,
+                 curve_keys_dir: str | None, secret: str | None, joining: dict[str, Any] | None) -> None:
+        self.eg = group if hasattr(group, "membership") and hasattr(group, "join") else None   # an ElasticGroup
+        self.group = group.group if self.eg is not None else group
+        self.member = self.eg.member if self.eg is not None else self.group.rank
+        self.cfg, self.run_path, self.addresses = cfg, run_path, addresses
+        self.curve_keys_dir, self.secret, self.joining = curve_keys_dir, secret, joining
+        self.K = cfg.train.workers
+        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed)
+        self.rd = RunDir(run_path)
+        self.commits: Any = None
+        self.strategy: Any = None
+        self.ev: Any = None
+        self.fired: set[int] = set()                  # injected faults this process has triggered
+        faults = cfg.faults.parsed()
+        self.events = [] if joining else [e for e in faults if e.kind == "worker" and e.index == self.member
+                                          and e.at_step is not None and e.action != "leave"]
+        self.leaves = {e.at_step: e.index for e in faults if e.action == "leave"}   # planned: every member knows
+
+    # -- 1. the layout: D data-parallel workers, each a tp x pp model-parallel group of ranks -----------------
     # -- 2. the engine builds this rank's replica; 3. the sync strategy attaches to it --------------------------
-    replica = make_engine(cfg, wl).build(wl.make_model, mesh)
-    strategy = make_strategy(cfg, mesh, addresses, curve_keys_dir, secret)
-    strategy.attach(replica)
-    workers = list(range(K)) if getattr(strategy, "plays_all_workers", False) else [mesh.coord("dp")]
-    writer = mesh.coord("pp") == 0 and mesh.coord("tp") == 0
-    rd = RunDir(run_path)
-    records = _fresh_writer(rd.part_path("metrics", group.rank)) if writer else None
-    ev = _Evaluator(cfg, wl, replica, mesh, _fresh_writer(rd.part_path("eval", 0)) if group.rank == 0 else None)
-    straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
-    agree = cfg.stragglers.active and cfg.parallel.model_parallel > 1
-    try:
-        ev.evaluate(0, 0.0)
-        group.barrier()
-        t0 = time.time()
-        measured: dict[str, int] = {}
-        stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
-        step = 0
-        while step < t.steps:
-            before = _traffic(mesh)
-            # -- phase 1: forward + backward on batch(w, step) for the worker(s) this process plays -------------
-            tc = time.perf_counter()
-            done = []
-            for w in workers:
-                x, y, idx = wl.batch(w, step)
-                done.append((w, replica.forward_backward(x, y), batch_digest(idx)))
-            compute = (time.perf_counter() - tc) / len(workers)     # local's K passes would run in parallel
-            for w, loss, _ in done:
-                if not math.isfinite(loss):
-                    raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: {DIVERGED} (try a "
-                                        f"smaller train.lr than {t.lr})")
-            # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(compute, base)) ---
-            if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first rank's start to
-                pre = _traffic(mesh)   # the last one's end (per-rank spans would include the peers' padding)
-                start, compute = _span_over(mesh.group("mp"), tc, time.perf_counter())
-                before = _shift(before, pre, _traffic(mesh))      # those 16 bytes are not the step's traffic
-                tc = start
-            target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in workers)
-            left = target - (time.perf_counter() - tc)
-            if left > 0:                 # a PS backup worker with abort polls its clock while it pads
-                getattr(strategy, "pad", time.sleep)(left)
-            # -- phase 3: synchronise and update (all-reduce + optimizer, or push_pull to the shards) ------------
-            tw = time.perf_counter()
-            strategy.step(replica)
-            wait = time.perf_counter() - tw
-            after = _traffic(mesh)
-            ps_sent, ps_recv = getattr(strategy, "last_bytes", (0, 0))
-            for axis, (sent, _) in after.items():
-                measured[axis] = measured.get(axis, 0) + sent - before[axis][0]
-            if ps_sent or ps_recv:
-                measured["ps"] = measured.get("ps", 0) + ps_sent + ps_recv
-            sent = sum(v[0] for v in after.values()) - sum(v[0] for v in before.values()) + ps_sent
-            recv = sum(v[1] for v in after.values()) - sum(v[1] for v in before.values()) + ps_recv
-            # -- phase 4: one record per worker --------------------------------------------------------------------
-            now = time.time() - t0
-            if records is not None:
-                for w, loss, digest in done:
-                    rec = UpdateRecord(w, step, step + 1, now, loss, stale, sent, recv, wait, digest,
-                                       dropped=bool(getattr(strategy, "dropped", False)))
-                    records.write(rec.to_json())
-            # -- phase 5: evaluation every eval_every updates (K updates per step) --------------------------------
-            nxt = max(step + 1, getattr(strategy, "clock", 0))    # backup-BSP may move a worker past a clock
-            ev.maybe(step * K, min(nxt, t.steps) * K, now)
-            step = nxt
-        group.barrier()                                  # everyone has pushed everything
-        return _finish(cfg, group, mesh, replica, strategy, ev, t0, measured, min(step, t.steps))
-    finally:
-        if records is not None:
-            records.close()
-        ev.close()
-        close = getattr(strategy, "close", None)
-        if close is not None:
-            close(replica)
-        getattr(replica, "close", lambda: None)()
+    def _build(self, first: bool) -> None:
+        from parallelism.mesh import DeviceMesh
+        from experiments.strategies.build import make_engine, make_strategy
+        cfg = self.cfg
+        D = 1 if cfg.strategy.kind == "local" else self.group.world_size // cfg.parallel.model_parallel
+        self.mesh = DeviceMesh(self.group, dp=D, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+        if first or not cfg.strategy.uses_ps:       # a PS replica and its client outlive membership changes
+            if self.strategy is not None:
+                getattr(self.strategy, "close", lambda r: None)(self.replica)
+            self.replica = make_engine(cfg, self.wl).build(self.wl.make_model, self.mesh)
+            at_size = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workers=D)) \
+                if self.eg is not None and cfg.strategy.kind == "allreduce" else cfg
+            self.strategy = make_strategy(at_size, self.mesh, self.addresses, self.curve_keys_dir, self.secret)
+            self.strategy.attach(self.replica)
+        if self.eg is not None:
+            self.workers = [self.member]
+        else:
+            self.workers = list(range(self.K)) if getattr(self.strategy, "plays_all_workers", False) \
+                else [self.mesh.coord("dp")]
+        if self.ev is not None:
+            self.ev.close()
+        self.writer = self.mesh.coord("pp") == 0 and self.mesh.coord("tp") == 0
+        out = None
+        if self.group.rank == 0:
+            path = self.rd.part_path("eval", 0)
+            out = JsonlWriter(path) if (self.joining or not first) else _fresh_writer(path)
+        self.ev = _Evaluator(self.cfg, self.wl, self.replica, self.mesh, out)
 
+    def run(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        self._build(first=True)
+        path = self.rd.part_path("metrics", self.member)
+        self.records = (JsonlWriter(path) if self.joining else _fresh_writer(path)) if self.writer else None
+        straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
+        agree = cfg.stragglers.active and cfg.parallel.model_parallel > 1
+        elastic_ar = self.eg is not None and cfg.strategy.kind == "allreduce"
+        try:
+            step = 0
+            if self.joining:
+                step = self._recover(self.eg.generation, None) or 0
+                t0 = float(self.joining["t0"])
+            else:
+                step = resume.start(cfg, self.run_path, self.replica, self.strategy, self.mesh)   # 0: fresh run
+                if elastic_ar:
+                    from experiments.strategies.elastic import Commits
+                    self.commits = Commits()
+                    self.commits.commit(step, self.replica, self.strategy)
+                self.ev.evaluate(step * self.K, 0.0)
+                back = self._barrier()
+                step = step if back is None else back
+                t0 = time.time()
+                if self.group.rank == 0:
+                    notify({"kind": "t0", "t0": t0})
+            self.t0 = t0
+            if elastic_ar and self.commits is None:
+                from experiments.strategies.elastic import Commits
+                self.commits = Commits()
+                self.commits.commit(step, self.replica, self.strategy)
+            measured: dict[str, int] = {}
+            stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
+            while True:
+                while step < t.steps:
+                    self._inject(step)
+                    if self.leaves.get(step) == self.member and not self.joining:
+                        notify({"kind": "leave", "member": self.member, "step": step})
+                        return {"rank": self.member, "left": True, "steps": step}
+                    if step in self.leaves and self.eg is not None and self.leaves[step] in self.eg.membership.members:
+                        if self.commits is not None:      # a planned change: nothing in flight, nothing to roll back
+                            self.commits.commit(step, self.replica, self.strategy)
+                        step = self._recover(self.eg.generation + 1, step)
+                        continue
+                    try:
+                        if self.eg is not None:
+                            self.eg.check()
+                        before = _traffic(self.mesh)
+                        # -- phase 1: forward + backward on batch(w, step) for the worker(s) this process plays -----
+                        tc = time.perf_counter()
+                        done = []
+                        for w in self.workers:
+                            x, y, idx = self.wl.batch(w, step)
+                            done.append((w, self.replica.forward_backward(x, y), batch_digest(idx)))
+                        compute = (time.perf_counter() - tc) / len(self.workers)  # local's K passes: in parallel
+                        for w, loss, _ in done:
+                            if not math.isfinite(loss):
+                                raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: {DIVERGED} (try a "
+                                                    f"smaller train.lr than {t.lr})")
+                        # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(c, base))
+                        if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first
+                            pre = _traffic(self.mesh)   # rank's start to the last one's end
+                            start, compute = _span_over(self.mesh.group("mp"), tc, time.perf_counter())
+                            before = _shift(before, pre, _traffic(self.mesh))   # those 16 bytes are not the step's
+                            tc = start
+                        target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in self.workers)
+                        left = target - (time.perf_counter() - tc)
+                        if left > 0:                 # a PS backup worker with abort polls its clock while it pads
+                            getattr(self.strategy, "pad", time.sleep)(left)
+                        # -- phase 3: synchronise and update (all-reduce + optimizer, or push_pull to the shards) ----
+                        tw = time.perf_counter()
+                        self.strategy.step(self.replica)
+                        wait = time.perf_counter() - tw
+                    except self._changed() as e:
+                        step = self._recover(e.generation, step)
+                        continue
+                    after = _traffic(self.mesh)
+                    ps_sent, ps_recv = getattr(self.strategy, "last_bytes", (0, 0))
+                    for axis, (sent, _) in after.items():
+                        measured[axis] = measured.get(axis, 0) + sent - before[axis][0]
+                    if ps_sent or ps_recv:
+                        measured["ps"] = measured.get("ps", 0) + ps_sent + ps_recv
+                    sent = sum(v[0] for v in after.values()) - sum(v[0] for v in before.values()) + ps_sent
+                    recv = sum(v[1] for v in after.values()) - sum(v[1] for v in before.values()) + ps_recv
+                    # -- phase 4: one record per worker ----------------------------------------------------------------
+                    now = time.time() - t0
+                    if self.records is not None:
+                        for w, loss, digest in done:
+                            rec = UpdateRecord(w, step, step + 1, now, loss, stale, sent, recv, wait, digest,
+                                               dropped=bool(getattr(self.strategy, "dropped", False)))
+                            self.records.write(rec.to_json())
+                    # -- phase 5: evaluation every eval_every updates (K updates per step) ----------------------------
+                    nxt = max(step + 1, getattr(self.strategy, "clock", 0))  # backup-BSP may move a worker past a clock
+                    rewind = getattr(self.strategy, "take_rewind", lambda: None)()
+                    if rewind is not None:   # a PS shard restarted from its checkpoint: redo the clocks it lost
+                        nxt = rewind
+                    self.ev.maybe(step * self.K, min(nxt, t.steps) * self.K, now)
+                    step = nxt
+                    resume.maybe_save(cfg, self.run_path, step, self.replica, self.strategy, self.mesh)
+                    if self.commits is not None and step % cfg.faults.commit_every == 0:
+                        self.commits.commit(step, self.replica, self.strategy)
+                back = self._barrier()                       # everyone has pushed everything
+                if back is None or back >= t.steps:
+                    break
+                step = back                                  # a failure at the end: redo what was rolled back
+            return self._finish(measured, min(step, t.steps))
+        except self._expelled() as e:
+            notify({"kind": "expelled", "member": self.member, "why": str(e)})
+            return {"rank": self.member, "expelled": True}
+        finally:
+            if self.records is not None:
+                self.records.close()
+            self.ev.close()
+            close = getattr(self.strategy, "close", None)
+            if close is not None:
+                close(self.replica)
+            getattr(self.replica, "close", lambda: None)()
 
-def _finish(cfg: RunConfig, group: Any, mesh: Any, replica: Any, strategy: Any, ev: "_Evaluator", t0: float,
-            measured: dict[str, int], steps: int) -> dict[str, Any]:
-    """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards' stats."""
-    out: dict[str, Any] = {"rank": group.rank, "bytes_sent": measured, "steps": steps,
-                           "slot_bytes": getattr(strategy, "pushed_bytes", None)
-                           or sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
-    if hasattr(strategy, "refresh"):
-        strategy.refresh(replica)
-        if group.rank == 0:
-            stats = strategy.shard_stats(series=True)
-            out["series"] = stats[0].pop("series", [])
-            out["shard_stats"] = stats
-    ev.evaluate(steps * cfg.train.workers, time.time() - t0, final=True, changed=cfg.strategy.uses_ps)
-    group.barrier()
-    return out
+    def _finish(self, measured: dict[str, int], steps: int) -> dict[str, Any]:
+        """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
+        stats (from the current rank 0)."""
+        strategy, replica = self.strategy, self.replica
+        out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "steps": steps,
+                               "slot_bytes": getattr(strategy, "pushed_bytes", None)
+                               or sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
+        if hasattr(strategy, "refresh"):
+            strategy.refresh(replica)
+            if self.group.rank == 0:
+                stats = strategy.shard_stats(series=True)
+                out["series"] = stats[0].pop("series", [])
+                out["shard_stats"] = stats
+        self.ev.evaluate(steps * self.cfg.train.workers, time.time() - self.t0, final=True,
+                         changed=self.cfg.strategy.uses_ps)
+        self._barrier()
+        return out
+
+    # ------------------------------------------------------------------ membership
+    def _changed(self) -> tuple[type, ...]:
+        if self.eg is None:
+            return ()
+        from collectives.elastic import MembershipChanged
+        return (MembershipChanged,)
+
+    def _expelled(self) -> tuple[type, ...]:
+        if self.eg is None:
+            return ()
+        from collectives.elastic import Expelled
+        return (Expelled,)
+
+    def _barrier(self) -> int | None:
+        """A barrier of the current members; if the membership changed meanwhile, the step the recovery rolled
+        back to (allreduce), else None."""
+        back = None
+        while True:
+            try:
+                self.group.barrier()
+                return back
+            except self._changed() as e:
+                at = self.commits.latest if self.commits is not None else None
+                back = self._recover(e.generation, at)
+
+    def _recover(self, gen: int, step: int | None) -> int:
+        """Generation `gen` (or newer): join it, rebuild, and (allreduce) agree on the step to roll back to, which
+        is returned (the current step for ps-*: nothing rolls back). A newer generation published meanwhile (a
+        second failure, a replacement) starts the recovery over on it. A joiner has no commit: it receives one."""
+        while True:
+            try:
+                return self._recover_once(gen, step)
+            except self._changed() as e:
+                gen = e.generation
+
+    def _recover_once(self, gen: int, step: int | None) -> int:
+        from experiments.strategies import elastic
+        if gen > self.eg.generation or self.group is None:
+            self.group = self.eg.join(gen)
+            self._build(first=False)
+        n = self.group.world_size
+        joiner = self.joining is not None and self.commits is None
+        if self.cfg.strategy.kind != "allreduce":
+            step = int(getattr(self.strategy, "clock", 0)) if joiner else step
+            if self.group.rank == 0 or joiner:
+                notify({"kind": "join" if joiner else "recover", "member": self.member,
+                        "generation": self.eg.generation, "world_size": n, "step": step})
+            return step
+        latest = self.commits.latest if self.commits is not None else -1
+        c = elastic.agree_step(self.group, latest)
+        mine = self.commits.at(c) if self.commits is not None else None
+        src = elastic.source_rank(self.group, mine is not None)
+        model, opt = elastic.broadcast_state(self.group, mine, src)
+        lr = elastic.lr_at(self.cfg, n)
+        elastic.load(self.replica, self.strategy, model, opt, lr)
+        self.commits = elastic.Commits()
+        self.commits.commit(c, self.replica, self.strategy)
+        info = {"generation": self.eg.generation, "world_size": n, "step": c, "lr_step": lr,
+                "digest": elastic.digest(self.replica)}
+        if joiner:
+            notify({"kind": "join", "member": self.member, **info})
+        elif self.group.rank == 0:
+            notify({"kind": "recover", "lost_steps": (step - c) if step is not None else None, **info})
+        return c
+
+    def _inject(self, step: int) -> None:
+        """Faults of this worker at this step (experiments/faults/spec.py): kill and stop are sent by the supervisor
+        (the parent), so a kill is a real SIGKILL; each fires once per process (a rolled-back step does not)."""
+        for i, e in enumerate(self.events):
+            if e.at_step != step or i in self.fired:
+                continue
+            self.fired.add(i)
+            notify({"kind": "inject", "action": e.action, "who": e.who, "step": step, "for_s": e.for_s,
+                    "t": time.time()})
+            if e.action == "kill":
+                time.sleep(30)           # the supervisor's SIGKILL arrives meanwhile
+                os._exit(137)
+            if e.action == "stop":
+                time.sleep(0.5)          # stopped (SIGSTOP) in here, for for_s
 
 
 def _fresh_writer(path: Any) -> JsonlWriter:

@@ -37,6 +37,22 @@ committed without it (TensorFlow's SyncReplicasOptimizer behaviour): the shard d
 learns that the clock is committed: `pad` (the loop's straggler padding) asks the shards every ABORT_POLL_S, and
 `step` asks once more before pushing; an aborted step pushes nothing and only pulls, which moves the worker up to
 the committed clock. Compute already spent in backward is not interrupted (the check runs between phases).
+
+Shard restarts (issue 9). When a shard dies the client fails the step's request at once (ShardLostError: the
+socket monitor saw the connection drop; or NotRegisteredError: a request reached the new incarnation first). `step`
+then recovers instead of failing: the weights get memory of their own (the old reply segment is gone), the client
+resyncs (re-registers with every shard, re-negotiates shared memory: `.grad` is re-pointed at the new push
+segment), and the worker reads at the restored clock. The step's gradient is given up (status "lost": `dropped`
+is True for it). The loop then continues from the restored clock: `take_rewind()` returns it once (None otherwise)
+and the loop sets `step` to it, so the lost clocks are redone on the same batches and, under BSP, every worker is
+back in step with the shard (a worker that went on counting forward would end one clock apart and wait forever).
+With several shards per slot group under an aggregating policy, ServerGroup.check restarts the whole group from
+its newest common checkpoint version, so every shard comes back at the same clock (bitwise equal to a run without
+the failure, tested); under asp/ssp only the dead shard restarts and the survivors keep their clocks (the redone
+clocks are applied there again). `last_restart` = {"shard", "restored_version", "lost_updates", "restored_from", "clock", "step_clock"}
+(lost_updates as this client saw it: a lower bound; ServerGroup.check's event has the shard's exact figure).
+A shard restarted without a checkpoint has no parameters: that is a PSStrategyError (set a checkpoint interval).
+`checkpoint_error`: the last failed periodic checkpoint a shard reported in a push ack (warned once), else None.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 ABORT_POLL_S = 0.005      # backup abort: how often a padding straggler asks whether its clock is committed
+RECOVER_TRIES = 3         # resyncs per shard loss (a shard may drop again while it is being restarted)
 
 
 class PSStrategyError(ExperimentError):
@@ -97,6 +114,8 @@ class PSSyncStrategy:
     _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
     _shared: list[str] = field(default_factory=list, init=False, repr=False)
     _aborted: bool = field(default=False, init=False, repr=False)
+    restarts: list[dict[str, Any]] = field(default_factory=list, init=False)   # shard restarts recovered from
+    _rewind: int | None = field(default=None, init=False, repr=False)
 
     def attach(self, replica: Replica) -> None:
         import ps
@@ -150,12 +169,72 @@ class PSSyncStrategy:
             self._adopt(replica, read)
             self.last_bytes = (0, sum(v.nbytes for v in read.params.values()))
             return
-        acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
+        try:
+            acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
+        except self._lost_errors() as e:
+            self._recover(replica, clock, e)
+            return
         self.history.append(PSStep(clock, [a["status"] for a in acks], [int(a["version"]) for a in acks],
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         self._zero()                          # acked: the shard has read them; start the next sum from zero
         self._adopt(replica, read)
         self.last_bytes = (self.pushed_bytes, sum(v.nbytes for v in read.params.values()))
+
+    @staticmethod
+    def _lost_errors() -> tuple[type[BaseException], ...]:
+        from ps.errors import NotRegisteredError, ShardLostError
+        return (ShardLostError, NotRegisteredError)
+
+    def _recover(self, replica: Replica, clock: int, why: BaseException) -> None:
+        """A shard was lost mid-step: resync with every shard and read at the restored clocks (module docstring)."""
+        pushed = self._pushed(replica)
+        for s in pushed:                      # off the old segments: the weights and gradients get their own memory
+            s.param.data = s.param.data.clone()
+            s.param.grad = None
+        seen = len(self.client.restarts)
+        for attempt in range(RECOVER_TRIES):
+            try:
+                self.client.resync()
+                read = self.client.pull(copy=False).result(self.timeout)
+                break
+            except self._lost_errors() as e:  # dropped again while coming back: try again
+                why = e
+        else:
+            raise PSStrategyError(f"lost a shard and could not resync after {RECOVER_TRIES} tries: {why}") from why
+        empty = [i for i, (m, _) in enumerate(self.client.registration) if not m.get("initialized", True)]
+        if empty:
+            raise PSStrategyError(f"shard(s) {empty} came back without parameters (no checkpoint to restore): set a "
+                                  "shard checkpoint interval ([faults] shard_checkpoint_every) to survive a shard "
+                                  "failure")
+        self._grads = self.client.grad_buffers()      # the new push segment
+        for g in self._grads.values():
+            g.fill(0.0)
+        for s in pushed:
+            s.param.grad = torch.from_numpy(self._grads[s.name])
+        self._touched.clear()
+        for r in self.client.restarts[seen:]:
+            self.restarts.append(dict(r, step_clock=clock, why=f"{type(why).__name__}: {why}"[:300]))
+        if len(self.client.restarts) > seen:
+            self._rewind = self.client.clocks[0]
+        self.history.append(PSStep(clock, ["lost"], list(read.versions), []))
+        self._adopt(replica, read)
+        self.last_bytes = (0, sum(v.nbytes for v in read.params.values()))
+
+    def take_rewind(self) -> int | None:
+        """The step the loop continues from after a shard restart (the restored clock on shard 0), once; else None."""
+        r, self._rewind = self._rewind, None
+        return r
+
+    @property
+    def last_restart(self) -> dict[str, Any] | None:
+        """The last shard restart this worker recovered from (module docstring), or None."""
+        return self.restarts[-1] if self.restarts else None
+
+    @property
+    def checkpoint_error(self) -> str | None:
+        """The failed periodic checkpoint a shard last reported in a push ack (None while they succeed)."""
+        errs = [e for e in (self.client.checkpoint_errors if self.client is not None else []) if e]
+        return errs[0] if errs else None
 
     def pad(self, seconds: float) -> None:
         """The loop's straggler padding: sleep `seconds`; with `abort`, stop early once this worker's clock has
@@ -208,9 +287,9 @@ class PSSyncStrategy:
 
     @property
     def dropped(self) -> bool:
-        """The last step's gradient was not applied: a late backup push (dropped), given up before it (aborted), or
-        skipped by a shard running nonfinite="skip" (it held NaN/Inf)."""
-        return bool(self.history) and bool({"dropped", "aborted", "skipped"} & set(self.history[-1].status))
+        """The last step's gradient was not applied: a late backup push (dropped), given up before it (aborted),
+        skipped by a shard running nonfinite="skip" (it held NaN/Inf), or lost with a shard that died (lost)."""
+        return bool(self.history) and bool({"dropped", "aborted", "skipped", "lost"} & set(self.history[-1].status))
 
     def refresh(self, replica: Replica) -> None:
         """Read the shards' current weights into the replica (e.g. after every worker has finished)."""

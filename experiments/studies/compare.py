@@ -13,6 +13,12 @@ strategy that averages K gradients per step steps with K x lr (linear scaling, t
 each strategy its own best lr from a bracketing grid; the report states the rule, shows lr per gradient and per
 step, optimizer steps and samples for every run, the time to `--target-acc`, and the seed-noise band of the
 reference (`--noise-seeds` runs) that a difference must exceed.
+
+`--preset failure` (`run_failure_compare`): each strategy without and with one failure (default: kill the last
+worker when it starts step steps/2; `--failure` or `--set faults.events=[...]` to change it), everything else held
+fixed, then the failure report (experiments/results/faults.py): the timeline and, per failure, time to detect, time
+to recover, steps or updates lost and the final accuracy next to the no-failure run. Each strategy reacts by its
+`[faults] on_failure` policy (auto: ps-* go on with the survivors, allreduce shrinks the ring to N - 1).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RunConfig, load_config
-from experiments.errors import ExperimentError
+from experiments.errors import ConfigError, ExperimentError
 from experiments.results.rundir import RunDir
 from experiments.results.report import write_report
 from experiments.runner import execute
 from experiments.studies.fairness import band_section, seed_band, tune_lr, tuning_section
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
+FAILURE_STRATEGIES = ("allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")     # local has no worker to lose
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_default.toml"
 STRAGGLER_FACTOR = 4.0
 NOISE_SEEDS = 5          # reference runs for the seed-noise band (0: none)
@@ -130,4 +137,100 @@ def _intro(cfg: RunConfig, planned: list[str], straggler: bool, simulate: bool, 
               " (it computes the K gradients one after another). ")
              if "local" in planned else "") +
             "Throughput counts updates while all workers are still running. "
+            f"Total time {elapsed:.0f} s.")
+
+
+def default_failure(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The preset's failure: kill the last worker when it starts step steps // 2."""
+    return [{"kill": f"worker:{cfg.train.workers - 1}", "at_step": cfg.train.steps // 2}]
+
+
+def parse_failure(text: str) -> list[dict[str, Any]]:
+    """--failure: "kill=worker:3,at_step=50" (one event, key=value pairs) or TOML: one inline table
+    {kill = "worker:3", at_step = 50} or a list of them. Values are checked by the [faults] validation."""
+    import tomllib
+    text = text.strip()
+    if text.startswith(("[", "{")):
+        try:
+            v = tomllib.loads(f"x = {text}")["x"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--failure {text!r} is not a TOML table or list of tables: {e}") from None
+        return v if isinstance(v, list) else [v]
+    event: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--failure: {item!r} is not key=value; e.g. --failure \"kill=worker:3,at_step=50\"")
+        value = value.strip()
+        try:
+            event[key.strip()] = int(value)
+        except ValueError:
+            try:
+                event[key.strip()] = float(value)
+            except ValueError:
+                event[key.strip()] = value
+    if not event:
+        raise ConfigError("--failure needs an event, e.g. --failure \"kill=worker:3,at_step=50\"")
+    return [event]
+
+
+def run_failure_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = FAILURE_STRATEGIES,
+                        events: list[dict[str, Any]] | None = None, simulate: bool = False, quiet: bool = False,
+                        force: bool = False, target_acc: float | None = TARGET_ACC) -> tuple[Path, list[dict]]:
+    """Every strategy without and with `events` (default `default_failure`), then report.md with the failure
+    report. Real runs by default (experiments.runner.execute with the [faults] section), virtual time with
+    `simulate`."""
+    out = Path(out)
+    if "local" in strategies:
+        raise ExperimentError("--preset failure: strategy local is one process, it has no worker to lose; use "
+                              "allreduce and ps-* strategies")
+    if not strategies:
+        raise ExperimentError("--preset failure needs at least one strategy, e.g. --strategies allreduce,ps-asp")
+    if target_acc is not None and not 0 < target_acc <= 1:
+        raise ExperimentError(f"--target-acc must be in (0, 1], e.g. 0.9, got {target_acc}")
+    events = events if events is not None else (list(cfg.faults.events) or default_failure(cfg))
+    t0 = time.perf_counter()
+    cfg.stragglers.factors = {}
+    runs: list[dict[str, Any]] = []
+    for s in strategies:
+        for failing in (False, True):
+            c = copy.deepcopy(cfg)
+            c.train.strategy = s
+            c.faults.events = copy.deepcopy(events) if failing else []
+            c.validate()
+            what = ", ".join(_describe(e) for e in c.faults.parsed())
+            label = f"{s}" + (f" + {what}" if failing else "") + (" (simulated)" if simulate else "")
+            rd = execute(c, out / "runs", label=label, simulate=simulate, quiet=quiet, force=force)
+            runs.append(RunDir(rd.path).load())
+    elapsed = time.perf_counter() - t0
+    report = write_report(runs, out, "pslab compare --preset failure: surviving a failure",
+                          _failure_intro(cfg, list(strategies), events, simulate, elapsed), target_acc)
+    return report, runs
+
+
+def _describe(e: Any) -> str:
+    trig = f"step {e.at_step}" if e.at_step is not None else f"{e.at_s:g} s"
+    return f"{e.action} {e.who} at {trig}" + (f" for {e.for_s:g} s" if e.action == "stop" else "")
+
+
+def _failure_intro(cfg: RunConfig, strategies: list[str], events: list[dict[str, Any]], simulate: bool,
+                   elapsed: float) -> str:
+    from experiments.strategies.spec import parse_strategy
+    f, t = cfg.faults, cfg.train
+    c = copy.deepcopy(cfg)
+    c.faults.events = copy.deepcopy(events)
+    what = "; ".join(_describe(e) for e in c.faults.parsed())
+    policies = ", ".join(f"{s}: {f.policy(parse_strategy(s).kind)}" for s in strategies)
+    return (f"Workload `{cfg.workload.name}`, {t.workers} workers x {t.steps} steps, batch "
+            f"{cfg.workload.batch_size} per worker, lr {t.lr} per gradient ({t.lr_rule} rule). Each strategy runs "
+            f"twice, identical but for the failure: **{what}**. What each does about it (`[faults] on_failure` = "
+            f"{f.on_failure}): {policies} -- continue: the PS goes on with the survivors (ps-bsp / ps-ssp gates stop "
+            f"waiting for the dead worker once it is detected); shrink: the all-reduce survivors roll back to their "
+            f"last commit (every {f.commit_every} step(s)) and rebuild the ring at N - 1, whose steps use the lr "
+            f"rule at G = N - 1; replace: a replacement joins and N returns. Detection: a killed process at once "
+            f"(its exit code), a hung one after faults.detect_s = {f.detect_s:g} s without heartbeats. " +
+            ("Simulated in virtual time (experiments/sim/faults.py states the detection and recovery cost model). "
+             if simulate else "Real processes on this machine; the supervisor injects the signals. ") +
+            "The article's last section: at thousands of GPUs a failure is a near-certainty, so what a failure costs "
+            "-- the time to notice it, the time to recover, the work lost -- decides whether training survives it. "
             f"Total time {elapsed:.0f} s.")

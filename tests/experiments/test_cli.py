@@ -133,10 +133,10 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
-def _traces() -> set[str]:
-    """What runs may leave behind: pslab temp directories and /dev/shm segments."""
+def _traces(tmp: Path | None = None) -> set[str]:
+    """What runs may leave behind: pslab temp directories (in `tmp`, default the temp dir) and /dev/shm segments."""
     import tempfile
-    tmp = Path(tempfile.gettempdir())
+    tmp = tmp or Path(tempfile.gettempdir())
     return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
 
 
@@ -146,12 +146,15 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
     (`kill PID`): pslab exits promptly with the one line "pslab: interrupted" (no rank or shard traceback), no
     process of its session survives, no ipc directory or shared-memory segment is left behind, and the metrics
     written so far are merged into metrics.jsonl."""
-    before = _traces()
+    private = tmp_path / "tmp"          # the run's own temp dir: other jobs on this host do not count
+    private.mkdir()
+    before = _traces(private)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
-                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, TMPDIR=str(private)))
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -170,7 +173,7 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
         time.sleep(1.0)
         assert _session_processes(p.pid) == []
         assert p.returncode != 0 and err.strip().splitlines() == ["pslab: interrupted"], err[-2000:]
-        assert _traces() - before == set()
+        assert _traces(private) - before == set()
         run = next((tmp_path / "runs").iterdir())
         assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "summary.json").exists()
     finally:

@@ -60,14 +60,14 @@ def test_slot_groups_are_independent_shard_sets(method):
             np.testing.assert_array_equal(r1.params["b"], init1["b"])
             c1.push(GRADS).result(20)
             assert c1.pull().result(20).versions == [1, 1]
-        if method == "fork":                      # restart one shard of group 1: a new process and address
-            old = servers.group_addresses[1][1]
+        if method == "fork":                      # restart one shard of group 1: a new process, same address
+            old, old_pid = servers.group_addresses[1][1], servers.processes[3].pid
             with pytest.raises(PSError, match="shard 1 of slot group 1 is still running"):
                 servers.start(1, group=1)
             servers.kill(1, group=1)
             assert not servers.alive(1, group=1) and servers.alive(0, group=1) and servers.alive(1)
-            assert servers.start(1, group=1) == servers.group_addresses[1][1] != old
-            assert servers.alive(1, group=1)
+            assert servers.start(1, group=1) == servers.group_addresses[1][1] == old
+            assert servers.alive(1, group=1) and servers.processes[3].pid != old_pid
     assert not shard_children()
 
 

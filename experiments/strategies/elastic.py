@@ -1,0 +1,157 @@
+"""Elastic membership inside the one training loop: a member dies or hangs, the survivors go on; a replacement joins.
+
+The supervisor (experiments/faults/supervisor.py, in the launcher's parent) publishes each new membership as a
+generation of the job's `collectives.elastic.ElasticGroup`; a member learns of it when a wait of the old group raises
+`MembershipChanged` (a survivor blocked on a dead peer) or at its next step's `check()`. Then, per strategy:
+
+    allreduce (shrink / replace), Horovod's commit / rollback:
+        commit    after every faults.commit_every steps: a copy of the model and the optimizer state, in memory
+                  (the last two commits are kept: a failure can cut one member's step after its all-reduce ended)
+        rebuild   join generation g+1 (a new ring: new sockets, or a new gloo group), build a new replica and
+                  optimizer on it (the engine seam, as at the start)
+        agree     c = min over the new group of each member's latest commit (an all-reduce of one integer; a
+                  joiner has none and counts as +inf)
+        restore   the lowest rank holding c broadcasts it (model + optimizer state: a JSON header of names, shapes and
+                  scalars, then the tensors): survivors and a joiner start step c from the same bytes
+        continue  at world size n = len(members): each worker keeps its own data shard and batch size (the global
+                  batch becomes n x B), and the step lr follows train.lr_rule at G = n (linear: lr x n)
+    ps-* (continue / replace): the state lives on the shards, which the supervisor tells the new membership
+        (`set_members`): the group (barriers only) is rebuilt, nothing is rolled back.
+
+Worker ids never change: worker w keeps batch(w, step) and its part files; only its rank in the ring does.
+Elastic all-reduce needs the data-parallel engine (tp = pp = 1, zero = 0): other layouts resume from an engine
+checkpoint (`pslab run --resume`) after the run aborts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from collections import deque
+from typing import Any
+
+import torch
+
+from experiments.config import RunConfig
+from experiments.strategies.spec import step_lr
+
+
+def lr_at(cfg: RunConfig, members: int) -> float:
+    """The step lr of the run's strategy at world size `members` (train.lr_rule at G = members)."""
+    return step_lr(dataclasses.replace(cfg.train, workers=members))
+
+
+def _module(replica: Any) -> torch.nn.Module:
+    return replica.module
+
+
+class Commits:
+    """The last two committed states of this member (allreduce): (step, model state, optimizer state)."""
+
+    def __init__(self) -> None:
+        self.kept: deque[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = deque(maxlen=2)
+
+    def commit(self, step: int, replica: Any, strategy: Any) -> None:
+        model = {k: v.detach().clone() for k, v in _module(replica).state_dict().items()}
+        opt = copy.deepcopy(strategy.optimizer.state_dict())
+        self.kept.append((step, model, opt))
+
+    @property
+    def latest(self) -> int:
+        return self.kept[-1][0] if self.kept else -1
+
+    def at(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        for s, model, opt in self.kept:
+            if s == step:
+                return model, opt
+        return None
+
+
+def agree_step(group: Any, mine: int) -> int:
+    """The newest step every member of `group` has committed: min over members (a joiner counts as +inf)."""
+    t = torch.tensor([mine if mine >= 0 else 1 << 60], dtype=torch.int64)
+    group.all_reduce(t, op="min")
+    return int(t[0])
+
+
+def _header(model: dict[str, torch.Tensor], opt: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Split (model state, optimizer state) into a JSON-able header and the list of tensors it describes."""
+    tensors: list[torch.Tensor] = []
+    spec: list[list[Any]] = []
+    for k, v in model.items():
+        spec.append(["m", k, list(v.shape), str(v.dtype).removeprefix("torch.")])
+        tensors.append(v)
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in opt["state"].items():
+        for key, v in st.items():
+            if torch.is_tensor(v):
+                spec.append(["o", f"{pid}/{key}", list(v.shape), str(v.dtype).removeprefix("torch.")])
+                tensors.append(v)
+            else:
+                scalars.setdefault(str(pid), {})[key] = v
+    return {"tensors": spec, "scalars": scalars, "param_groups": opt["param_groups"]}, tensors
+
+
+def source_rank(group: Any, has: bool) -> int:
+    """The lowest rank of `group` that holds the agreed commit (a joiner, even as rank 0, does not)."""
+    t = torch.tensor([group.rank if has else 1 << 30], dtype=torch.int64)
+    group.all_reduce(t, op="min")
+    if int(t[0]) >= 1 << 30:
+        raise RuntimeError("no member holds the agreed commit: the job's state is lost (every holder died)")
+    return int(t[0])
+
+
+def broadcast_state(group: Any, commit: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, src: int = 0
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rank `src` of `group` sends its (model state, optimizer state); every rank returns the same, bitwise."""
+    if group.rank == src:
+        assert commit is not None
+        head, tensors = _header(*commit)
+        raw = json.dumps(head).encode()
+        n = torch.tensor([len(raw)], dtype=torch.int64)
+    else:
+        n = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(n, src=src)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if group.rank == src else \
+        torch.zeros(int(n[0]), dtype=torch.uint8)
+    group.broadcast(buf, src=src)
+    if group.rank != src:
+        head = json.loads(bytes(buf.numpy()).decode())
+        tensors = [torch.zeros(shape, dtype=getattr(torch, dt)) for _, _, shape, dt in head["tensors"]]
+    out = []
+    for t in tensors:
+        t = t.detach().clone().contiguous()
+        if t.numel():
+            group.broadcast(t, src=src)
+        out.append(t)
+    model: dict[str, torch.Tensor] = {}
+    state: dict[int, dict[str, Any]] = {}
+    for (kind, name, _, _), t in zip(head["tensors"], out):
+        if kind == "m":
+            model[name] = t
+        else:
+            pid, key = name.split("/", 1)
+            state.setdefault(int(pid), {})[key] = t
+    for pid, sc in head["scalars"].items():
+        state.setdefault(int(pid), {}).update(sc)
+    return model, {"state": state, "param_groups": head["param_groups"]}
+
+
+def load(replica: Any, strategy: Any, model: dict[str, torch.Tensor], opt: dict[str, Any], lr: float) -> None:
+    """Put (model state, optimizer state) into a freshly built replica and strategy, at step lr `lr`."""
+    with torch.no_grad():
+        _module(replica).load_state_dict(model, strict=True)
+    strategy.optimizer.load_state_dict(copy.deepcopy(opt))
+    for g in strategy.optimizer.param_groups:
+        g["lr"] = lr
+
+
+def digest(replica: Any) -> str:
+    """A short hash of the model's bytes (records that a joiner's parameters equal the survivors')."""
+    h = hashlib.sha256()
+    for k, v in sorted(_module(replica).state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,185 @@
+"""`pslab run --resume RUN_DIR` and the loop's engine checkpoints (`experiments/strategies/resume.py`), end to end:
+real ranks through the runner and the CLI, small step counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from collectives.tensorfile import read_tensor_file
+from experiments.cli import main
+from experiments.config import load_config
+from experiments.errors import ConfigError
+from experiments.results.rundir import RunDir, read_jsonl
+from experiments.runner import execute
+from experiments.strategies.resume import resume_config
+from parallelism.state_io import committed_steps
+from tests.experiments.conftest import small_config
+
+DP = ["workload.name=digits-mlp", "train.strategy=allreduce", "train.workers=2", "train.optimizer=momentum",
+      "train.lr=0.05", "train.eval_every=4", "faults.checkpoint_every=3"]
+ZERO = ["workload.name=digits-mlp", "train.strategy=allreduce", "train.workers=2", "train.optimizer=adam",
+        "train.lr=0.01", "parallel.zero=3", "train.eval_every=4", "faults.checkpoint_every=2"]
+TF = ["workload.name=text-transformer", "workload.batch_size=8", "train.strategy=allreduce", "train.workers=1",
+      "train.optimizer=momentum", "train.lr=0.05", "train.eval_every=4", "faults.checkpoint_every=2"]
+# (faults.on_failure = abort: these runs test checkpoints, not the elastic rollback)
+DP, ZERO, TF = ([*c, "faults.on_failure=abort"] for c in (DP, ZERO, TF))
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A temp directory of this test only (other sessions share /tmp): the run's processes inherit it."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _params(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """Rank 0's parameter pieces of a committed step, by name (data parallel: the whole model)."""
+    tensors, meta = read_tensor_file(run / "checkpoints" / f"step-{step:08d}" / "rank-00000.pslab")
+    return {p["name"]: tensors[f"{k}/param"] for k, p in enumerate(meta["pieces"])}
+
+
+def test_resume_through_the_cli_continues_bitwise(tmp_path, capsys, private_tmp):
+    """2-worker allreduce: 6 steps straight == 3 steps, then `pslab run --resume RUN_DIR --set train.steps=6`:
+    the step-6 checkpoints hold the same parameters bitwise, the final test loss is the same, and the resumed
+    directory holds each (worker, step) record once, in time order, and a summary."""
+    shm = _shm()
+    straight = execute(small_config(*DP, "train.steps=6"), tmp_path, label="straight", quiet=True)
+    first = execute(small_config(*DP, "train.steps=3"), tmp_path, label="first", quiet=True)
+    assert [s for s, _ in committed_steps(first.path / "checkpoints")] == [3]
+    assert main(["run", "--resume", str(first.path), "--set", "train.steps=6", "-q"]) == 0
+    assert "run directory" in capsys.readouterr().out
+    assert [s for s, _ in committed_steps(first.path / "checkpoints")] == [6, 3]
+    a, b = _params(straight.path, 6), _params(first.path, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    s_ev, r_ev = read_jsonl(straight.eval_path), read_jsonl(first.eval_path)
+    assert s_ev[-1]["updates"] == r_ev[-1]["updates"] == 12 and s_ev[-1]["test_loss"] == r_ev[-1]["test_loss"]
+    ups = read_jsonl(first.metrics_path)
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(6)]
+    assert [u["time_s"] for u in ups] == sorted(u["time_s"] for u in ups)
+    assert max(u["time_s"] for u in ups if u["step"] < 3) <= min(u["time_s"] for u in ups if u["step"] >= 3)
+    by_key = lambda us: {(u["worker"], u["step"]): u["loss"] for u in us}
+    assert by_key(ups) == by_key(read_jsonl(straight.metrics_path))
+    summary = json.loads((first.path / "summary.json").read_text())
+    assert summary["updates"] == 12
+    env = json.loads((first.path / "env.json").read_text())
+    assert env["resumed"][0]["from_step"] == 3 and (first.path / "config.before-step-3.toml").is_file()
+    assert not list((first.path / "checkpoints").rglob(".*tmp*"))
+    left = [p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache
+    assert not left, f"the run left {left[:4]} in the temp directory"
+    left = _shm() - shm
+    if left:                         # /dev/shm is shared with other sessions: what is ours outlives a wait
+        time.sleep(3)
+        left &= _shm()
+    assert not left, f"left in /dev/shm: {sorted(left)[:4]}"
+
+
+def test_resume_at_another_layout_zero3_to_data_parallel(tmp_path):
+    """2 workers under ZeRO-3 (Adam) for 2 steps, resumed with --set parallel.zero=0 (the data-parallel engine: the
+    flat parameter and Adam shards reassembled into whole tensors): its first loss (step 2: the same weights, the
+    same batches) equals the uninterrupted ZeRO-3 run's step-2 loss to float32 tolerance, and it trains on."""
+    straight = execute(small_config(*ZERO, "train.steps=4"), tmp_path, label="z3", quiet=True)
+    first = execute(small_config(*ZERO, "train.steps=2"), tmp_path, label="z3-first", quiet=True)
+    cfg = resume_config(first.path, ["parallel.zero=0", "train.steps=4"])
+    execute(cfg, quiet=True, resume=RunDir(first.path))
+    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
+    got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.metrics_path)}
+    assert sorted(got) == sorted(ref)
+    for w in range(2):
+        assert got[(w, 1)] == ref[(w, 1)]
+        assert got[(w, 2)] == pytest.approx(ref[(w, 2)], rel=1e-5)
+        assert got[(w, 3)] == pytest.approx(ref[(w, 3)], rel=1e-5)     # after a step on the restored Adam state
+    assert json.loads((first.path / "summary.json").read_text())["parallel"] == "data"
+
+
+def test_zero3_dp4_resumed_at_dp2_matches_local(tmp_path):
+    """ZeRO-3 with 4 workers for 3 steps, `--resume --set train.workers=2` for 3 more: every loss matches `local`
+    (one process, whole tensors) doing the same -- 4 workers' batches at lr x 4, then 2 workers' (the training set
+    re-split in 2) at lr x 2 -- to float32 tolerance; the evaluations count 3 x 4 + 3 x 2 = 18 updates."""
+    runs = {}
+    for name, extra in (("zero", ["parallel.zero=3"]), ("local", ["train.strategy=local", "parallel.zero=0"])):
+        cfg = [*ZERO, *extra, "train.workers=4", "train.steps=3", "faults.checkpoint_every=3"]
+        run = execute(small_config(*cfg), tmp_path, label=name, quiet=True)
+        execute(resume_config(run.path, ["train.workers=2", "train.steps=6"]), quiet=True, resume=RunDir(run.path))
+        runs[name] = run
+    key = lambda run: {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(run.metrics_path)}
+    zero, local = key(runs["zero"]), key(runs["local"])
+    assert sorted(zero) == sorted(local) == sorted([(w, t) for w in range(4) for t in range(3)]
+                                                    + [(w, t) for w in range(2) for t in range(3, 6)])
+    for k, loss in local.items():
+        assert zero[k] == pytest.approx(loss, rel=1e-5), k
+    ev = read_jsonl(runs["zero"].eval_path)
+    assert [e["updates"] for e in ev] == sorted({e["updates"] for e in ev}) and ev[-1]["updates"] == 18
+
+
+def test_resume_at_another_layout_tp2_to_tp1(tmp_path):
+    """text-transformer at tp=2 for 2 steps, resumed with --set parallel.tp=1: its first loss (step 2, the Megatron
+    slices and momentum buffers joined on one rank, the same batch) equals the uninterrupted tp=2 run's step-2 loss
+    to float32 tolerance, and it trains on to train.steps."""
+    straight = execute(small_config(*TF, "parallel.tp=2", "train.steps=4"), tmp_path, label="tp2", quiet=True)
+    first = execute(small_config(*TF, "parallel.tp=2", "train.steps=2"), tmp_path, label="tp2-first", quiet=True)
+    execute(resume_config(first.path, ["parallel.tp=1", "train.steps=4"]), quiet=True, resume=RunDir(first.path))
+    ref = {u["step"]: u["loss"] for u in read_jsonl(straight.metrics_path)}
+    got = {u["step"]: u["loss"] for u in read_jsonl(first.metrics_path)}
+    assert sorted(got) == [0, 1, 2, 3]
+    assert got[1] == ref[1] and got[2] == pytest.approx(ref[2], rel=1e-5)
+    assert got[3] == pytest.approx(ref[3], rel=1e-5)                   # after a step on the restored momentum
+    assert json.loads((first.path / "summary.json").read_text())["parallel"] == "data"
+
+
+def test_local_resume_is_bitwise(tmp_path):
+    """`local` (one process playing 2 workers) resumed at step 2 continues exactly like the run that went on."""
+    local = ["workload.name=digits-mlp", "train.strategy=local", "train.workers=2", "train.optimizer=adam",
+             "train.lr=0.01", "train.eval_every=4", "faults.checkpoint_every=2"]
+    straight = execute(small_config(*local, "train.steps=4"), tmp_path, label="local", quiet=True)
+    first = execute(small_config(*local, "train.steps=2"), tmp_path, label="local-first", quiet=True)
+    execute(resume_config(first.path, ["train.steps=4"]), quiet=True, resume=RunDir(first.path))
+    key = lambda run: {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(run.metrics_path)}
+    assert key(first) == key(straight) and len(key(first)) == 8
+    a, b = _params(straight.path, 4), _params(first.path, 4)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_skips_a_corrupt_checkpoint_with_a_warning(tmp_path, caplog):
+    """Checkpoints at steps 3 and 6, step 6's shard corrupted: the resume warns, starts at step 3, and the run
+    directory ends with each (worker, step) once."""
+    run = execute(small_config(*DP, "train.steps=6"), tmp_path, label="c", quiet=True)
+    shard = run.path / "checkpoints" / "step-00000006" / "rank-00001.pslab"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    shard.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        execute(resume_config(run.path, ["train.steps=7"]), quiet=True, resume=RunDir(run.path))
+    assert any("rejected checkpoint" in r.getMessage() and "step-00000006" in r.getMessage() for r in caplog.records)
+    assert json.loads((run.path / "env.json").read_text())["resumed"][0]["from_step"] == 3
+    ups = read_jsonl(run.metrics_path)
+    assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(7)]
+    assert [s for s, _ in committed_steps(run.path / "checkpoints")] == [6, 3]    # step 6 written anew
+
+
+def test_resume_refusals(tmp_path):
+    """One line each: an override of the workload, a run without checkpoints, checkpoint_every under ps-*."""
+    run = execute(small_config(*DP, "train.steps=3"), tmp_path, label="r", quiet=True)
+    with pytest.raises(ConfigError, match="workload.name") as e:
+        resume_config(run.path, ["workload.name=digits-logreg", "train.steps=6"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="not beyond the checkpoint's step 3"):
+        execute(resume_config(run.path, []), quiet=True, resume=RunDir(run.path))
+    bare = execute(small_config(*DP[:-1], "train.steps=2"), tmp_path, label="bare", quiet=True)
+    with pytest.raises(ConfigError, match="no committed checkpoint"):
+        resume_config(bare.path, ["train.steps=4"])
+    with pytest.raises(ConfigError, match="shard_checkpoint_every"):
+        load_config(None, ["train.strategy=ps-asp", "faults.checkpoint_every=5"])
