@@ -49,12 +49,12 @@ def clean(tmp_path, monkeypatch):
     private = tmp_path / "tmp"
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))
-    before = _traces()
+    before, kids = _traces(), set(_children())     # earlier tests' helpers (a forkserver) are not this test's
     yield
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_children() or _traces() - before):
+    while time.monotonic() < deadline and (set(_children()) - kids or _traces() - before):
         time.sleep(0.1)
-    assert not _children(), "a run left processes behind"
+    assert not set(_children()) - kids, "a run left processes behind"
     assert not (_traces() - before), f"a run left files behind: {sorted(_traces() - before)}"
 
 
@@ -113,7 +113,7 @@ def elastic():
 
 def test_ps_asp_goes_on_with_the_survivors(tmp_path, clean, elastic):
     """kill -9 of one of 4 ps-asp workers: the run completes with 3; detection < 5 s; the survivors' updates are
-    all there."""
+    all there; the final accuracy is within noise (0.1) of a run whose worker 3 left by plan at the same step."""
     rd = _run(tmp_path, "train.strategy=ps-asp", "train.workers=4", "train.steps=30", "train.base_step_s=0.01",
               'faults.events=[{kill="worker:3", at_step=10}]', label="asp-kill")
     s = json.loads((rd.path / "summary.json").read_text())
@@ -122,7 +122,11 @@ def test_ps_asp_goes_on_with_the_survivors(tmp_path, clean, elastic):
     assert all(sum(1 for u in ups if u["worker"] == w) == 30 for w in (0, 1, 2))
     det = [e for e in _events(rd) if e["event"] == "detect"]
     assert det and det[0]["who"] == "worker:3" and det[0]["detect_s"] < 5.0
-    assert s["final_test_acc"] > 0.5
+    # the reference: the same run in which worker 3 leaves by plan at that step (3 workers from step 10 on)
+    ref = _run(tmp_path, "train.strategy=ps-asp", "train.workers=4", "train.steps=30", "train.base_step_s=0.01",
+               'faults.events=[{leave="worker:3", at_step=10}]', label="asp-leave")
+    r = json.loads((ref.path / "summary.json").read_text())
+    assert abs(s["final_test_acc"] - r["final_test_acc"]) < 0.1, (s["final_test_acc"], r["final_test_acc"])
 
 
 def _final_params(rd) -> dict:
