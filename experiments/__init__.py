@@ -3,7 +3,7 @@
 Where is X? (paths from here)
 
     cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench, workloads
-    config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate], validation
+    config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate] [faults], validation
     errors.py                       ExperimentError / ConfigError: one line, exit 1
     stragglers.py                   the step-time model (per-worker factors, transient slow-downs, random delays)
     runner.py                       `execute(cfg)`: one run into a run directory (real ranks or the simulator)
@@ -19,14 +19,21 @@ Where is X? (paths from here)
         local.py                    LocalStrategy: K virtual workers in one process (the reference)
         ps.py                       PSSyncStrategy: zero-copy push_pull to one shard set per slot group
         launch.py                   start the shards + launch the ranks on this machine; summary fields
+        elastic.py                  membership changes inside the loop: commits, agree, broadcast, the lr at N'
+        resume.py                   engine checkpoints from the loop (faults.checkpoint_every), `pslab run --resume`
         roles.py                    under torchrun / SLURM: this process is one rank (multi-host)
+
+    faults/                         failures: inject, detect, survive, record (RUN_DIR/events.jsonl)
+        spec.py                     the [faults] section (on_failure, detect_s, events ...) and the event schema
+        supervisor.py               in the launcher's parent: heartbeats, injected faults, on_failure, shards
 
     sim/                            virtual time, labelled as simulated
         ps.py                       discrete-event PS simulator (the real ps.ShardState)
         network.py                  the simulator's network model (links, latency, bandwidth)
         timing.py                   timing-only mode: ps.py's event loop without tensors (same records, ~10^5/s)
         laws.py                     analytic staleness laws (K - 1, Geometric(1/K), c(K - 1), SSP bounds)
-        allreduce.py                ring all-reduce BSP in virtual time
+        allreduce.py                ring all-reduce BSP in virtual time (with faults: rollback, shrink, replace)
+        faults.py, ps_faults.py     the fault model in virtual time (detection and recovery costs), the PS side
         dai.py                      single-process staleness emulator, K workers (Dai et al. 2019)
         delays.py, coherence.py     its delay laws (uniform, constant, geometric, exponential); gradient coherence
 
@@ -44,6 +51,7 @@ Where is X? (paths from here)
         records.py                  UpdateRecord (the one metrics schema), summaries, staleness assignment
         bytes.py                    bytes per step by kind, measured next to the formula
         plots.py, report.py         PNG plots and report.md
+        faults.py                   the failure report: per failure detect / recover / lost, the timeline figure
 
     bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP, sim
 
