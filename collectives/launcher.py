@@ -376,8 +376,9 @@ class Job:
                     self._fail(rank, RankFailure(rank, value, tb, self.procs[rank].exitcode), False,
                                return_exceptions)
             self.release.set()
-            for p in self.procs.values():
-                p.join(timeout=5.0 if deadline is None else max(0.1, min(5.0, deadline - time.monotonic())))
+            for r, p in self.procs.items():
+                if r not in self.gone:           # a let-go rank (stopped, say) is ended below, not waited for
+                    p.join(timeout=5.0 if deadline is None else max(0.1, min(5.0, deadline - time.monotonic())))
         finally:
             self.release.set()
             for p in self.all_procs:
