@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from collectives.launcher import notify
 from experiments.config import RunConfig
 from experiments.strategies.spec import step_lr
 
@@ -155,3 +156,84 @@ def digest(replica: Any) -> str:
         h.update(k.encode())
         h.update(v.detach().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+class ElasticMember:
+    """The membership side of the loop's `_Worker` (a mixin): it uses the worker's eg (the ElasticGroup, or None),
+    group, commits, joining, cfg, strategy, replica, member and `_build`, and reports to the supervisor with
+    `collectives.launcher.notify`."""
+
+    eg: Any                                 # collectives.elastic.ElasticGroup, or None (no supervisor)
+    group: Any
+    commits: Commits | None
+    joining: dict[str, Any] | None
+    cfg: RunConfig
+    strategy: Any
+    replica: Any
+    member: int
+
+    def _build(self, first: bool) -> None:
+        raise NotImplementedError
+
+    def _changed(self) -> tuple[type, ...]:
+        if self.eg is None:
+            return ()
+        from collectives.elastic import MembershipChanged
+        return (MembershipChanged,)
+
+    def _expelled(self) -> tuple[type, ...]:
+        if self.eg is None:
+            return ()
+        from collectives.elastic import Expelled
+        return (Expelled,)
+
+    def _barrier(self) -> int | None:
+        """A barrier of the current members; if the membership changed meanwhile, the step the recovery rolled
+        back to (allreduce), else None."""
+        back = None
+        while True:
+            try:
+                self.group.barrier()
+                return back
+            except self._changed() as e:
+                at = self.commits.latest if self.commits is not None else None
+                back = self._recover(e.generation, at)
+
+    def _recover(self, gen: int, step: int | None) -> int:
+        """Generation `gen` (or newer): join it, rebuild, and (allreduce) agree on the step to roll back to, which
+        is returned (the current step for ps-*: nothing rolls back). A newer generation published meanwhile (a
+        second failure, a replacement) starts the recovery over on it. A joiner has no commit: it receives one."""
+        while True:
+            try:
+                return self._recover_once(gen, step)
+            except self._changed() as e:
+                gen = e.generation
+
+    def _recover_once(self, gen: int, step: int | None) -> int:
+        if gen > self.eg.generation or self.group is None:
+            self.group = self.eg.join(gen)
+            self._build(first=False)
+        n = self.group.world_size
+        joiner = self.joining is not None and self.commits is None
+        if self.cfg.strategy.kind != "allreduce":
+            step = int(getattr(self.strategy, "clock", 0)) if joiner else step
+            if self.group.rank == 0 or joiner:
+                notify({"kind": "join" if joiner else "recover", "member": self.member,
+                        "generation": self.eg.generation, "world_size": n, "step": step})
+            return step
+        latest = self.commits.latest if self.commits is not None else -1
+        c = agree_step(self.group, latest)
+        mine = self.commits.at(c) if self.commits is not None else None
+        src = source_rank(self.group, mine is not None)
+        model, opt = broadcast_state(self.group, mine, src)
+        lr = lr_at(self.cfg, n)
+        load(self.replica, self.strategy, model, opt, lr)
+        self.commits = Commits()
+        self.commits.commit(c, self.replica, self.strategy)
+        info = {"generation": self.eg.generation, "world_size": n, "step": c, "lr_step": lr,
+                "digest": digest(self.replica)}
+        if joiner:
+            notify({"kind": "join", "member": self.member, **info})
+        elif self.group.rank == 0:
+            notify({"kind": "recover", "lost_steps": (step - c) if step is not None else None, **info})
+        return c

@@ -11,6 +11,12 @@ model-parallel group (tp × pp) run in lockstep; the rank with pp = tp = 0 write
 seconds since the start barrier. Evaluation (test loss/accuracy every `train.eval_every` updates, and at the end)
 runs on the full model: the worker-0 group reassembles it (`parallelism.export.gather_full_state`) when it is split.
 
+Under the run's supervisor (a local launch) the group is elastic: a member that dies or hangs raises
+MembershipChanged out of the survivors' waits, and `ElasticMember` (strategies/elastic.py) rebuilds the mesh,
+replica and strategy on the next generation and, for allreduce, rolls back to the newest step every member
+committed (faults.commit_every); worker ids, batches and part files stay. Injected faults ([faults] events at_step)
+are announced to the supervisor at the start of the step; a planned `leave` changes membership at that boundary.
+
 Returns, per rank, what the runner needs for the summary: bytes sent per kind over the training steps and, from
 rank 0 of a PS run, the shards' own staleness series and statistics.
 """
@@ -31,6 +37,7 @@ from experiments.errors import DIVERGED, DivergedError
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
 from experiments.strategies import resume
+from experiments.strategies.elastic import ElasticMember
 from experiments.stragglers import StragglerModel
 from experiments.workloads import Workload, batch_digest, get_workload
 
@@ -45,8 +52,9 @@ def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
     return _Worker(group, config_from_dict(cfg_dict), run_path, addresses, curve_keys_dir, secret, joining).run()
 
 
-class _Worker:
-    """The state of one rank's run; `_build` makes (mesh, replica, strategy, evaluator) for the current group."""
+class _Worker(ElasticMember):
+    """The state of one rank's run; `_build` makes (mesh, replica, strategy, evaluator) for the current group;
+    membership changes are `ElasticMember`'s (strategies/elastic.py)."""
 
     def __init__(self, group: Any, cfg: RunConfig, run_path: str, addresses: Sequence[Sequence[str]] | None,
                  curve_keys_dir: str | None, secret: str | None, joining: dict[str, Any] | None) -> None:
@@ -231,71 +239,6 @@ class _Worker:
                          changed=self.cfg.strategy.uses_ps)
         self._barrier()
         return out
-
-    # ------------------------------------------------------------------ membership
-    def _changed(self) -> tuple[type, ...]:
-        if self.eg is None:
-            return ()
-        from collectives.elastic import MembershipChanged
-        return (MembershipChanged,)
-
-    def _expelled(self) -> tuple[type, ...]:
-        if self.eg is None:
-            return ()
-        from collectives.elastic import Expelled
-        return (Expelled,)
-
-    def _barrier(self) -> int | None:
-        """A barrier of the current members; if the membership changed meanwhile, the step the recovery rolled
-        back to (allreduce), else None."""
-        back = None
-        while True:
-            try:
-                self.group.barrier()
-                return back
-            except self._changed() as e:
-                at = self.commits.latest if self.commits is not None else None
-                back = self._recover(e.generation, at)
-
-    def _recover(self, gen: int, step: int | None) -> int:
-        """Generation `gen` (or newer): join it, rebuild, and (allreduce) agree on the step to roll back to, which
-        is returned (the current step for ps-*: nothing rolls back). A newer generation published meanwhile (a
-        second failure, a replacement) starts the recovery over on it. A joiner has no commit: it receives one."""
-        while True:
-            try:
-                return self._recover_once(gen, step)
-            except self._changed() as e:
-                gen = e.generation
-
-    def _recover_once(self, gen: int, step: int | None) -> int:
-        from experiments.strategies import elastic
-        if gen > self.eg.generation or self.group is None:
-            self.group = self.eg.join(gen)
-            self._build(first=False)
-        n = self.group.world_size
-        joiner = self.joining is not None and self.commits is None
-        if self.cfg.strategy.kind != "allreduce":
-            step = int(getattr(self.strategy, "clock", 0)) if joiner else step
-            if self.group.rank == 0 or joiner:
-                notify({"kind": "join" if joiner else "recover", "member": self.member,
-                        "generation": self.eg.generation, "world_size": n, "step": step})
-            return step
-        latest = self.commits.latest if self.commits is not None else -1
-        c = elastic.agree_step(self.group, latest)
-        mine = self.commits.at(c) if self.commits is not None else None
-        src = elastic.source_rank(self.group, mine is not None)
-        model, opt = elastic.broadcast_state(self.group, mine, src)
-        lr = elastic.lr_at(self.cfg, n)
-        elastic.load(self.replica, self.strategy, model, opt, lr)
-        self.commits = elastic.Commits()
-        self.commits.commit(c, self.replica, self.strategy)
-        info = {"generation": self.eg.generation, "world_size": n, "step": c, "lr_step": lr,
-                "digest": elastic.digest(self.replica)}
-        if joiner:
-            notify({"kind": "join", "member": self.member, **info})
-        elif self.group.rank == 0:
-            notify({"kind": "recover", "lost_steps": (step - c) if step is not None else None, **info})
-        return c
 
     def _inject(self, step: int) -> None:
         """Faults of this worker at this step (experiments/faults/spec.py): kill and stop are sent by the supervisor
