@@ -227,8 +227,8 @@ class Job:
             self.options["elastic"] = bool(supervisor.elastic)
         self.hb = self.ctx.Array("d", world_size * MAX_PROCS, lock=False) if supervisor is not None else None
         self.release = self.ctx.Event()
-        self.job_dir = cleanup.make_dir("pslab-job-")   # 0700: the store, the stacks, the ranks' ipc dirs + shm
-        self.store_path = os.path.join(self.job_dir, "store")
+        self.job_dir = ""                                # made by run(), inside its try: always swept
+        self.store_path = ""
         self.procs: dict[int, Any] = {}                  # rank (member) -> its current process
         self.spawned: dict[int, int] = {r: 0 for r in range(world_size)}   # processes started per rank
         self.all_procs: list[Any] = []
@@ -301,11 +301,15 @@ class Job:
         self.spawned[r] = n + 1
         self.procs[r] = p
         self.all_procs.append(p)
+        # a Ctrl-C in the middle of start() could leave a forked child that the Process object does not know of
+        # yet (no pid to stop at the end): hold SIGINT until the start is complete, then it is delivered
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             p.start()
         finally:
             write.close()              # only the child writes: its death reads as EOF here
-        self.conns[read] = r
+            self.conns[read] = r
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
         """A rank died, hung or raised: the supervisor decides whether the job goes on."""
@@ -348,6 +352,8 @@ class Job:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         sup = self.supervisor
         try:
+            self.job_dir = cleanup.make_dir("pslab-job-")   # 0700: the store, the stacks, the ranks' ipc dirs, shm
+            self.store_path = os.path.join(self.job_dir, "store")
             if sup is not None:
                 sup.started(self)           # e.g. publish generation 0 before anyone joins
             for r in range(self.world_size):
@@ -398,7 +404,9 @@ class Job:
                     p.join(timeout=2)
             for c in self.conns:
                 c.close()
-            cleanup.sweep(self.job_dir)      # also what killed ranks could not remove (collectives/cleanup.py)
+            self._store = None               # the parent's FileStore handle, before its directory goes
+            if self.job_dir:
+                cleanup.sweep(self.job_dir)  # also what killed ranks could not remove (collectives/cleanup.py)
         return [self.results[r] for r in range(self.world_size)]
 
     def _watch(self, return_exceptions: bool) -> None:
