@@ -176,7 +176,7 @@ class RunConfig:
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
         _validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
-        self.faults.validate(t.workers, t.shards, s.kind)
+        self.faults.validate(t.workers, t.shards, s.kind, t.steps)
         split = self.parallel.model_parallel > 1 or self.parallel.zero > 0
         if split and self.faults.policy(s.kind, split) != "abort":
             raise ConfigError(f"faults.on_failure = {self.faults.on_failure}: a run that splits the model "

@@ -100,7 +100,8 @@ def _print_failures(rd) -> None:
     from experiments.results.rundir import read_jsonl
     for f in failures(validate_events(read_jsonl(rd.path / "events.jsonl"))):
         parts = [f"{f['who']} {f['how'] or ''}".strip()]
-        parts.append(f"detected after {f['detect_s']:.3g} s" if f["detect_s"] is not None else "not detected (a pause)")
+        parts.append(f"detected after {f['detect_s']:.3g} s" if f["detect_s"] is not None else
+                     f"detected at {f['t_detect']:.3g} s" if f["t_inject"] is None else "not detected (a pause)")
         if f["recover_s"] is not None:
             parts.append(f"training went on {f['recover_s']:.3g} s later")
         if f["world_size"] is not None:

@@ -93,7 +93,7 @@ class FaultsConfig:
             return "abort"
         return "shrink" if strategy_kind == "allreduce" else "continue"
 
-    def validate(self, workers: int, shards: int, strategy_kind: str) -> None:
+    def validate(self, workers: int, shards: int, strategy_kind: str, steps: int | None = None) -> None:
         if self.on_failure not in ON_FAILURE:
             raise ConfigError(f"faults.on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
         for key in ("detect_s", "heartbeat_s"):
@@ -127,7 +127,20 @@ class FaultsConfig:
         if not isinstance(self.events, list):
             raise ConfigError(f"faults.events must be a list of tables, e.g. [{{kill = \"worker:2\", at_step = 50}}], "
                               f"got {self.events!r}")
-        for i, e in enumerate(self.parsed()):
+        events = self.parsed()
+        for i, e in enumerate(events):
+            if steps is not None and e.at_step is not None and e.at_step >= steps:
+                raise ConfigError(f"faults.events[{i}]: at_step = {e.at_step} is never reached: the run has "
+                                  f"train.steps = {steps} (steps 0..{steps - 1})")
+            for j, end in enumerate(events):        # nothing happens to a process after its kill or leave
+                if j == i or end.who != e.who or end.action not in ("kill", "leave"):
+                    continue
+                later = (e.action in ("kill", "leave") and j < i) or \
+                    (e.at_step is not None and end.at_step is not None and e.at_step > end.at_step) or \
+                    (e.at_s is not None and end.at_s is not None and e.at_s > end.at_s)
+                if later:
+                    raise ConfigError(f"faults.events[{i}]: {e.who} is already gone by then (faults.events[{j}]: "
+                                      f"{end.action}); a process takes one kill or leave, any stops before it")
             if e.kind == "worker" and not 0 <= e.index < workers:
                 raise ConfigError(f"faults.events[{i}]: {e.who} is out of range (workers 0..{workers - 1})")
             if e.kind == "shard":

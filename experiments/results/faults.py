@@ -1,7 +1,8 @@
 """The failure report: what happened to a run across each failure, from RUN_DIR/events.jsonl (the one event schema
 real runs and the simulator write, experiments/faults/spec.py) with its metrics.jsonl and eval.jsonl.
 
-One failure is the events of one target from an `inject` on: detect, then recover (or shard_restart + recover), then
+One failure is the events of one target from an `inject` on (or from a `detect` without one: a failure that was
+not injected, e.g. a process killed from outside): detect, then recover (or shard_restart + recover), then
 maybe join (a replacement, or the stopped worker re-admitted) or expel (it came back too late). Per failure:
 
     time to detect   = t_detect - t_inject            (the detect event's detect_s when it has one)
@@ -78,11 +79,17 @@ def failures(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             open_[who] = f
             continue
         f = open_.get(who)
+        if f is None and kind == "detect":                 # a real failure: nothing was injected, it just happened
+            f = {"who": who, "how": e.get("how"), "step": e.get("step"), "t_inject": None, "t_detect": None,
+                 "t_recover": None, "detect_s": None, "recover_s": None, "lost_steps": None, "lost_updates": None,
+                 "world_size": e.get("world_size"), "joined_s": None, "expelled_s": None}
+            out.append(f)
+            open_[who] = f
         if f is None:
             continue                                       # e.g. a checkpoint_failed without an injected fault
         if kind == "detect" and f["t_detect"] is None:
             f["t_detect"] = e["time_s"]
-            f["detect_s"] = e.get("detect_s", e["time_s"] - f["t_inject"])
+            f["detect_s"] = e.get("detect_s", None if f["t_inject"] is None else e["time_s"] - f["t_inject"])
         elif kind in ("recover", "shard_restart"):
             if kind == "recover" or f["t_recover"] is None:
                 f["t_recover"] = e["time_s"]
@@ -146,11 +153,12 @@ def failure_table(runs: list[dict[str, Any]]) -> str:
             base = baseline_for(r, runs)
             acc, bacc = _acc(r), _acc(base)
             at = f"step {f['step']}, " if f["step"] is not None else ""
-            detect = _fmt(f["detect_s"]) if f["detect_s"] is not None else "not detected (a pause)"
+            detect = (_fmt(f["detect_s"]) if f["detect_s"] is not None else
+                      "— (not injected)" if f["t_inject"] is None else "not detected (a pause)")
             after = _fmt(f["world_size"]) + (f", joined at {_fmt(f['joined_s'])} s" if f["joined_s"] is not None
                                              else "") + (f", expelled at {_fmt(f['expelled_s'])} s"
                                                          if f["expelled_s"] is not None else "")
-            rows.append(f"| {run_label(r)} | {f['who']} {f['how'] or ''} | {at}{_fmt(f['t_inject'])} s | {detect} | "
+            rows.append(f"| {run_label(r)} | {f['who']} {f['how'] or ''} | {at}{_fmt(f['t_inject'] if f['t_inject'] is not None else f['t_detect'])} s | {detect} | "
                         f"{_fmt(f['recover_s'])} | {_fmt(f['lost_steps'])} / {_fmt(f['lost_updates'])} | {after} | "
                         f"{_fmt(100 * acc if acc is not None else None)} | "
                         f"{_fmt(100 * bacc if bacc is not None else None)} |")

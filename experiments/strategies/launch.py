@@ -57,7 +57,7 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
                                   group_timeout=cfg.train.timeout_s, start_method=START_METHOD,
                                   secret=servers.secret if servers else None, supervisor=sup)
     except collectives.LaunchError as e:
-        first = str(e).splitlines()[0]
+        first = str(e).splitlines()[0] + _resume_hint(cfg, rd)
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
     finally:
         sup.close()
@@ -103,3 +103,15 @@ def _first(results: list[Any], key: str) -> Any:
         if isinstance(r, dict) and r.get(key) is not None:
             return r[key]
     return None
+
+
+def _resume_hint(cfg: RunConfig, rd: RunDir) -> str:
+    """'; resume ...' when the failed run left a committed engine checkpoint to continue from."""
+    if not cfg.faults.checkpoint_every or cfg.strategy.uses_ps:
+        return ""
+    from experiments.strategies.resume import checkpoint_root
+    from parallelism.state_io import committed_steps
+    steps = committed_steps(checkpoint_root(rd.path))
+    if not steps:
+        return ""
+    return f"; its step-{max(s for s, _ in steps)} checkpoint goes on with: pslab run --resume {rd.path}"

@@ -83,14 +83,18 @@ def maybe_save(cfg: RunConfig, run_path: str | Path, step: int, replica: Any, st
 # ---- the runner's side: `pslab run --resume RUN_DIR` ----------------------------------------------------------------
 
 def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """RUN_DIR's config.toml with `overrides` applied; ConfigError (one line) if an override changes what the
-    checkpoints depend on, if the run is a ps-* run, or if RUN_DIR holds no committed checkpoint."""
+    """RUN_DIR's config.toml with `overrides` applied and without its injected faults (they happened; give new ones
+    with --set faults.events=...); ConfigError (one line) if an override changes what the checkpoints depend on,
+    if the run is a ps-* run, or if RUN_DIR holds no committed checkpoint."""
     from parallelism.state_io import committed_steps
     d = Path(run_dir)
     if not (d / "config.toml").is_file():
         raise ConfigError(f"--resume {d}: not a pslab run directory (no config.toml)")
     before = load_config(d / "config.toml")
     cfg = load_config(d / "config.toml", list(overrides))
+    if not any(o.strip().startswith("faults.events") for o in overrides):
+        cfg.faults.events = []          # the run's injected faults happened already; --set faults.events=... for new
+        cfg.validate()
     for s, k in IDENTITY:
         old, new = getattr(getattr(before, s), k), getattr(getattr(cfg, s), k)
         if old != new:

@@ -191,6 +191,10 @@ def run_failure_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] =
     events = events if events is not None else (list(cfg.faults.events) or default_failure(cfg))
     t0 = time.perf_counter()
     cfg.stragglers.factors = {}
+    for s in strategies:                 # every (strategy, failure) checked before the first run starts
+        c = copy.deepcopy(cfg)
+        c.train.strategy, c.faults.events = s, copy.deepcopy(events)
+        c.validate()
     runs: list[dict[str, Any]] = []
     for s in strategies:
         for failing in (False, True):

@@ -213,3 +213,46 @@ def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, clean, elastic):
     ups = read_jsonl(rd.metrics_path)
     assert {u["worker"] for u in ups} == {0, 1, 2} and max(u["step"] for u in ups) == 59
     assert s["final_test_acc"] is not None
+
+
+def test_fault_specs_that_could_never_happen_are_refused():
+    """An at_step past the run, or anything after a process's kill / leave, is one ConfigError line, not silence."""
+    from experiments.errors import ConfigError
+    with pytest.raises(ConfigError, match="never reached"):
+        small_config("train.strategy=allreduce", 'faults.events=[{kill="worker:1", at_step=12}]')
+    with pytest.raises(ConfigError, match="already gone"):
+        small_config("train.strategy=allreduce",
+                     'faults.events=[{kill="worker:1", at_step=4}, {kill="worker:1", at_step=6}]')
+    with pytest.raises(ConfigError, match="already gone"):
+        small_config("train.strategy=allreduce",
+                     'faults.events=[{kill="worker:1", at_step=4}, {stop="worker:1", at_step=6, for_s=1}]')
+    ok = small_config("train.strategy=allreduce",
+                      'faults.events=[{kill="worker:1", at_step=8}, {stop="worker:1", at_step=4, for_s=1}]')
+    assert len(ok.faults.parsed()) == 2
+
+
+def test_a_failure_nobody_injected_is_reported():
+    """A detect without an inject (a process killed from outside) is a failure of the report and of the summary."""
+    from experiments.results.faults import failures
+    ev = [{"time_s": 1.0, "event": "detect", "who": "worker:2", "how": "died (was killed by SIGKILL)"},
+          {"time_s": 1.2, "event": "recover", "who": "worker:2", "world_size": 3, "step": 40, "lost_steps": 1}]
+    (f,) = failures(ev)
+    assert f["who"] == "worker:2" and f["t_inject"] is None and f["t_detect"] == 1.0
+    assert abs(f["recover_s"] - 0.2) < 1e-9 and f["lost_steps"] == 1 and f["world_size"] == 3
+
+
+def test_resume_after_an_abort_does_not_replay_the_fault(tmp_path, clean):
+    """A checkpointed run aborted by an injected kill resumes (at another size) from its checkpoint without killing
+    the worker again: the injected faults happened already."""
+    from experiments.results.rundir import RunDir
+    from experiments.strategies.resume import resume_config
+    with pytest.raises(ExperimentError, match="rank 1 died"):
+        _run(tmp_path, "train.strategy=allreduce", "train.workers=2", "faults.on_failure=abort",
+             "faults.checkpoint_every=4", 'faults.events=[{kill="worker:1", at_step=6}]', label="aborted")
+    run = next((tmp_path / "runs").iterdir())
+    cfg = resume_config(run, ["train.workers=3"])
+    assert cfg.faults.events == [] and cfg.train.workers == 3
+    rd = execute(cfg, quiet=True, resume=RunDir(run))
+    s = json.loads((rd.path / "summary.json").read_text())
+    assert s["final_test_acc"] is not None
+    assert max(u["step"] for u in read_jsonl(rd.metrics_path)) == 11
