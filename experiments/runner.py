@@ -148,6 +148,8 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     summary.update(strategy=cfg.strategy.label, straggler=cfg.stragglers.active, wall_s=wall, **extra,
                    train_examples=wl.data.n_train,
                    **lr_fields(cfg.train, summary["updates"] - summary["dropped"], cfg.workload.batch_size))
+    if resume is not None:                # the label is the run's; the layout it was resumed at is this
+        summary["resumed_as"] = default_label(cfg, False)
     rd.write_summary(summary)
     return rd
 

@@ -131,6 +131,7 @@ class _Worker(ElasticMember):
                 if self.group.rank == 0:
                     notify({"kind": "t0", "t0": t0})
             self.t0 = t0
+            first_step = step                                  # a resumed run or a joiner starts later
             if elastic_ar and self.commits is None:
                 from experiments.strategies.elastic import Commits
                 self.commits = Commits()
@@ -209,7 +210,7 @@ class _Worker(ElasticMember):
                 if back is None or back >= t.steps:
                     break
                 step = back                                  # a failure at the end: redo what was rolled back
-            return self._finish(measured, min(step, t.steps))
+            return self._finish(measured, min(step, t.steps), min(step, t.steps) - first_step)
         except self._expelled() as e:
             notify({"kind": "expelled", "member": self.member, "why": str(e)})
             return {"rank": self.member, "expelled": True}
@@ -222,11 +223,11 @@ class _Worker(ElasticMember):
                 close(self.replica)
             getattr(self.replica, "close", lambda: None)()
 
-    def _finish(self, measured: dict[str, int], steps: int) -> dict[str, Any]:
+    def _finish(self, measured: dict[str, int], steps: int, ran: int) -> dict[str, Any]:
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
-        stats (from the current rank 0)."""
+        stats (from the current rank 0). `ran`: the steps this process took, over which `measured` was counted."""
         strategy, replica = self.strategy, self.replica
-        out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "steps": steps,
+        out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "steps": max(1, ran),
                                "slot_bytes": getattr(strategy, "pushed_bytes", None)
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
         if hasattr(strategy, "refresh"):
