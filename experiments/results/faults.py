@@ -244,7 +244,8 @@ def plot_timeline(runs: list[dict[str, Any]], out: Path, max_runs: int = 6) -> P
         if ax_t.lines:
             ax_t.legend(fontsize=6, loc="lower left")
         if ax_l.lines:
-            ax_l.legend(fontsize=6, loc="upper right")
+            ax_l.legend(fontsize=6, loc="lower left")       # a falling loss leaves that corner (and the dots) free
+    sep = "\n" if cols == 1 else " "                     # one column: the title in two lines, not cut off
     return save_figure(fig, Path(out) / "failure_timeline.png",
-                       "Across each failure: membership, throughput, loss (red inject, orange detect, green "
+                       f"Across each failure: membership, throughput, loss{sep}(red inject, orange detect, green "
                        "recover, blue join / expel)", 9)
