@@ -234,7 +234,6 @@ class Job:
         self.all_procs: list[Any] = []
         self.results: dict[int, Any] = {}
         self.gone: set[int] = set()                      # ranks the supervisor let go (dead or hung)
-        self.started_at = time.monotonic()
         self._inbox: list[tuple] = []
         self._store: Any = None
 
@@ -250,10 +249,6 @@ class Job:
     @property
     def secret(self) -> str:
         return self.options["secret"]
-
-    def pid(self, rank: int) -> int | None:
-        p = self.procs.get(rank)
-        return p.pid if p is not None else None
 
     def signal(self, rank: int, sig: int) -> bool:
         """Send `sig` to rank's current process; False if it is not running."""
@@ -420,7 +415,7 @@ class Job:
                        else f"exited with code {p.exitcode}")
                 self._fail(r, RankFailure(r, f"died ({how}) before reporting a result", exitcode=p.exitcode),
                            False, return_exceptions)
-            elif (self.supervisor is not None and p.exitcode is None
-                  and self.heartbeat_age(r) > self.supervisor.detect_s):
+            elif self.supervisor is not None and p.exitcode is None:
                 age = self.heartbeat_age(r)
-                self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)
+                if age > self.supervisor.detect_s:
+                    self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)

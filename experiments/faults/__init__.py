@@ -2,7 +2,8 @@
 
     spec.py        the [faults] section: on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every,
                    shard_checkpoint_every, events = [{kill = "worker:2", at_step = 50}, ...]; one event schema
-    (supervisor)   the launcher watches ranks and shards (heartbeats, exit codes), executes injected faults,
+    events.py      EventLog: the one writer of RUN_DIR/events.jsonl (the supervisor and the simulator)
+    supervisor.py  the launcher watches ranks and shards (heartbeats, exit codes), executes injected faults,
                    and applies on_failure: abort | continue | shrink | replace
 
 Every failure becomes lines of RUN_DIR/events.jsonl (real runs and the simulator write the same schema, see

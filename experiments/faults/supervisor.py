@@ -23,8 +23,9 @@ import time
 from typing import Any
 
 from experiments.config import RunConfig
+from experiments.faults.events import EventLog
 from experiments.faults.spec import EVENT_FIELDS
-from experiments.results.rundir import JsonlWriter, RunDir
+from experiments.results.rundir import RunDir
 
 
 class RunSupervisor:
@@ -36,7 +37,7 @@ class RunSupervisor:
         self.heartbeat_s, self.detect_s = f.heartbeat_s, f.detect_s
         self.policy = f.policy(cfg.strategy.kind, cfg.parallel.model_parallel > 1 or cfg.parallel.zero > 0)
         self.elastic = self.policy != "abort"
-        self.out = JsonlWriter(rd.path / "events.jsonl")
+        self.out = EventLog(rd.events_path)
         self.members = list(range(cfg.train.workers))
         self.generation = 0
         self.t0: float | None = None            # wall-clock time of the start barrier (the records' time base)
@@ -44,7 +45,6 @@ class RunSupervisor:
         self.pending = [e for e in f.parsed() if e.at_s is not None]   # faults the parent times
         self.resume: list[tuple[float, Any]] = []                      # (monotonic time, action) to do later
         self.injected: dict[str, float] = {}                           # who -> wall time of its fault
-        self.log: list[dict[str, Any]] = []
         self.cause: dict[int, str] = {}                                # generation -> the member it is about
 
     # ------------------------------------------------------------------ records
@@ -52,25 +52,27 @@ class RunSupervisor:
         return time.time() - (self.t0 if self.t0 is not None else self.started_wall)
 
     def record(self, event: str, who: str, **fields: Any) -> dict[str, Any]:
-        rec = {"time_s": round(self.now(), 6), "event": event, "who": who,
-               **{k: v for k, v in fields.items() if v is not None and k in EVENT_FIELDS}}
-        self.out.write(rec)
-        self.log.append(rec)
-        return rec
+        """One line of events.jsonl; fields outside the schema (a shard's extra details) are left out."""
+        return self.out.write(event, round(self.now(), 6), who,
+                              **{k: v for k, v in fields.items() if k in EVENT_FIELDS})
 
     def close(self) -> None:
         self.out.close()
 
     # ------------------------------------------------------------------ membership
+    def _change(self, job: Any, members: list[int], reason: str) -> None:
+        """The next generation: `members`, published (and told to the shards)."""
+        self.members = sorted(members)
+        self.generation += 1
+        self._publish(job, reason)
+
     def _publish(self, job: Any, reason: str) -> None:
         from collectives.elastic import Membership, publish
         reason = " ".join(reason.split())[:160]             # one printable line
         self.cause.setdefault(self.generation, reason.split(" ", 1)[0] if reason.startswith("worker:") else "group")
         publish(job.store, Membership(self.generation, tuple(self.members), reason), job.secret)
         if self.servers is not None and self.generation > 0:
-            set_members = getattr(self.servers, "set_members", None)
-            if set_members is not None:
-                set_members(list(self.members), self.generation)
+            self.servers.set_members(list(self.members), self.generation)
 
     # ------------------------------------------------------------------ launcher protocol
     def started(self, job: Any) -> None:
@@ -85,17 +87,13 @@ class RunSupervisor:
         if not self.elastic or rank not in self.members or len(self.members) == 1:
             self.record("abort", who, how=how)
             return False
-        self.members.remove(rank)
-        self.generation += 1
-        self._publish(job, f"{who} {how}")
+        self._change(job, [m for m in self.members if m != rank], f"{who} {how}")
         if hung:
             self.record("expel", who, how="left the membership", generation=self.generation,
                         world_size=len(self.members))
         if self.policy == "replace":
             job.spawn(rank, (None, None, {"t0": self.t0 if self.t0 is not None else self.started_wall}))
-            self.members = sorted(self.members + [rank])
-            self.generation += 1
-            self._publish(job, f"{who} replaced")
+            self._change(job, self.members + [rank], f"{who} replaced")
         return True
 
     def message(self, job: Any, rank: int, payload: Any) -> None:
@@ -116,9 +114,8 @@ class RunSupervisor:
                         how=payload.get("digest") and f"params {payload['digest']}")
         elif kind == "leave":
             if rank in self.members and len(self.members) > 1:
-                self.members.remove(rank)
-                self.generation += 1
-                self._publish(job, f"worker:{rank} left at step {payload.get('step')}")
+                self._change(job, [m for m in self.members if m != rank],
+                             f"worker:{rank} left at step {payload.get('step')}")
                 self.record("leave", f"worker:{rank}", step=payload.get("step"), generation=self.generation,
                             world_size=len(self.members))
         elif kind == "expelled":
@@ -136,20 +133,18 @@ class RunSupervisor:
                 self.pending.remove(e)
                 self._execute(job, e.action, e.who, e.for_s)
         if self.servers is not None:
-            check = getattr(self.servers, "check", None)
-            if check is not None:
-                for ev in check(self.detect_s, restart=self.elastic):
-                    ev = dict(ev)
-                    name, who = ev.pop("event", "shard_restart"), ev.pop("who", "shard")
-                    ev.pop("time_s", None)
-                    inj = self.injected.pop(who, None)
-                    if name == "detect" and inj is not None:
-                        ev.setdefault("detect_s", round(time.time() - inj, 6))
-                    self.record(name, who, **{k: v for k, v in ev.items() if not isinstance(v, (dict, list))})
-                    if name == "abort" or (name == "detect" and not self.elastic):
-                        from collectives.errors import LaunchError
-                        self.record("abort", who, how=ev.get("how"))
-                        raise LaunchError(f"{who} failed: {ev.get('how')}")
+            for ev in self.servers.check(self.detect_s, restart=self.elastic):
+                ev = dict(ev)
+                name, who = ev.pop("event", "shard_restart"), ev.pop("who", "shard")
+                ev.pop("time_s", None)
+                inj = self.injected.pop(who, None)
+                if name == "detect" and inj is not None:
+                    ev.setdefault("detect_s", round(time.time() - inj, 6))
+                self.record(name, who, **ev)                 # (record keeps the schema's fields only)
+                if name == "abort" or (name == "detect" and not self.elastic):
+                    from collectives.errors import LaunchError
+                    self.record("abort", who, how=ev.get("how"))
+                    raise LaunchError(f"{who} failed: {ev.get('how')}")
 
     # ------------------------------------------------------------------ faults
     def _execute(self, job: Any, action: str, who: str, for_s: float, step: int | None = None) -> None:
@@ -171,7 +166,7 @@ class RunSupervisor:
             self.resume.append((time.monotonic() + for_s, cont))
 
     def _shard_pid(self, i: int) -> int | None:
-        procs = getattr(self.servers, "processes", None) or []
+        procs = self.servers.processes
         p = procs[i] if i < len(procs) else None
         return p.pid if p is not None and p.is_alive() else None
 

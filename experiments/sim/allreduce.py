@@ -32,6 +32,7 @@ import torch
 from experiments.config import RunConfig
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
+from experiments.faults.events import EventLog
 from experiments.sim import faults as fm
 from experiments.strategies.spec import optimizer_spec, step_lr, torch_optimizer
 from experiments.stragglers import StragglerModel
@@ -74,7 +75,7 @@ class _Ring:
         self.returns: list[tuple[float, int, int]] = []      # (time, worker, event): stopped workers coming back
         self.refilled: set[int] = set()
         self.generation = 0
-        self.log: fm.EventLog | None = None
+        self.log: EventLog | None = None
         self.committed: tuple[int, int, Any, Any] | None = None
 
     # -- membership ----------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class _Ring:
     def run(self) -> dict[str, Any]:
         self._resize()
         if self.events:
-            self.log = fm.EventLog(self.rundir.events_path)
+            self.log = EventLog(self.rundir.events_path)
         try:
             with JsonlWriter(self.rundir.metrics_path) as mw, JsonlWriter(self.rundir.eval_path) as ew:
                 return self._loop(mw, ew)

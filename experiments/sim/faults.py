@@ -58,8 +58,7 @@ import torch
 
 from experiments.config import RunConfig, SimulateConfig
 from experiments.errors import ExperimentError
-from experiments.faults.spec import EVENT_FIELDS, EVENTS, FaultEvent
-from experiments.results.rundir import JsonlWriter
+from experiments.faults.spec import FaultEvent
 from ps import ShardState
 
 EXIT_DETECT_S = 0.05        # the launcher polls its children's exit codes every 50 ms (collectives/launcher.py)
@@ -113,37 +112,6 @@ def check_supported(cfg: RunConfig) -> None:
     if any(e.kind == "shard" for e in events) and cfg.train.shards != 1:
         raise ExperimentError(f"a shard kill is simulated with train.shards = 1 (got {cfg.train.shards}): resync "
                               "across several shards is not modelled; use --set train.shards=1 or a real run")
-
-
-class EventLog:
-    """RUN_DIR/events.jsonl: one object per line, keys in EVENT_FIELDS order, absent fields left out."""
-
-    def __init__(self, path: Any) -> None:
-        self.writer = JsonlWriter(path)
-        self.records: list[dict[str, Any]] = []
-
-    def write(self, event: str, time_s: float, who: str, **fields: Any) -> dict[str, Any]:
-        if event not in EVENTS:
-            raise ExperimentError(f"unknown event {event!r}; events are {', '.join(EVENTS)}")
-        fields.update(time_s=float(time_s), event=event, who=who)
-        unknown = sorted(set(fields) - set(EVENT_FIELDS))
-        if unknown:
-            raise ExperimentError(f"event field {unknown[0]!r} is not in the schema ({', '.join(EVENT_FIELDS)})")
-        rec = {k: round(v, 9) if isinstance(v, float) else v for k in EVENT_FIELDS
-               if (v := fields.get(k)) is not None}
-        self.writer.write(rec)
-        self.records.append(rec)
-        return rec
-
-    def summary(self) -> dict[str, Any]:
-        """For summary.json: counts per event kind."""
-        out: dict[str, int] = {}
-        for r in self.records:
-            out[r["event"]] = out.get(r["event"], 0) + 1
-        return out
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 def snapshot(st: ShardState) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:

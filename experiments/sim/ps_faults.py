@@ -19,6 +19,7 @@ from typing import Any
 
 from experiments.errors import ExperimentError
 from experiments.faults.spec import FaultEvent
+from experiments.faults.events import EventLog
 from experiments.sim import faults as fm
 
 READ_ARRIVE, REPLY, COMPUTE_DONE, PUSH_ARRIVE = range(4)  # as in experiments.sim.ps
@@ -50,7 +51,7 @@ class PSFaults:
 
     # -- the log -----------------------------------------------------------------------------------------------
     def open(self, path: Any) -> None:
-        self.log = fm.EventLog(path)
+        self.log = EventLog(path)
 
     def close(self) -> None:
         self.log.close()

@@ -5,14 +5,16 @@ generation of the job's `collectives.elastic.ElasticGroup`; a member learns of i
 `MembershipChanged` (a survivor blocked on a dead peer) or at its next step's `check()`. Then, per strategy:
 
     allreduce (shrink / replace), Horovod's commit / rollback:
-        commit    after every faults.commit_every steps: a copy of the model and the optimizer state, in memory
+        commit    after every faults.commit_every steps: `parallelism.snapshot.capture` (parameters + optimizer
+                  state, what an engine checkpoint writes), in memory
                   (the last two commits are kept: a failure can cut one member's step after its all-reduce ended)
         rebuild   join generation g+1 (a new ring: new sockets, or a new gloo group), build a new replica and
                   optimizer on it (the engine seam, as at the start)
         agree     c = min over the new group of each member's latest commit (an all-reduce of one integer; a
                   joiner has none and counts as +inf)
-        restore   the lowest rank holding c broadcasts it (model + optimizer state: a JSON header of names, shapes and
-                  scalars, then the tensors): survivors and a joiner start step c from the same bytes
+        restore   the lowest rank holding c broadcasts it (a JSON header: the snapshot's meta and each tensor's name,
+                  shape, dtype; then the tensors): survivors and a joiner start step c from the same bytes (each
+                  keeps its own RNG streams)
         continue  at world size n = len(members): each worker keeps its own data shard and batch size (the global
                   batch becomes n x B), and the step lr follows train.lr_rule at G = n (linear: lr x n)
     ps-* (continue / replace): the state lives on the shards, which the supervisor tells the new membership
@@ -25,7 +27,6 @@ checkpoint (`pslab run --resume`) after the run aborts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -37,6 +38,7 @@ import torch
 from collectives.launcher import notify
 from experiments.config import RunConfig
 from experiments.strategies.spec import step_lr
+from parallelism.snapshot import Snapshot, capture, load_pieces
 
 
 def lr_at(cfg: RunConfig, members: int) -> float:
@@ -49,24 +51,23 @@ def _module(replica: Any) -> torch.nn.Module:
 
 
 class Commits:
-    """The last two committed states of this member (allreduce): (step, model state, optimizer state)."""
+    """The last two committed states of this member (allreduce): (step, `parallelism.snapshot.capture`), the same
+    capture an engine checkpoint writes, kept in memory."""
 
     def __init__(self) -> None:
-        self.kept: deque[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = deque(maxlen=2)
+        self.kept: deque[tuple[int, Snapshot]] = deque(maxlen=2)
 
     def commit(self, step: int, replica: Any, strategy: Any) -> None:
-        model = {k: v.detach().clone() for k, v in _module(replica).state_dict().items()}
-        opt = copy.deepcopy(strategy.optimizer.state_dict())
-        self.kept.append((step, model, opt))
+        self.kept.append((step, capture(replica, strategy)))
 
     @property
     def latest(self) -> int:
         return self.kept[-1][0] if self.kept else -1
 
-    def at(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        for s, model, opt in self.kept:
+    def at(self, step: int) -> Snapshot | None:
+        for s, snap in self.kept:
             if s == step:
-                return model, opt
+                return snap
         return None
 
 
@@ -75,24 +76,6 @@ def agree_step(group: Any, mine: int) -> int:
     t = torch.tensor([mine if mine >= 0 else 1 << 60], dtype=torch.int64)
     group.all_reduce(t, op="min")
     return int(t[0])
-
-
-def _header(model: dict[str, torch.Tensor], opt: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Split (model state, optimizer state) into a JSON-able header and the list of tensors it describes."""
-    tensors: list[torch.Tensor] = []
-    spec: list[list[Any]] = []
-    for k, v in model.items():
-        spec.append(["m", k, list(v.shape), str(v.dtype).removeprefix("torch.")])
-        tensors.append(v)
-    scalars: dict[str, dict[str, Any]] = {}
-    for pid, st in opt["state"].items():
-        for key, v in st.items():
-            if torch.is_tensor(v):
-                spec.append(["o", f"{pid}/{key}", list(v.shape), str(v.dtype).removeprefix("torch.")])
-                tensors.append(v)
-            else:
-                scalars.setdefault(str(pid), {})[key] = v
-    return {"tensors": spec, "scalars": scalars, "param_groups": opt["param_groups"]}, tensors
 
 
 def source_rank(group: Any, has: bool) -> int:
@@ -104,12 +87,14 @@ def source_rank(group: Any, has: bool) -> int:
     return int(t[0])
 
 
-def broadcast_state(group: Any, commit: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, src: int = 0
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Rank `src` of `group` sends its (model state, optimizer state); every rank returns the same, bitwise."""
+def broadcast_state(group: Any, snap: Snapshot | None, src: int = 0) -> Snapshot:
+    """Rank `src` of `group` sends its snapshot (tensors, meta); every rank returns the same, bitwise: a JSON
+    header (the meta, and each tensor's name, shape and dtype), then the tensors."""
     if group.rank == src:
-        assert commit is not None
-        head, tensors = _header(*commit)
+        assert snap is not None
+        tensors, meta = snap
+        head = {"meta": meta, "tensors": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                          for k, v in tensors.items()]}
         raw = json.dumps(head).encode()
         n = torch.tensor([len(raw)], dtype=torch.int64)
     else:
@@ -120,31 +105,19 @@ def broadcast_state(group: Any, commit: tuple[dict[str, torch.Tensor], dict[str,
     group.broadcast(buf, src=src)
     if group.rank != src:
         head = json.loads(bytes(buf.numpy()).decode())
-        tensors = [torch.zeros(shape, dtype=getattr(torch, dt)) for _, _, shape, dt in head["tensors"]]
-    out = []
-    for t in tensors:
+        tensors = {k: torch.zeros(shape, dtype=getattr(torch, dt)) for k, shape, dt in head["tensors"]}
+    out = {}
+    for k, t in tensors.items():
         t = t.detach().clone().contiguous()
         if t.numel():
             group.broadcast(t, src=src)
-        out.append(t)
-    model: dict[str, torch.Tensor] = {}
-    state: dict[int, dict[str, Any]] = {}
-    for (kind, name, _, _), t in zip(head["tensors"], out):
-        if kind == "m":
-            model[name] = t
-        else:
-            pid, key = name.split("/", 1)
-            state.setdefault(int(pid), {})[key] = t
-    for pid, sc in head["scalars"].items():
-        state.setdefault(int(pid), {}).update(sc)
-    return model, {"state": state, "param_groups": head["param_groups"]}
+        out[k] = t
+    return out, head["meta"]
 
 
-def load(replica: Any, strategy: Any, model: dict[str, torch.Tensor], opt: dict[str, Any], lr: float) -> None:
-    """Put (model state, optimizer state) into a freshly built replica and strategy, at step lr `lr`."""
-    with torch.no_grad():
-        _module(replica).load_state_dict(model, strict=True)
-    strategy.optimizer.load_state_dict(copy.deepcopy(opt))
+def load(replica: Any, strategy: Any, snap: Snapshot, lr: float) -> None:
+    """Put a snapshot into a freshly built replica and strategy (its own RNG streams kept), at step lr `lr`."""
+    load_pieces(replica, strategy, [snap], rng_from=None)
     for g in strategy.optimizer.param_groups:
         g["lr"] = lr
 
@@ -225,9 +198,9 @@ class ElasticMember:
         c = agree_step(self.group, latest)
         mine = self.commits.at(c) if self.commits is not None else None
         src = source_rank(self.group, mine is not None)
-        model, opt = broadcast_state(self.group, mine, src)
+        snap = broadcast_state(self.group, mine, src)
         lr = lr_at(self.cfg, n)
-        load(self.replica, self.strategy, model, opt, lr)
+        load(self.replica, self.strategy, snap, lr)
         self.commits = Commits()
         self.commits.commit(c, self.replica, self.strategy)
         info = {"generation": self.eg.generation, "world_size": n, "step": c, "lr_step": lr,

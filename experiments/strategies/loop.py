@@ -37,7 +37,7 @@ from experiments.errors import DIVERGED, DivergedError
 from experiments.results.records import UpdateRecord
 from experiments.results.rundir import JsonlWriter, RunDir
 from experiments.strategies import resume
-from experiments.strategies.elastic import ElasticMember
+from experiments.strategies.elastic import Commits, ElasticMember
 from experiments.stragglers import StragglerModel
 from experiments.workloads import Workload, batch_digest, get_workload
 
@@ -120,8 +120,7 @@ class _Worker(ElasticMember):
                 t0 = float(self.joining["t0"])
             else:
                 step = resume.start(cfg, self.run_path, self.replica, self.strategy, self.mesh)   # 0: fresh run
-                if elastic_ar:
-                    from experiments.strategies.elastic import Commits
+                if elastic_ar:                     # (a joiner gets its first commit from the survivors)
                     self.commits = Commits()
                     self.commits.commit(step, self.replica, self.strategy)
                 self.ev.evaluate(step * self.K, 0.0)
@@ -132,10 +131,6 @@ class _Worker(ElasticMember):
                     notify({"kind": "t0", "t0": t0})
             self.t0 = t0
             first_step = step                                  # a resumed run or a joiner starts later
-            if elastic_ar and self.commits is None:
-                from experiments.strategies.elastic import Commits
-                self.commits = Commits()
-                self.commits.commit(step, self.replica, self.strategy)
             measured: dict[str, int] = {}
             stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
             while True:
