@@ -172,6 +172,16 @@ class ElasticMember:
                 at = self.commits.latest if self.commits is not None else None
                 back = self._recover(e.generation, at)
 
+    def _quiesce(self) -> int:
+        """Before a planned leave: a barrier of the current members, so nobody's last all-reduce is cut by the
+        new membership (it is published when the leaver leaves, which is after every member entered the barrier;
+        a member still inside it when the news arrives has finished its step too). Returns the generation to join."""
+        try:
+            self.group.barrier()
+        except self._changed() as e:
+            return e.generation
+        return self.eg.generation + 1 if self.eg is not None else 0
+
     def _recover(self, gen: int, step: int | None) -> int:
         """Generation `gen` (or newer): join it, rebuild, and (allreduce) agree on the step to roll back to, which
         is returned (the current step for ps-*: nothing rolls back). A newer generation published meanwhile (a

@@ -136,14 +136,16 @@ class _Worker(ElasticMember):
             while True:
                 while step < t.steps:
                     self._inject(step)
-                    if self.leaves.get(step) == self.member and not self.joining:
-                        notify({"kind": "leave", "member": self.member, "step": step})
-                        return {"rank": self.member, "left": True, "steps": step}
-                    if step in self.leaves and self.eg is not None and self.leaves[step] in self.eg.membership.members:
-                        if self.commits is not None:      # a planned change: nothing in flight, nothing to roll back
-                            self.commits.commit(step, self.replica, self.strategy)
-                        step = self._recover(self.eg.generation + 1, step)
-                        continue
+                    if step in self.leaves and (self.eg is None or self.leaves[step] in self.eg.membership.members):
+                        gen = self._quiesce()            # every member has finished step - 1: nothing in flight
+                        if self.leaves[step] == self.member and not self.joining:
+                            notify({"kind": "leave", "member": self.member, "step": step})
+                            return {"rank": self.member, "left": True, "steps": step}
+                        if self.eg is not None:
+                            if self.commits is not None:  # a planned change: nothing to roll back
+                                self.commits.commit(step, self.replica, self.strategy)
+                            step = self._recover(gen, step)
+                            continue
                     try:
                         if self.eg is not None:
                             self.eg.check()
