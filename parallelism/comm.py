@@ -2,12 +2,13 @@
 
 Every collective an engine issues goes through `Comm`, which records (kind, site, payload bytes, wire bytes):
 
-    kind     all_reduce | reduce_scatter | all_gather | broadcast | p2p
+    kind     all_reduce | reduce_scatter | all_gather | all_to_all | broadcast | p2p
     site     where in the model it happened ("layers.0.mlp.fc2", "stage 1 -> 2", "bucket 3") — so a test can show
              tensor parallelism talking in every layer and pipeline parallelism only at stage boundaries
     payload  bytes of the tensor handed to the collective (S; the full output for all_gather)
     wire     textbook bytes sent by this rank: ring all-reduce 2(N−1)/N·S, reduce-scatter and all-gather (N−1)/N·S,
-             broadcast and p2p S (the group's own `traffic()` holds what the backend measured)
+             all-to-all (N−1)/N·S (S: the input; chunk j goes to rank j, the own chunk stays), broadcast and p2p S
+             (the group's own `traffic()` holds what the backend measured)
 
 `CommThread` runs collectives on one worker thread in submission order, so gradient buckets (DP) and ZeRO-3
 prefetches overlap computation while every rank still issues the same collectives in the same order.
@@ -25,7 +26,7 @@ import torch
 
 from collectives import ProcessGroup
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -107,6 +108,16 @@ class Comm:
             return out
         self.group.all_gather(out, inp)
         self.log.add("all_gather", site, nbytes(out), (n - 1) / n * nbytes(out))
+        return out
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, site: str = "") -> torch.Tensor:
+        """Chunk j of `inp` (split along dim 0 into N equal chunks) goes to rank j; chunk i of `out` came from i."""
+        n = self.size
+        if n == 1:
+            out.copy_(inp)
+            return out
+        self.group.all_to_all(out, inp)
+        self.log.add("all_to_all", site, nbytes(inp), (n - 1) / n * nbytes(inp))
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0, site: str = "") -> torch.Tensor:

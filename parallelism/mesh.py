@@ -1,17 +1,19 @@
-"""A device mesh with named axes (dp, pp, tp) carved out of one world group.
+"""A device mesh with named axes (dp, pp, cp, ep, tp) carved out of one world group.
 
-Global rank r has coordinates (dp, pp, tp) in row-major order with tp innermost:
+Global rank r has coordinates (dp, pp, cp, ep, tp) in row-major order with tp innermost:
 
-    r = (dp · P + pp) · T + tp        (D × P × T = world size)
+    r = (((dp · P + pp) · C + cp) · E + ep) · T + tp        (D × P × C × E × T = world size)
 
 so the T ranks of a tensor-parallel group are adjacent (r, r+1, …) — the "TP inside a node" rule: TP talks every
-layer and needs the fastest link; PP only at stage boundaries; DP once per step, so it spans the outer axis.
+layer and needs the fastest link; context (cp: the sequence split, ring attention) and expert parallelism (ep:
+all-to-all in every MoE layer) next; PP only at stage boundaries; DP once per step, so it spans the outer axis.
 
-Group kinds: one per axis (dp, pp, tp: the ranks that differ only in that coordinate) plus "mp", the model-parallel
-group: the P·T ranks that share this rank's dp coordinate, i.e. the ranks that together hold one whole model
-replica (a contiguous run of ranks, [d·P·T, (d+1)·P·T)); `export.py` gathers the full model over it.
+Group kinds: one per axis (the ranks that differ only in that coordinate) plus "mp", the model-parallel group: the
+P·C·E·T ranks that share this rank's dp coordinate, i.e. the ranks that together hold one whole model replica and
+train on one data-parallel worker's batch (a contiguous run of ranks); `export.py` gathers the full model over it.
 `MeshLayout` is the pure arithmetic; `DeviceMesh` adds the sub-groups (one `new_group` call per group, every rank
-calls all of them in the same order — dp, pp, tp, then mp — as torch.distributed requires).
+calls all of them in the same order — dp, pp, cp, ep, tp, then mp — as torch.distributed requires; a one-rank group
+whose member already has one is reused, so size-1 axes cost no extra groups).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collectives import ProcessGroup
 
-AXES = ("dp", "pp", "tp")            # the coordinates (coords / rank_of)
-GROUP_KINDS = AXES + ("mp",)        # the sub-groups a DeviceMesh builds; "mp" = all pp × tp ranks of one dp coord
+AXES = ("dp", "pp", "cp", "ep", "tp")   # the coordinates (coords / rank_of), outermost first
+GROUP_KINDS = AXES + ("mp",)        # the sub-groups a DeviceMesh builds; "mp" = all model-parallel ranks of one dp
 
 
 class MeshError(ValueError):
@@ -36,6 +38,8 @@ class MeshLayout:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for ax in AXES:
@@ -44,7 +48,12 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.ep * self.tp
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks per model replica (one data-parallel worker): P · C · E · T."""
+        return self.pp * self.cp * self.ep * self.tp
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
@@ -53,10 +62,19 @@ class MeshLayout:
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise MeshError(f"rank {rank} outside a mesh of {self.world_size} ranks")
-        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+        out, r = {}, rank
+        for ax in reversed(AXES):           # tp innermost
+            n = getattr(self, ax)
+            out[ax] = r % n
+            r //= n
+        return {ax: out[ax] for ax in AXES}
 
-    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0, ep: int = 0) -> int:
+        c = {"dp": dp, "pp": pp, "cp": cp, "ep": ep, "tp": tp}
+        r = 0
+        for ax in AXES:
+            r = r * getattr(self, ax) + c[ax]
+        return r
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """All groups along `axis`: ranks that differ only in that coordinate, in coordinate order.
@@ -74,7 +92,7 @@ class MeshLayout:
     def mp_groups(self) -> list[tuple[int, ...]]:
         """The model-parallel groups, one per dp coordinate: the ranks with that dp coordinate (every pp × tp
         coordinate), in rank order — together they hold one whole model replica."""
-        n = self.pp * self.tp
+        n = self.model_parallel
         return [tuple(range(d * n, (d + 1) * n)) for d in range(self.dp)]
 
     def group_of(self, axis: str, rank: int) -> tuple[int, ...]:
@@ -90,19 +108,29 @@ def _check_axis(axis: str, kinds: tuple[str, ...] = AXES) -> None:
 class DeviceMesh:
     """The layout plus this rank's sub-group of each kind (dp, pp, tp, mp). Build it on every rank of `world`."""
 
-    def __init__(self, world: ProcessGroup, dp: int = 1, pp: int = 1, tp: int = 1) -> None:
-        self.layout = MeshLayout(dp, pp, tp)
+    def __init__(self, world: ProcessGroup, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1) -> None:
+        self.layout = MeshLayout(dp, pp, tp, cp, ep)
         if self.layout.world_size != world.world_size:
-            raise MeshError(f"mesh dp={dp} x pp={pp} x tp={tp} = {self.layout.world_size} ranks, but the world group "
+            shape = " x ".join(f"{ax}={getattr(self.layout, ax)}" for ax in AXES if ax in ("dp", "pp", "tp")
+                               or getattr(self.layout, ax) > 1)
+            raise MeshError(f"mesh {shape} = {self.layout.world_size} ranks, but the world group "
                             f"has {world.world_size}; choose sizes whose product is the world size")
         self.world = world
         self.rank = world.rank
         self.coords = self.layout.coords(world.rank)
         self._groups: dict[str, ProcessGroup] = {}
+        singles: dict[int, ProcessGroup | None] = {}      # one-rank groups made so far, by their member
         for axis in GROUP_KINDS:
             for ranks in self.layout.groups(axis):
                 members = tuple(world.ranks[r] for r in ranks)  # group ranks -> global ranks of the world
-                g = world if len(ranks) == world.world_size else world.new_group(list(members))
+                if len(ranks) == world.world_size:
+                    g = world
+                elif len(ranks) == 1 and ranks[0] in singles:
+                    g = singles[ranks[0]]
+                else:
+                    g = world.new_group(list(members))
+                    if len(ranks) == 1:
+                        singles[ranks[0]] = g
                 if world.rank in ranks:
                     self._groups[axis] = g
 
@@ -120,4 +148,5 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         l = self.layout
-        return f"DeviceMesh(dp={l.dp}, pp={l.pp}, tp={l.tp}, rank={self.rank}, coords={self.coords})"
+        extra = "".join(f", {ax}={getattr(l, ax)}" for ax in ("cp", "ep") if getattr(l, ax) > 1)
+        return f"DeviceMesh(dp={l.dp}, pp={l.pp}, tp={l.tp}{extra}, rank={self.rank}, coords={self.coords})"

@@ -78,7 +78,7 @@ def test_gather_full_state_matches_single_process(backend, case, dp0_only):
             want = "skipped" if dp0_only and r["coords"]["dp"] != 0 else None
             assert all(s == want for s in r["states"]), f"rank {rank} got a state"
             continue
-        assert r["coords"] == {"dp": 0, "pp": 0, "tp": 0}
+        assert r["coords"] == {"dp": 0, "pp": 0, "cp": 0, "ep": 0, "tp": 0}
         for k, (state, ref) in enumerate(zip(r["states"], refs)):
             assert list(state) == list(ref), f"step {k}: names"
             for n, w in ref.items():

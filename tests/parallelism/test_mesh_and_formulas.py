@@ -34,7 +34,7 @@ def test_layout_mp_groups_are_one_replica_each():
 def test_layout_errors():
     """Unknown axes, non-positive sizes and a mesh that does not fit the world raise MeshError with the numbers."""
     with pytest.raises(MeshError, match="unknown mesh axis"):
-        MeshLayout(2).groups("ep")
+        MeshLayout(2).groups("sp")
     with pytest.raises(MeshError, match=">= 1"):
         MeshLayout(dp=0)
 
