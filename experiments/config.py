@@ -4,7 +4,8 @@
     [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
                   lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
                   target_acc
-    [parallel]    tp, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (see ParallelConfig)
+    [workload]    (text-moe only) experts, top_k, capacity_factor, aux_weight
+    [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
                   (experiments/faults/spec.py)
@@ -38,6 +39,17 @@ class WorkloadConfig:
     name: str = "digits-mlp"
     batch_size: int = 32
     seed: int = 0
+    # the mixture-of-experts workload (text-moe) only:
+    experts: int = 4                 # experts per MoE layer (parallel.ep must divide it)
+    top_k: int = 1                   # 1 | 2: experts each token is sent to
+    capacity_factor: float = 1.25    # capacity per (sequence, expert) = ceil(capacity_factor · top_k · S / experts)
+    aux_weight: float = 0.01         # the Switch load-balancing loss' weight alpha
+
+    MOE_KEYS = ("experts", "top_k", "capacity_factor", "aux_weight")
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The model settings this section overrides (the MoE workload's), for `get_workload(..., **them)`."""
+        return {k: getattr(self, k) for k in self.MOE_KEYS} if self.name == "text-moe" else {}
 
 
 @dataclass
@@ -69,10 +81,17 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     """How each data-parallel worker's model is split (`parallelism` engines). A run starts
-    train.workers x tp x pp processes: `train.workers` is the data-parallel degree D, each worker a group of tp x pp
-    ranks. Engine choice: zero > 0 -> ZeRO; pp > 1 -> pipeline; tp > 1 -> tensor parallel; else data parallel."""
+    train.workers x tp x pp x cp x ep processes: `train.workers` is the data-parallel degree D, each worker a group of
+    tp x pp x cp x ep ranks. Engine choice: zero > 0 -> ZeRO; pp > 1 -> pipeline; cp > 1 -> context parallel;
+    ep > 1 -> expert parallel; tp > 1 -> tensor parallel (sp: + sequence parallel); else data parallel."""
 
     tp: int = 1                      # tensor-parallel degree: splits attention heads and MLP width (text-transformer)
+    sp: bool = False                 # tp > 1: sequence parallelism (Korthikanti et al.): LayerNorm on sequence shards,
+                                     # all-gather / reduce-scatter in place of TP's all-reduces
+    cp: int = 1                      # context parallelism: the sequence split over cp ranks, ring attention
+                                     # (text-transformer; the sequence length must be divisible by 2 x cp)
+    ep: int = 1                      # expert parallelism: the experts of each MoE layer over ep ranks, all-to-all
+                                     # dispatch (workload text-moe; workload.experts divisible by ep)
     pp: int = 1                      # pipeline stages: the model's layers cut into pp consecutive stages
     micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
     schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
@@ -83,7 +102,7 @@ class ParallelConfig:
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp * self.ep
 
     def unsplit(self) -> "ParallelConfig":
         """The same settings for the unsplit model (what `local`, the single-process reference, trains)."""
@@ -93,7 +112,10 @@ class ParallelConfig:
         """A short tag for labels, e.g. "tp=2" or "pp=2/1f1b/m4"; "" for plain data parallelism."""
         parts = []
         if self.tp > 1:
-            parts.append(f"tp={self.tp}")
+            parts.append(f"tp={self.tp}" + ("+sp" if self.sp else ""))
+        for ax in ("cp", "ep"):
+            if getattr(self, ax) > 1:
+                parts.append(f"{ax}={getattr(self, ax)}")
         if self.pp > 1:
             parts.append(f"pp={self.pp}/{self.schedule}/m{self.micro_batches}")
         if self.zero:
@@ -176,6 +198,7 @@ class RunConfig:
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
         _validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
+        _validate_moe(w, self.parallel)
         self.faults.validate(t.workers, t.shards, s.kind, t.steps)
         split = self.parallel.model_parallel > 1 or self.parallel.zero > 0
         if split and self.faults.policy(s.kind, split) != "abort":
@@ -201,18 +224,34 @@ class RunConfig:
 def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulated: bool) -> None:
     """The rules that need no model; `experiments.strategies.build.check_layout` adds the model's (divisibility,
     number of layers)."""
-    for key in ("tp", "pp", "micro_batches"):
+    for key in ("tp", "pp", "cp", "ep", "micro_batches"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3 (the ZeRO stage), got {p.zero!r}")
-    split = p.tp > 1 or p.pp > 1 or p.zero > 0
+    split = p.model_parallel > 1 or p.zero > 0
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it "
+                          "needs parallel.tp > 1")
+    for ax in ("cp", "ep"):
+        n = getattr(p, ax)
+        others = [f"{o} = {getattr(p, o)}" for o in ("tp", "pp", "cp", "ep") if o != ax and getattr(p, o) > 1]
+        if n > 1 and (others or p.zero):
+            raise ConfigError(f"parallel.{ax} = {n} combines with data parallelism only (train.workers), not with "
+                              f"{', '.join(others) or f'zero = {p.zero}'}: set the others to 1 (and zero = 0)")
+        if n > 1 and (p.activation_checkpointing or p.overlap):
+            raise ConfigError(f"parallel.{ax} = {n}: activation_checkpointing and overlap apply to the data and "
+                              "pipeline engines; drop them")
+    if p.cp > 1 and s.uses_ps:
+        raise ConfigError(f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the "
+                          f"same parameters and would push the same averaged gradient to the shards ({s.label})")
     if simulated and (split or p.overlap or p.activation_checkpointing):
         raise ConfigError("the simulator models data parallelism only: drop the [parallel] settings "
                           f"({p.describe()}) or run without --simulate")
     if s.kind == "local" and (split or p.overlap):
-        raise ConfigError(f"strategy local is one process: parallel.{'tp' if p.tp > 1 else 'pp' if p.pp > 1 else 'zero' if p.zero else 'overlap'} "
+        key = next((ax for ax in ("tp", "pp", "cp", "ep") if getattr(p, ax) > 1), "zero" if p.zero else "overlap")
+        raise ConfigError(f"strategy local is one process: parallel.{key} "
                           "needs strategy allreduce or ps-* (local with activation checkpointing is fine)")
     if p.zero and not s.kind == "allreduce":
         raise ConfigError(f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use "
@@ -235,6 +274,33 @@ def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulate
     if p.pp > 1 and p.micro_batches > batch_size:
         raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds workload.batch_size = {batch_size}: "
                           "each micro-batch needs at least one example; use fewer micro-batches or a larger batch")
+
+
+def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
+    """workload.experts / top_k / capacity_factor / aux_weight: set only for the MoE workload, in range; ep | E."""
+    moe = w.name == "text-moe"
+    default = WorkloadConfig()
+    if not moe:
+        changed = [k for k in WorkloadConfig.MOE_KEYS if getattr(w, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(f"workload.{changed[0]} applies to the mixture-of-experts workload only: use "
+                              f"workload.name = text-moe, or drop it")
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} places the experts of MoE layers; workload {w.name!r} has none: "
+                              "use workload.name = text-moe")
+        return
+    _positive("workload.experts", w.experts)
+    if w.top_k not in (1, 2) or isinstance(w.top_k, bool):
+        raise ConfigError(f"workload.top_k must be 1 or 2, got {w.top_k!r}")
+    if w.top_k > w.experts:
+        raise ConfigError(f"workload.top_k = {w.top_k} exceeds workload.experts = {w.experts}")
+    if not (w.capacity_factor > 0 and math.isfinite(w.capacity_factor)):
+        raise ConfigError(f"workload.capacity_factor must be a finite number > 0, e.g. 1.25, got {w.capacity_factor}")
+    if not (w.aux_weight >= 0 and math.isfinite(w.aux_weight)):
+        raise ConfigError(f"workload.aux_weight must be a finite number >= 0, got {w.aux_weight}")
+    if w.experts % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide workload.experts = {w.experts}: choose ep in "
+                          f"{[d for d in range(1, w.experts + 1) if w.experts % d == 0]}")
 
 
 def _worker_key(k: Any) -> int:

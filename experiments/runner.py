@@ -158,4 +158,5 @@ def _preload(cfg: RunConfig) -> Workload:
     """Load the dataset and the lazily-imported parts of torch (torch.optim pulls in torch._dynamo, seconds on a
     busy machine) once here, so forked workers and servers inherit them instead of each importing them again."""
     import torch._dynamo  # noqa: F401
-    return get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
+    return get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
+                          **cfg.workload.model_kwargs())

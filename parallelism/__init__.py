@@ -9,10 +9,13 @@
 
 Files, one idea each:
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
-    mesh.py          dp × pp × tp layout and sub-groups (+ "mp": the ranks of one model replica)
+    mesh.py          dp × pp × cp × ep × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread
     data.py          bucketed, hook-driven, overlapped gradient all-reduce; no_sync()
     tensor.py        Megatron f/g, column/row-parallel Linear, TP MLP and attention
+    sequence.py      sequence parallelism on the tp group: LayerNorm on sequence shards, all-gather/reduce-scatter
+    ring_attention.py  ring attention: K/V blocks around the cp ring, online softmax, zig-zag causal balance
+    context.py       context parallelism: the sequence split over cp ranks (the engine around ring attention)
     schedule.py      GPipe and 1F1B as data; (p−1)/(m+p−1); virtual-time replay
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
@@ -35,6 +38,9 @@ from .export import gather_full_state
 from .snapshot import SnapshotError, capture, restore_into
 from .mesh import DeviceMesh, MeshError, MeshLayout
 from .pipeline import PipelineEngine, PipelineReplica, bubble_fraction
+from .context import ContextParallelEngine, ContextParallelReplica
+from .ring_attention import ring_attention
+from .sequence import SequenceParallelReplica
 from .schedule import Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b, simulate
 from .tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, TensorParallelEngine,
                      TensorParallelMLP, f, g)
@@ -49,5 +55,6 @@ __all__ = [
     "Action", "PipelineSchedule", "ScheduleError", "gpipe", "make_schedule", "one_f_one_b", "simulate",
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelEngine",
     "TensorParallelMLP", "f", "g", "ZeroEngine", "ZeroReplica", "ZeroStrategy", "StateBytes",
-    "zero_bytes_per_rank",
+    "zero_bytes_per_rank", "ContextParallelEngine", "ContextParallelReplica", "ring_attention",
+    "SequenceParallelReplica",
 ]

@@ -15,6 +15,7 @@ The pieces, as `replica.slots()` lists them (full-model names, checkpoint wrappe
 
     whole tensors    data parallel, a pipeline stage's parameters, tensors tensor parallelism replicates (LayerNorm,
                      embeddings, row-parallel biases; sent by tp coordinate 0 only, the other tp ranks hold copies)
+    experts          expert parallelism: each ep rank sends its own experts (`_ep_expert`), ep rank 0 the replicas
     tp shards        slot name "…#tp{t}/{T}": the Parameter's `_tp_index = (dim, indices)` (`tensor.py`) says which
                      indices along dim of the full tensor it holds; the root index_copy_'s each shard into place
     ZeRO             stages 0–2 keep full parameters in `replica.module` on every rank (local, nothing moves);
@@ -42,6 +43,7 @@ import torch
 from .checkpointing import unwrap_name
 from .comm import Comm
 from .engine import EngineError, ParamSlot, Replica
+from .expert import is_expert
 from .mesh import DeviceMesh
 from .tensor import tp_index
 from .zero import ZeroReplica
@@ -73,7 +75,8 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
     if mesh.coord("dp") != 0:
         return None
     mp = Comm(mesh.group("mp"), replica.log)
-    pieces = local_pieces(replica.slots(), send_replicated=mesh.coord("tp") == 0)
+    pieces = local_pieces(replica.slots(), send_replicated=mesh.coord("tp") == 0 and mesh.coord("ep") == 0
+                          and mesh.coord("cp") == 0)   # cp ranks hold copies (context.py)
     if mp.rank != 0:
         _send_pieces(mp, pieces)
         return None
@@ -121,7 +124,7 @@ def local_pieces(slots: list[ParamSlot], send_replicated: bool = True) -> list[P
         elif "#" in s.name:
             raise EngineError(f"slot {s.name} is a shard without a _tp_index, so it cannot be put in place; build "
                               f"tensor-parallel layers with ColumnParallelLinear/RowParallelLinear.from_full")
-        elif send_replicated:
+        elif send_replicated or is_expert(s.param):      # an expert (expert.py) lives on one ep rank only
             entry = {"name": s.name, "dim": None, "index": None}
         else:
             continue

@@ -4,6 +4,7 @@
 - `TinyTransformer`: a pre-LayerNorm GPT-style decoder as an nn.Sequential [Embed, Block × L, Head] whose blocks
   hold an `Attention` (fused qkv, heads) and an `MLP` (d → 4d → d); `tensor.py` swaps those two for their
   Megatron tensor-parallel versions. `lm_loss` is token-level cross entropy for its (B, S, V) logits.
+- `tiny_moe_transformer`: the same with an MoE feed-forward (`moe.py`) in place of each block's MLP.
 Every factory seeds torch itself, so each rank builds bit-identical initial weights.
 """
 
@@ -92,6 +93,22 @@ def tiny_transformer(vocab: int = 32, d: int = 32, heads: int = 4, layers: int =
     """[Embed, Block × layers, Head] — logits of shape (B, S, vocab)."""
     torch.manual_seed(seed)
     return nn.Sequential(Embed(vocab, d, seq), *[Block(d, heads) for _ in range(layers)], Head(d, vocab))
+
+
+def tiny_moe_transformer(vocab: int = 32, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 8,
+                         experts: int = 4, top_k: int = 1, capacity_factor: float = 1.25, groups: int = 1,
+                         aux_weight: float = 0.01, seed: int = 0, group_samples: int | None = None) -> nn.Sequential:
+    """`tiny_transformer` whose blocks' MLP is an MoE feed-forward (`moe.py`: E experts, each d → 4d → d).
+    Training loss: lm_loss(logits, y) + moe.moe_aux_loss(model); `groups` token groups per forward batch (or groups
+    of `group_samples` samples each, e.g. 1: capacity per sequence)."""
+    from .moe import MoE   # moe.py builds its experts from this file's MLP
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        b = Block(d, heads)
+        b.mlp = MoE(d, experts, top_k, capacity_factor, groups, aux_weight, group_samples=group_samples)
+        blocks.append(b)
+    return nn.Sequential(Embed(vocab, d, seq), *blocks, Head(d, vocab))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

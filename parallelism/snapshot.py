@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .engine import EngineError, Replica
+from .expert import is_expert
 from .tensor import tp_index
 from .zero import ZeroReplica
 
@@ -105,6 +106,10 @@ def _stored(t: Target, mesh: Any) -> bool:
     if t.sel["kind"] == "flat":
         return True
     if t.sel["kind"] == "whole" and t.opt_param is None:      # ZeRO 1–2's full copy: its chunks are stored
+        return False
+    if mesh.coord("ep") != 0 and not is_expert(t.param):     # expert parallelism: ep rank 0 stores the replicas
+        return False
+    if mesh.coord("cp") != 0:      # context parallelism (context.py) replicates every parameter on each cp rank
         return False
     return mesh.coord("dp") == 0 and (t.sel["kind"] == "index" or mesh.coord("tp") == 0)
 

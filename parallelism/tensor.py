@@ -13,6 +13,10 @@ splits heads: qkv is column-parallel (each rank takes its heads' rows of q, k an
 Per block of width d, sequence S, batch B: 2 all-reduces of B·S·d activations forward and 2 backward — every layer
 communicates, which is why TP stays on the fastest link (adjacent ranks, `mesh.py`).
 
+`sequence_parallel=True` (Korthikanti et al. 2022, `sequence.py`): the regions between the TP regions (LayerNorm,
+residuals, embedding, head) run on the rank's S/T tokens; f/g become all-gather / reduce-scatter along the sequence
+(the same wire bytes), and the replicated parameters' partial gradients are summed over tp after backward.
+
 Every shard taken by `from_full` records where it came from: `param._tp_index = (dim, LongTensor of indices)` —
 the indices along `dim` of the full tensor it holds (column-parallel weight and bias: dim 0 rows, non-contiguous
 for attention's qkv; row-parallel weight: dim 1 columns; the row-parallel bias is replicated and has none). It is
@@ -30,9 +34,11 @@ from torch import nn
 from collectives import chunk_bounds
 
 from .comm import Comm, CommLog
-from .engine import LocalReplica
+from .engine import EngineError, LocalReplica
 from .mesh import DeviceMesh
 from .models import MLP, Attention
+from .sequence import (SequenceParallelReplica, gather_linear, gather_sequence, scatter_sequence,
+                       sequence_parallelize_embedding)
 
 SHARD_ATTR = "_tp_shard"   # set on parameters that are shards (not replicas) across the tp group
 TP_INDEX_ATTR = "_tp_index"   # (dim, LongTensor): which indices along dim of the full tensor a shard holds
@@ -102,67 +108,82 @@ def tp_index(p: torch.Tensor) -> tuple[int, torch.Tensor] | None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_t = f(X)·A_t + b_t; the output stays split by columns (no gather)."""
+    """Y_t = f(X)·A_t + b_t; the output stays split by columns (no gather).
+
+    sequence_parallel: X arrives as this rank's sequence shard and ḡ (all-gather along the sequence) replaces f;
+    with regather too, only the shard is saved for backward and gathered again there (`sequence.py`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, site: str = "",
-                 use_f: bool = True) -> None:
+                 use_f: bool = True, sequence_parallel: bool = False, regather: bool = False) -> None:
         super().__init__()
         self.weight = _shard(weight)
         self.bias = _shard(bias) if bias is not None else None
         self.comm, self.site, self.use_f = comm, site, use_f
+        self.sequence_parallel, self.regather = sequence_parallel, regather
 
     @classmethod
     def from_full(cls, lin: nn.Linear, comm: Comm, rows: torch.Tensor | None = None, site: str = "",
-                  use_f: bool = True) -> ColumnParallelLinear:
+                  use_f: bool = True, sequence_parallel: bool = False,
+                  regather: bool = False) -> ColumnParallelLinear:
         """Take this rank's output rows of `lin` (contiguous chunk, or the given row indices)."""
         if rows is None:
             a, b = _split(lin.out_features, comm, "out_features")
             rows = torch.arange(a, b)
         bias = lin.bias[rows] if lin.bias is not None else None
-        out = cls(lin.weight[rows], bias, comm, site, use_f)
+        out = cls(lin.weight[rows], bias, comm, site, use_f, sequence_parallel, regather)
         _record_index(out.weight, 0, rows)
         _record_index(out.bias, 0, rows)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_f:
+        if self.use_f and self.sequence_parallel:
+            if self.regather:
+                return gather_linear(x, self.weight, self.bias, self.comm, self.site)
+            x = gather_sequence(x, self.comm, self.site)
+        elif self.use_f:
             x = f(x, self.comm, self.site)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Z = g(Y_t·B_t) + b: partial products summed by g; the replicated bias added after."""
+    """Z = g(Y_t·B_t) + b: partial products summed by g; the replicated bias added after.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, site: str = "") -> None:
+    sequence_parallel: ḡ* (reduce-scatter along the sequence) replaces g; Z and the bias add are on the shard."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, site: str = "",
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = _shard(weight)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
-        self.comm, self.site = comm, site
+        self.comm, self.site, self.sequence_parallel = comm, site, sequence_parallel
 
     @classmethod
     def from_full(cls, lin: nn.Linear, comm: Comm, cols: torch.Tensor | None = None,
-                  site: str = "") -> RowParallelLinear:
+                  site: str = "", sequence_parallel: bool = False) -> RowParallelLinear:
         """Take this rank's input columns of `lin` (contiguous chunk, or the given column indices); bias replicated."""
         if cols is None:
             a, b = _split(lin.in_features, comm, "in_features")
             cols = torch.arange(a, b)
-        out = cls(lin.weight[:, cols], lin.bias, comm, site)
+        out = cls(lin.weight[:, cols], lin.bias, comm, site, sequence_parallel)
         _record_index(out.weight, 1, cols)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = g(F.linear(x, self.weight), self.comm, self.site)
+        leave = scatter_sequence if self.sequence_parallel else g
+        z = leave(F.linear(x, self.weight), self.comm, self.site)
         return z + self.bias if self.bias is not None else z
 
 
 class TensorParallelMLP(nn.Module):
     """f → column fc1 → GeLU → row fc2 → g."""
 
-    def __init__(self, full: MLP, comm: Comm, site: str = "mlp") -> None:
+    def __init__(self, full: MLP, comm: Comm, site: str = "mlp", sequence_parallel: bool = False,
+                 regather: bool = False) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear.from_full(full.fc1, comm, site=site)
+        self.fc1 = ColumnParallelLinear.from_full(full.fc1, comm, site=site, sequence_parallel=sequence_parallel,
+                                                  regather=regather)
         self.act = full.act
-        self.fc2 = RowParallelLinear.from_full(full.fc2, comm, site=site)
+        self.fc2 = RowParallelLinear.from_full(full.fc2, comm, site=site, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -171,33 +192,42 @@ class TensorParallelMLP(nn.Module):
 class TensorParallelAttention(nn.Module):
     """Heads split across ranks: rank t owns heads [t·H/T, (t+1)·H/T) of q, k and v, and proj's matching inputs."""
 
-    def __init__(self, full: Attention, comm: Comm, site: str = "attn") -> None:
+    def __init__(self, full: Attention, comm: Comm, site: str = "attn", sequence_parallel: bool = False,
+                 regather: bool = False) -> None:
         super().__init__()
         h0, h1 = _split(full.heads, comm, "attention heads")
         hd = full.d // full.heads
         own = torch.arange(h0 * hd, h1 * hd)
         rows = torch.cat([own, own + full.d, own + 2 * full.d])       # my heads' rows of q, k, v
-        self.qkv = ColumnParallelLinear.from_full(full.qkv, comm, rows=rows, site=site)
-        self.proj = RowParallelLinear.from_full(full.proj, comm, cols=own, site=site)
+        self.qkv = ColumnParallelLinear.from_full(full.qkv, comm, rows=rows, site=site,
+                                                  sequence_parallel=sequence_parallel, regather=regather)
+        self.proj = RowParallelLinear.from_full(full.proj, comm, cols=own, site=site,
+                                                sequence_parallel=sequence_parallel)
         self.local_heads, self.head_dim = h1 - h0, hd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)                  # (B, S, 3w); under SP x is the (B, S/T, d) shard, qkv the full S
+        b, s, _ = qkv.shape
         w = self.local_heads * self.head_dim
-        q, k, v = self.qkv(x).split(w, dim=-1)
+        q, k, v = qkv.split(w, dim=-1)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, w))
 
 
-def tensor_parallelize(model: nn.Module, comm: Comm) -> nn.Module:
-    """Swap every `Attention` and `MLP` in `model` for its tensor-parallel version (in place; returns model)."""
+def tensor_parallelize(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
+                       regather: bool = False) -> nn.Module:
+    """Swap every `Attention` and `MLP` in `model` for its tensor-parallel version (in place; returns model).
+    sequence_parallel: their entries/exits become ḡ/ḡ* and every `Embed` embeds only the rank's sequence shard."""
     for name, child in list(model.named_modules()):
         if isinstance(child, (Attention, MLP)):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             cls = TensorParallelAttention if isinstance(child, Attention) else TensorParallelMLP
-            setattr(parent, attr, cls(child, comm, site=name))
+            setattr(parent, attr, cls(child, comm, site=name, sequence_parallel=sequence_parallel,
+                                      regather=regather))
+    if sequence_parallel:
+        sequence_parallelize_embedding(model, comm)
     if comm.size > 1 and not any(getattr(p, SHARD_ATTR, False) for p in model.parameters()):
         raise ValueError("tensor_parallelize found no Attention or MLP module to split; build the model from "
                          "parallelism.models blocks")
@@ -208,19 +238,31 @@ class TensorParallelEngine:
     """Split Attention/MLP blocks over the mesh's tp axis; replicas of the tp shards are averaged over dp.
 
     Slot names: sharded tensors get the suffix "#tp{t}/{T}" after their full-model name; replicated tensors (LayerNorm,
-    embeddings, row-parallel biases) keep the plain name and have identical gradients on every tp rank."""
+    embeddings, row-parallel biases) keep the plain name and have identical gradients on every tp rank.
+
+    sequence_parallel (Korthikanti et al. 2022, `sequence.py`): the replicated regions run on the rank's S/T tokens,
+    the replicated gradients are summed over tp after backward; same slots, same gradients. regather: keep only the
+    sequence shard of the column-parallel inputs for backward (1/T of their memory, one more all-gather each)."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 log: CommLog | None = None) -> None:
+                 log: CommLog | None = None, sequence_parallel: bool = False, regather: bool = False) -> None:
         self.loss_fn, self.log = loss_fn, log
+        if regather and not sequence_parallel:
+            raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs "
+                              "sequence_parallel=True")
+        self.sequence_parallel, self.regather = sequence_parallel, regather
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         log = self.log if self.log is not None else CommLog()
         tp = Comm(mesh.group("tp"), log)
-        model = tensor_parallelize(model_factory(), tp)
+        model = tensor_parallelize(model_factory(), tp, self.sequence_parallel, self.regather)
         suffix = f"#tp{tp.rank}/{tp.size}"
 
         def name_of(name: str, p: torch.Tensor) -> str:
             return name + suffix if getattr(p, SHARD_ATTR, False) and tp.size > 1 else name
 
-        return LocalReplica(model, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank], self.loss_fn, name_of)
+        dp, rank = Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank]
+        if self.sequence_parallel:
+            replicated = [p for p in model.parameters() if not getattr(p, SHARD_ATTR, False)]
+            return SequenceParallelReplica(model, dp, tp, rank, replicated, self.loss_fn, name_of)
+        return LocalReplica(model, dp, rank, self.loss_fn, name_of)

@@ -7,8 +7,14 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
     zero RS + AG          ZeRO 1/2: reduce-scatter + all-gather          Σ_r 2(D−1)/D · S_r    (stage 3: 3(D−1)/D)
     tp activations        Megatron f/g: 2 all-reduces forward and 2 backward per block, of the block activation A
                                                                          D·T · 4L · 2(T−1)/T · A
+                          sequence parallel: 4 all-gathers / reduce-scatters per block instead, the same bytes,
+                          + the replicated parameters' gradients summed over tp (R bytes) and the loss
+                                                                         D·T · (8L · (T−1)/T · A + AR_T(R) + AR_T(8 B))
     pp boundaries         each boundary: m activations forward, m gradients backward (A_k: activation at cut k)
                                                                          D · Σ_k 2 · A_k
+    cp ring + grads       ring attention: per layer 2(C−1) K/V blocks forward, 2(C−1) + 2C backward (block
+                          b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed
+                                                                         D·C · (L · ring + AR_C(M) + AR_C(8 B))
     ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
@@ -27,7 +33,8 @@ from experiments.config import RunConfig
 from experiments.workloads import Workload
 from parallelism.models import MLP, Attention
 
-KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull"}
+KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull",
+                "cp": "cp ring + grads", "ep": "ep all-to-all + grads"}
 
 
 def _allreduce(nbytes: float, n: int, N: str, S: str) -> tuple[float, str]:
@@ -79,20 +86,45 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
     if p.tp > 1:
         blocks = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
         a = acts[1] if len(acts) > 1 else acts[0]
-        per, rule = _allreduce(a, p.tp, "T", "A")
-        total = D * p.tp * blocks * 2 * per
-        formula = (f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and MLP) · {rule}; "
-                   f"A = b·S·d·4 B")
+        if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
+            R = _replicated_bytes(model)
+            grads, grule = _allreduce(R, p.tp, "T", "R")
+            loss, _ = _allreduce(8, p.tp, "T", "8 B")
+            total = D * p.tp * (blocks * 4 * (p.tp - 1) / p.tp * a + grads + loss)
+            formula = (f"D·T ranks · ({blocks * 4} all-gathers / reduce-scatters (2 forward, 2 backward per attention "
+                       f"and MLP) · (T−1)/T·A + the replicated gradients (R = {R} B) {grule} + loss); A = b·S·d·4 B")
+        else:
+            per, rule = _allreduce(a, p.tp, "T", "A")
+            total = D * p.tp * blocks * 2 * per
+            formula = (f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and MLP) · "
+                       f"{rule}; A = b·S·d·4 B")
         if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
             total += D * (p.tp - 1) * _replicated_bytes(model)
             formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
         out["tp activations"] = (total, formula)
+    if p.cp > 1:
+        out["cp ring + grads"] = _context(wl, D, p.cp)
     if p.pp > 1:
         from parallelism.pipeline import split_stages
         bounds = split_stages(model, p.pp)
         cuts = [acts[end - 1] for _, end in bounds[:-1]]
         out["pp boundaries"] = (D * 2.0 * sum(cuts), "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
     return out
+
+
+def _context(wl: Workload, D: int, C: int) -> tuple[float, str]:
+    """Context parallelism (parallelism/context.py): the ring's K/V traffic, the cp gradient and loss averages."""
+    from parallelism.ring_attention import ring_bytes
+    model = wl.make_model()
+    x, _, _ = wl.batch(0, 0)
+    att = [m for m in model.modules() if isinstance(m, Attention)]
+    ring = ring_bytes(x.shape[0], x.shape[1], att[0].d, C)["total"] if att else 0
+    M = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads, rule = _allreduce(M, C, "C", "M")
+    loss, _ = _allreduce(8, C, "C", "8 B")
+    return (D * C * (len(att) * ring + grads + loss),
+            f"D·C ranks · ({len(att)} layers · ring {ring} B (K, V: 2(C−1) blocks forward, 2(C−1)+2C backward) "
+            f"+ gradients {rule} + loss (C−1)·8 B)")
 
 
 def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -55,7 +55,8 @@ class _Ring:
         t, m = cfg.train, cfg.simulate
         self.cfg, self.rundir, self.progress = cfg, rundir, progress
         self.K, self.timing = t.workers, m.timing_only
-        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed)
+        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
+                          **cfg.workload.model_kwargs())
         self.model = self.wl.make_model()
         self.params = list(self.model.named_parameters())
         self.opt = torch_optimizer(optimizer_spec(t), [p for _, p in self.params])

@@ -73,7 +73,8 @@ class Simulator:
         self.cfg, self.progress = cfg, progress
         t = cfg.train
         self.K, self.steps = t.workers, t.steps
-        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed)
+        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
+                          **cfg.workload.model_kwargs())
         torch.manual_seed(cfg.workload.seed)
         self.model = self.wl.make_model()
         init = get_params(self.model)

@@ -1,12 +1,15 @@
 """From a config to the three objects of the engine seam: the mesh, the engine, the sync strategy.
 
-    world = D · T · P processes          D = train.workers (data parallel), T = parallel.tp, P = parallel.pp
-    mesh  = DeviceMesh(world, dp=D, pp=P, tp=T)          (one process, dp = 1, for `local`)
+    world = D · P · C · E · T processes     D = train.workers (data parallel), and parallel.pp, cp, ep, tp
+    mesh  = DeviceMesh(world, dp=D, pp=P, tp=T, cp=C, ep=E)   (one process, dp = 1, for `local`)
 
-Engines, chosen in this fixed order (the first that applies):
+Engines, chosen in this fixed order (the first that applies; config.py refuses the combinations none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
     parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages
+    parallel.cp > 1     ContextParallelEngine       the sequence split over C ranks (zig-zag), ring attention
+    parallel.ep > 1     ExpertParallelEngine        each MoE layer's experts over E ranks, all-to-all dispatch
     parallel.tp > 1     TensorParallelEngine        attention heads and MLP width split over T ranks
+                        (parallel.sp: + sequence parallelism: LayerNorm regions split along the sequence)
     otherwise           DataParallelEngine          the whole model on every rank
 (`activation_checkpointing` wraps the blocks of the data and pipeline engines.)
 
@@ -74,6 +77,18 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
             if isinstance(m, Attention) and m.heads % p.tp:
                 raise ConfigError(f"parallel.tp = {p.tp} must divide the attention heads ({m.heads}) and the MLP "
                                   f"width of {wl.name}: choose tp in {_divisors(m.heads)}")
+    seq = wl.batch(0, 0)[0].shape[-1] if wl.task == "lm" else None
+    if p.sp and seq is not None and seq % p.tp:
+        raise ConfigError(f"parallel.sp splits the sequence ({seq} tokens in {wl.name}) over tp = {p.tp} ranks: "
+                          f"choose tp in {[d for d in _divisors(seq) if d > 1][:6]}")
+    if p.cp > 1:
+        from parallelism.models import Attention
+        if seq is None or not any(isinstance(m, Attention) for m in wl.make_model().modules()):
+            raise ConfigError(f"parallel.cp = {p.cp} splits a transformer's sequence; workload {wl.name!r} has no "
+                              "attention: use workload.name = text-transformer")
+        if seq % (2 * p.cp):
+            raise ConfigError(f"parallel.cp = {p.cp} cuts the sequence ({seq} tokens) into 2 x cp zig-zag chunks: "
+                              f"choose cp in {[c for c in range(2, seq // 2 + 1) if seq % (2 * c) == 0][:6]}")
     if p.pp > 1:
         model = wl.make_model()
         layers = sum(1 for c in model.children() if any(True for _ in c.parameters())) \
@@ -101,9 +116,23 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     if p.pp > 1:
         return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss,
                               checkpoint_activations=p.activation_checkpointing)
+    if p.cp > 1:
+        from parallelism.context import ContextParallelEngine
+        return ContextParallelEngine(loss_fn=loss)
+    if p.ep > 1:
+        from parallelism.expert import ExpertParallelEngine
+        return ExpertParallelEngine(loss_fn=loss)
     if p.tp > 1:
-        return TensorParallelEngine(loss_fn=loss)
+        return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp)
     return DataParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
+
+
+def _shared_group(mesh: Any) -> Any:
+    """The group whose ranks hold the same copy of the slots that are not their own (PS: its rank 0 pushes them)."""
+    for axis in ("tp", "ep"):
+        if mesh.size(axis) > 1:
+            return mesh.group(axis)
+    return None
 
 
 def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] | None = None,
@@ -124,5 +153,5 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
-                          tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None, abort=cfg.train.backup_abort,
+                          shared_group=_shared_group(mesh), abort=cfg.train.backup_abort,
                           secret=secret)

@@ -84,7 +84,8 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     from experiments.results.bytes import bytes_by_kind
     from experiments.workloads import get_workload
     finished = [r for r in results if isinstance(r, dict) and "bytes_sent" in r]   # not the failed or expelled
-    wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed)
+    wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
+                          **cfg.workload.model_kwargs())
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
                            "bytes_by_kind": bytes_by_kind(cfg, wl, finished)}
     if len(finished) < len(results):

@@ -1,7 +1,7 @@
 """The one training loop. Every real run — `local`, `allreduce`, every `ps-*`, with any engine — is this function
 on every rank; only the objects it is handed differ (see `build.py`):
 
-    mesh      = DeviceMesh(world, dp=D, pp=P, tp=T)
+    mesh      = DeviceMesh(world, dp=D, pp=P, tp=T, cp=C, ep=E)
     replica   = engine.build(model_factory, mesh)        this rank's piece of the model
     strategy.attach(replica)                              ring all-reduce, PS push/pull, or local averaging
     per step t:  forward/backward on batch(w, t) -> straggler padding -> strategy.step -> one record per worker
@@ -64,7 +64,8 @@ class _Worker(ElasticMember):
         self.cfg, self.run_path, self.addresses = cfg, run_path, addresses
         self.curve_keys_dir, self.secret, self.joining = curve_keys_dir, secret, joining
         self.K = cfg.train.workers
-        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed)
+        self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
+                          **cfg.workload.model_kwargs())
         self.rd = RunDir(run_path)
         self.commits: Any = None
         self.strategy: Any = None
@@ -82,7 +83,8 @@ class _Worker(ElasticMember):
         from experiments.strategies.build import make_engine, make_strategy
         cfg = self.cfg
         D = 1 if cfg.strategy.kind == "local" else self.group.world_size // cfg.parallel.model_parallel
-        self.mesh = DeviceMesh(self.group, dp=D, pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+        p = cfg.parallel
+        self.mesh = DeviceMesh(self.group, dp=D, pp=p.pp, tp=p.tp, cp=p.cp, ep=p.ep)
         if first or not cfg.strategy.uses_ps:       # a PS replica and its client outlive membership changes
             if self.strategy is not None:
                 getattr(self.strategy, "close", lambda r: None)(self.replica)
@@ -98,7 +100,7 @@ class _Worker(ElasticMember):
                 else [self.mesh.coord("dp")]
         if self.ev is not None:
             self.ev.close()
-        self.writer = self.mesh.coord("pp") == 0 and self.mesh.coord("tp") == 0
+        self.writer = all(v == 0 for ax, v in self.mesh.coords.items() if ax != "dp")   # one per worker
         out = None
         if self.group.rank == 0:
             path = self.rd.part_path("eval", 0)
@@ -153,9 +155,10 @@ class _Worker(ElasticMember):
                         # -- phase 1: forward + backward on batch(w, step) for the worker(s) this process plays -----
                         tc = time.perf_counter()
                         done = []
-                        for w in self.workers:
-                            x, y, idx = self.wl.batch(w, step)
-                            done.append((w, self.replica.forward_backward(x, y), batch_digest(idx)))
+                        with self._meter(step - first_step):
+                            for w in self.workers:
+                                x, y, idx = self.wl.batch(w, step)
+                                done.append((w, self.replica.forward_backward(x, y), batch_digest(idx)))
                         compute = (time.perf_counter() - tc) / len(self.workers)  # local's K passes: in parallel
                         for w, loss, _ in done:
                             if not math.isfinite(loss):
@@ -220,13 +223,35 @@ class _Worker(ElasticMember):
                 close(self.replica)
             getattr(self.replica, "close", lambda: None)()
 
+    METERED_STEPS = 3        # the first steps of a process are metered for saved activations (shapes repeat)
+
+    def _meter(self, k: int) -> Any:
+        """`parallelism.checkpointing.ActivationMeter` around the k-th step of this process (k < METERED_STEPS):
+        the high-water mark of activations saved for backward, kept in self.peak_activations."""
+        import contextlib
+        if k >= self.METERED_STEPS:
+            return contextlib.nullcontext()
+        from parallelism.checkpointing import ActivationMeter
+        meter = ActivationMeter()
+
+        @contextlib.contextmanager
+        def run() -> Any:
+            with meter:
+                yield
+            self.peak_activations = max(getattr(self, "peak_activations", 0), meter.peak)
+        return run()
+
     def _finish(self, measured: dict[str, int], steps: int, ran: int) -> dict[str, Any]:
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
         stats (from the current rank 0). `ran`: the steps this process took, over which `measured` was counted."""
         strategy, replica = self.strategy, self.replica
         out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "steps": max(1, ran),
                                "slot_bytes": getattr(strategy, "pushed_bytes", None)
-                               or sum(s.param.numel() * s.param.element_size() for s in replica.slots())}
+                               or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
+                               "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
+                               "coords": dict(self.mesh.coords)}
+        if hasattr(replica, "moe_stats"):
+            out["moe"] = replica.moe_stats()
         if hasattr(strategy, "refresh"):
             strategy.refresh(replica)
             if self.group.rank == 0:
@@ -320,9 +345,9 @@ def _shift(before: dict[str, tuple[int, int]], a: dict[str, tuple[int, int]],
 
 
 def _groups(mesh: Any) -> list[Any]:
-    """The distinct process groups of the data, pipeline and tensor axes, by axis."""
+    """The distinct process groups of the data, pipeline, context, expert and tensor axes, by axis."""
     seen: dict[int, Any] = {}
-    for axis in ("dp", "pp", "tp"):
+    for axis in ("dp", "pp", "cp", "ep", "tp"):
         g = mesh.group(axis)
         if g.world_size > 1 and id(g) not in seen:
             seen[id(g)] = (axis, g)

@@ -82,8 +82,15 @@ class PSStrategyError(ExperimentError):
 
 
 def slot_group(mesh: DeviceMesh) -> int:
-    """Index of this rank's slot group (its shard set): pp · T + tp; there are P · T groups, each of D ranks."""
-    return mesh.coord("pp") * mesh.size("tp") + mesh.coord("tp")
+    """Index of this rank's slot group (its shard set): its rank inside its model replica, e.g. pp · T + tp; there
+    are P · C · E · T groups, each of D ranks."""
+    return mesh.layout.rank_of(**{**mesh.coords, "dp": 0})
+
+
+def own_slot(slot: Any) -> bool:
+    """A slot only this rank of its model replica holds: a tensor-parallel shard ("#tp" in its name) or an expert's
+    parameter under expert parallelism; the others are replicated over the tp (ep) group."""
+    return "#tp" in slot.name or bool(getattr(slot.param, "_ep_expert", False))
 
 
 @dataclass
@@ -104,7 +111,8 @@ class PSSyncStrategy:
     timeout: float = 60.0
     curve_keys_dir: str | None = None
     secret: str | None = None     # the job secret the shards admit (None: PSLAB_JOB_SECRET / _FILE, as launched)
-    tp_group: Any = None          # with tp > 1: the tensor-parallel group, to share the replicated tensors
+    shared_group: Any = None      # tp > 1 (or ep > 1): the tensor- (expert-) parallel group, whose ranks share the
+                                  # replicated tensors (`own_slot` says which are a rank's own)
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
@@ -126,12 +134,12 @@ class PSSyncStrategy:
             raise PSStrategyError(f"a replica must expose distinct, non-empty slot names to push by; got {names[:8]}")
         self.close()
         worker, workers = replica.dp.rank, replica.dp.size
-        self._shared = [s.name for s in slots if self.tp_group is not None and "#tp" not in s.name]
-        if self.tp_group is not None and self.tp_group.rank > 0:
-            slots = [s for s in slots if s.name not in self._shared]     # tp rank 0's shard set holds them
+        self._shared = [s.name for s in slots if self.shared_group is not None and not own_slot(s)]
+        if self.shared_group is not None and self.shared_group.rank > 0:
+            slots = [s for s in slots if s.name not in self._shared]     # rank 0's shard set holds them
         params = {s.name: s.param.detach() for s in slots}
         fix = "start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size " \
-              "(ps.start_servers(..., groups=pp * tp))"
+              "(ps.start_servers(..., groups=the model-parallel ranks of a worker, pp x cp x ep x tp))"
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
                                      curve_keys_dir=self.curve_keys_dir, secret=self.secret)
@@ -303,10 +311,10 @@ class PSSyncStrategy:
             s.param.data = torch.from_numpy(read.params[s.name])
         if self._shared:
             shared = [s for s in replica.slots() if s.name in self._shared]
-            root = self.tp_group.rank == 0
+            root = self.shared_group.rank == 0
             flat = torch.cat([s.param.detach().reshape(-1) for s in shared]) if root else \
                 torch.empty(sum(s.param.numel() for s in shared))
-            self.tp_group.broadcast(flat, src=0)
+            self.shared_group.broadcast(flat, src=0)
             if not root:
                 off = 0
                 for s in shared:

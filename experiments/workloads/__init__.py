@@ -76,8 +76,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
 
 
 class Workload:
-    def __init__(self, spec: WorkloadSpec, workers: int, batch_size: int, seed: int):
+    def __init__(self, spec: WorkloadSpec, workers: int, batch_size: int, seed: int,
+                 model_kwargs: dict | None = None):
         self.spec, self.name, self.task, self.seed = spec, spec.name, spec.task, seed
+        self.model_kwargs = {**spec.model_kwargs, **(model_kwargs or {})}
         self.data = data.DATASETS[spec.dataset]()
         self.schedule = BatchSchedule(self.data.n_train, workers, batch_size, seed)
         self._x_train = torch.from_numpy(self.data.x_train)
@@ -91,7 +93,7 @@ class Workload:
 
     def make_model(self) -> nn.Module:
         in_dim = self.data.x_train.shape[1]
-        return self.spec.model(in_dim, self.data.num_classes, self.seed, **self.spec.model_kwargs)
+        return self.spec.model(in_dim, self.data.num_classes, self.seed, **self.model_kwargs)
 
     def batch(self, worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         idx = self.schedule.indices(worker, step)
@@ -125,10 +127,11 @@ class Workload:
         return {"test_loss": float(F.cross_entropy(out, y)), "test_acc": float((out.argmax(-1) == y).float().mean())}
 
 
-def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 0) -> Workload:
+def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 0, **model_kwargs: object) -> Workload:
+    """The workload `name`; `model_kwargs` override its model's (e.g. the MoE workload's experts, top_k)."""
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
-    return Workload(WORKLOADS[name], workers, batch_size, seed)
+    return Workload(WORKLOADS[name], workers, batch_size, seed, model_kwargs)
 
 
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:

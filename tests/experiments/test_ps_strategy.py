@@ -202,7 +202,7 @@ def _tp_worker(group, addresses, steps):
     torch.set_num_threads(1)
     mesh = DeviceMesh(group, dp=2, tp=2)
     replica = TensorParallelEngine(loss_fn=lm_loss).build(TF_FACTORY, mesh)
-    strategy = PSSyncStrategy(addresses[slot_group(mesh)], timeout=TIMEOUT, tp_group=mesh.group("tp"))
+    strategy = PSSyncStrategy(addresses[slot_group(mesh)], timeout=TIMEOUT, shared_group=mesh.group("tp"))
     try:
         strategy.attach(replica)
         for x, y in tf_batches(steps):

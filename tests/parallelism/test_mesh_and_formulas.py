@@ -21,6 +21,32 @@ def test_layout_tp_adjacent_and_groups_partition():
         assert lay.rank_of(**lay.coords(r)) == r
 
 
+def test_layout_cp_and_ep_axes():
+    """cp and ep sit between pp and tp (tp innermost): r = (((dp·P + pp)·C + cp)·E + ep)·T + tp; a worker's mp
+    group holds all its cp and ep ranks; the old three-axis arithmetic is unchanged at cp = ep = 1."""
+    lay = MeshLayout(dp=2, cp=2, tp=2)
+    assert lay.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert lay.groups("cp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert lay.mp_groups() == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    ep = MeshLayout(dp=2, ep=2)
+    assert ep.groups("ep") == [(0, 1), (2, 3)] and ep.groups("dp") == [(0, 2), (1, 3)]
+    assert ep.model_parallel == 2 and ep.world_size == 4
+    full = MeshLayout(dp=2, pp=2, tp=2, cp=3, ep=2)
+    seen = set()
+    for r in range(full.world_size):
+        c = full.coords(r)
+        assert full.rank_of(**c) == r
+        assert c["tp"] == r % 2 and c["ep"] == (r // 2) % 2 and c["cp"] == (r // 4) % 3 and c["dp"] == r // 24
+        seen.add(tuple(c.values()))
+    assert len(seen) == full.world_size
+    for axis in ("dp", "pp", "cp", "ep", "tp"):
+        assert sorted(r for g in full.groups(axis) for r in g) == list(range(full.world_size))
+    old = MeshLayout(dp=2, pp=2, tp=2)
+    assert all(old.coords(r)["cp"] == old.coords(r)["ep"] == 0 for r in range(8))
+    assert [old.rank_of(dp=d, pp=p, tp=t) for d in range(2) for p in range(2) for t in range(2)] == list(range(8))
+
+
 def test_layout_mp_groups_are_one_replica_each():
     """The model-parallel group of dp coordinate d is every (pp, tp) rank of d, in rank order."""
     lay = MeshLayout(dp=2, pp=2, tp=2)

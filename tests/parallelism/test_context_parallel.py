@@ -1,0 +1,186 @@
+"""Context parallel engine (ring attention over the cp axis): parity with single-process training, ring traffic,
+export and snapshots of a CP replica, and the layout errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import collectives
+from parallelism.checkpointing import ActivationMeter
+from parallelism.comm import Comm
+from parallelism.context import ContextParallelEngine, ContextParallelReplica, context_parallelize
+from parallelism.engine import AllReduceStrategy, EngineError
+from parallelism.export import gather_full_state
+from parallelism.mesh import DeviceMesh
+from parallelism.models import lm_loss, tiny_transformer
+from parallelism.ring_attention import ring_bytes
+from parallelism.snapshot import capture, restore_into
+
+from tests.parallelism.par_helpers import assert_close, plain, reference, run_training, sgd
+
+STEPS, BATCH, VOCAB, D = 3, 4, 16, 16
+
+
+def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Adam with eps = 1e-4: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
+    per-row constant), so both runs see only rounding noise (~1e-9) there, which eps = 1e-8 would blow up to full
+    lr-sized steps of random sign; every other gradient here is >> 1e-4."""
+    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+
+
+OPTS = {"sgd": sgd, "adam": adam}
+
+
+def factory(seq: int) -> functools.partial:
+    return functools.partial(tiny_transformer, vocab=VOCAB, d=D, heads=4, layers=2, seq=seq)
+
+
+def batches(seq: int, batch: int = BATCH, steps: int = STEPS):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
+            for _ in range(steps + 1)]          # the last batch: the step repeated after restore_into
+
+
+def _cp_worker(group, mesh_shape, opt, seq):
+    torch.set_num_threads(1)
+    data = batches(seq, BATCH * mesh_shape.get("dp", 1))
+    strategy = AllReduceStrategy(OPTS[opt])
+    mesh, replica, losses = run_training(group, ContextParallelEngine(loss_fn=lm_loss), factory(seq), data[:-1],
+                                         mesh_shape, strategy=strategy)
+    p2p = replica.log.by_site("p2p")
+    full = gather_full_state(replica, mesh)
+    slots = {s.name: s.param.detach().clone() for s in replica.slots()}
+    # snapshot: capture, take a step, restore_into, take the same step again -> bitwise the same
+    dp_rank, dp = mesh.coord("dp"), mesh.size("dp")
+    x, y = (torch.tensor_split(t, dp)[dp_rank] for t in data[-1])
+    tensors, meta = capture(replica, strategy)
+    stored = len(capture(replica, strategy, mesh)[1]["pieces"])
+    first = replica.forward_backward(x, y)
+    strategy.step(replica)
+    after = {s.name: s.param.detach().clone() for s in replica.slots()}
+    restore_into(replica, strategy, tensors, meta)
+    again = replica.forward_backward(x, y)
+    strategy.step(replica)
+    same = first == again and all(torch.equal(after[s.name], s.param) for s in replica.slots())
+    return plain({"losses": losses, "slots": slots, "full": full, "p2p": p2p, "coords": mesh.coords,
+                  "by_site": replica.log.by_site(), "by_kind": replica.log.by_kind(), "stored": stored,
+                  "restore_repeats": same})
+
+
+@pytest.mark.parametrize("backend,mesh_shape,opt,seq", [
+    ("zmq", {"cp": 2}, "sgd", 12),
+    ("torch", {"cp": 2}, "adam", 12),
+    ("zmq", {"cp": 4}, "adam", 24),
+    ("zmq", {"dp": 2, "cp": 2}, "sgd", 12),
+    ("torch", {"dp": 2, "cp": 2}, "adam", 12),
+])
+def test_cp_matches_single_process(backend, mesh_shape, opt, seq):
+    """Per-step losses and every rank's parameters (full-model names) equal single-process training on the same
+    batches (S = 12 or 24: not powers of two); gather_full_state gives the reference model on rank 0; each layer's
+    ring sends exactly `ring_bytes` per step; capture/restore_into repeats a step bitwise; a checkpoint stores the
+    parameters on cp rank 0 of dp rank 0 only."""
+    data = batches(seq, BATCH * mesh_shape.get("dp", 1))
+    ref_losses, ref_w = reference(factory(seq), data[:-1], opt=OPTS[opt], loss_fn=lm_loss)
+    world = mesh_shape.get("dp", 1) * mesh_shape["cp"]
+    out = collectives.launch(_cp_worker, world, backend=backend, args=(mesh_shape, opt, seq), timeout=120)
+    cp = mesh_shape["cp"]
+    per_layer = STEPS * ring_bytes(BATCH, seq, D, cp)["total"]
+    for r in out:
+        assert_close(r["losses"], ref_losses, "losses")
+        assert set(r["slots"]) == set(ref_w)
+        for n, w in ref_w.items():
+            assert_close(r["slots"][n], w, n)
+        assert r["p2p"] == {"1.attn": per_layer, "2.attn": per_layer}
+        assert set(r["by_site"]) <= {"1.attn", "2.attn", "cp grads", "cp loss", "grads", "export"}
+        assert r["by_kind"]["all_gather"] == r["by_kind"]["reduce_scatter"] == 0
+        assert r["restore_repeats"]
+        assert r["stored"] == (len(ref_w) if r["coords"]["cp"] == r["coords"]["dp"] == 0 else 0)
+        if r["coords"]["cp"] == r["coords"]["dp"] == 0:
+            assert list(r["full"]) == list(ref_w)
+            for n, w in ref_w.items():
+                assert_close(r["full"][n], w, f"export {n}")
+        else:
+            assert r["full"] is None
+
+
+class _FakeGroup:
+    """Just enough of a group for a replica that fails before it communicates."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.world_size, self.ranks = rank, size, tuple(range(size))
+
+
+def _replica(cp: int, seq: int) -> ContextParallelReplica:
+    comm = Comm(_FakeGroup(0, cp))
+    return ContextParallelReplica(context_parallelize(factory(seq)(), comm), comm, Comm(_FakeGroup(0, 1)), 0,
+                                  lm_loss, "zigzag")
+
+
+def test_sequence_not_divisible_is_refused():
+    """S = 10 with cp = 2 does not cut into 4 chunks: one EngineError line saying what to choose."""
+    x = torch.zeros(2, 10, dtype=torch.long)
+    with pytest.raises(EngineError, match=r"cp = 2: sequence length 10 .* divisible by 4"):
+        _replica(2, 10).forward_backward(x, x)
+
+
+def test_cp1_equals_plain_model_and_meter():
+    """cp = 1 (a one-rank ring) is the plain model: same loss and gradients as tiny_transformer, and roughly the
+    same saved activations (ring attention's q, k, v, out, lse versus SDPA's flash kernel on CPU)."""
+    seq = 16
+    x, y = batches(seq)[0]
+    plain_model = factory(seq)()
+    with ActivationMeter() as m_plain:
+        loss = lm_loss(plain_model(x), y)
+        loss.backward()
+    rep = _replica(1, seq)
+    with ActivationMeter() as m_cp:
+        got = rep.forward_backward(x, y)
+    assert abs(got - float(loss.detach())) < 1e-5
+    for (n, p), (n2, p2) in zip(plain_model.named_parameters(), rep.module.named_parameters()):
+        assert n == n2
+        assert_close(p2.grad, p.grad, n)
+    assert abs(m_cp.peak - m_plain.peak) <= 0.1 * m_plain.peak
+
+
+def test_engine_refuses_other_axes():
+    """cp combines with dp only in this engine: a mesh with tp > 1 is refused before any group is used."""
+    class _Mesh:
+        def size(self, ax: str) -> int:
+            return 2 if ax == "tp" else 1
+    with pytest.raises(EngineError, match="tp=2: set them to 1"):
+        ContextParallelEngine(loss_fn=lm_loss).build(factory(8), _Mesh())
+
+
+def _meter_worker(group, seq):
+    torch.set_num_threads(1)
+    mesh = DeviceMesh(group, cp=group.world_size)
+    replica = ContextParallelEngine(loss_fn=lm_loss).build(factory(seq), mesh)
+    x, y = batches(seq)[0]
+    for s in replica.slots():       # as a parameter-server strategy does: gradients live in its own buffers
+        s.param.grad = torch.zeros_like(s.param)
+    buffers = [s.param.grad for s in replica.slots()]
+    with ActivationMeter() as meter:
+        replica.forward_backward(x, y)
+    kept = all(s.param.grad is b for s, b in zip(replica.slots(), buffers))
+    return meter.peak, kept, plain({s.name: s.param.grad for s in replica.slots()})
+
+
+def test_saved_activations_per_rank_are_one_over_cp():
+    """ActivationMeter around one forward+backward: each of the C = 2 ranks keeps half the saved activations of
+    the plain single-process model (every saved tensor is per token; ring attention saves q, k, v, out, lse for
+    its S/C tokens, as SDPA's CPU flash kernel does for S) — within 1 %. The cp-averaged gradients equal the plain
+model's and are written into the gradient tensors a strategy put there (a parameter server's push buffers)."""
+    seq = 64
+    model = factory(seq)()
+    x, y = batches(seq)[0]
+    with ActivationMeter() as m1:
+        lm_loss(model(x), y).backward()
+    out = collectives.launch(_meter_worker, 2, backend="zmq", args=(seq,), timeout=60)
+    for p, kept, grads in out:
+        assert abs(p - m1.peak / 2) <= 0.01 * m1.peak / 2, (p, m1.peak)
+        assert kept, "the cp gradient average must write into the existing gradient tensors"
+        for n, w in model.named_parameters():
+            assert_close(grads[n], w.grad, f"grad {n}")
