@@ -89,6 +89,11 @@ def _report(rd) -> int:
         model = v.get("model_per_step")
         print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
+    act = s.get("activations")
+    if act:
+        m = act.get("model_bytes")
+        print(f"\n  peak saved activations: {act['measured_peak_bytes'] / 1e3:.1f} kB per rank (max) measured"
+              + (f", {m / 1e3:.1f} kB by formula ({act['formula']})" if m is not None else ""), end="")
     _print_failures(rd)
     print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path}, into {rd.path / 'report'})")
     return 0

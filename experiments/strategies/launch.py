@@ -86,8 +86,10 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     finished = [r for r in results if isinstance(r, dict) and "bytes_sent" in r]   # not the failed or expelled
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
                           **cfg.workload.model_kwargs())
+    from experiments.results.memory import activation_memory
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
-                           "bytes_by_kind": bytes_by_kind(cfg, wl, finished)}
+                           "bytes_by_kind": bytes_by_kind(cfg, wl, finished),
+                           "activations": activation_memory(cfg, wl, finished)}
     if len(finished) < len(results):
         out["finished_ranks"] = len(finished)
     if cfg.strategy.uses_ps and results:
