@@ -289,6 +289,11 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"parallel.ep = {p.ep} places the experts of MoE layers; workload {w.name!r} has none: "
                               "use workload.name = text-moe")
         return
+    others = [f"{ax} = {getattr(p, ax)}" for ax in ("tp", "pp", "cp") if getattr(p, ax) > 1] + \
+        ([f"zero = {p.zero}"] if p.zero else [])
+    if others:
+        raise ConfigError(f"workload text-moe runs data parallel or expert parallel (parallel.ep), not with "
+                          f"{', '.join(others)}: set them to 1 (zero = 0)")
     _positive("workload.experts", w.experts)
     if w.top_k not in (1, 2) or isinstance(w.top_k, bool):
         raise ConfigError(f"workload.top_k must be 1 or 2, got {w.top_k!r}")
@@ -298,6 +303,9 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"workload.capacity_factor must be a finite number > 0, e.g. 1.25, got {w.capacity_factor}")
     if not (w.aux_weight >= 0 and math.isfinite(w.aux_weight)):
         raise ConfigError(f"workload.aux_weight must be a finite number >= 0, got {w.aux_weight}")
+    if w.batch_size % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} splits each worker's batch over its ep ranks: workload.batch_size = "
+                          f"{w.batch_size} must be divisible by it")
     if w.experts % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} must divide workload.experts = {w.experts}: choose ep in "
                           f"{[d for d in range(1, w.experts + 1) if w.experts % d == 0]}")

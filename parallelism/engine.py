@@ -127,12 +127,17 @@ class LocalReplica:
         self.module, self.dp, self.log, self.rank = module, dp, dp.log, rank
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.name_of = name_of or (lambda name, p: name)
+        from .moe import moe_layers
+        self._moe = bool(moe_layers(module))    # a mixture-of-experts model adds its load-balancing loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         loss = self.loss_fn(self.forward(x), y)
+        if self._moe:
+            from .moe import moe_aux_loss
+            loss = loss + moe_aux_loss(self.module)
         loss.backward()
         self.after_backward()
         return float(loss.detach())

@@ -126,12 +126,16 @@ class ExpertParallelReplica(LocalReplica):
         loss = self.loss_fn(self.module(xs), ys) + moe_aux_loss(self.module)
         (loss / n).backward()
         out = self._sum_over_ep(params, loss.detach() / n)
-        for p, g in zip(params, earlier):
-            if g is not None:
+        for p, g in zip(params, earlier):   # into the earlier tensors: a strategy may own them (a PS push segment)
+            if g is not None and not g.is_sparse and p.grad is not None:
+                g.add_(p.grad)
+                p.grad = g
+            elif g is not None:
                 p.grad = g + p.grad if p.grad is not None else g
         return out
 
     def _sum_over_ep(self, params: list[nn.Parameter], loss: torch.Tensor) -> float:
+        """Sum this call's gradients of the replicated parameters (and the loss) over ep, into new tensors."""
         if self.ep.size == 1:
             return float(loss)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]

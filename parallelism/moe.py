@@ -160,8 +160,9 @@ class MoEBase(nn.Module):
         r = route(xg, self.router.weight, self.top_k, self.capacity_factor, self.aux_weight)
         self.last_aux, self.last_routing = r.aux, r
         self.last_stats = {"routed": r.routed, "dropped": r.dropped}
-        for k, v in self.last_stats.items():
-            self._acc[k] += v
+        if torch.is_grad_enabled():         # training forwards only: an evaluation (no_grad) is not counted
+            for k, v in self.last_stats.items():
+                self._acc[k] += v
         y = combine(self.run_experts(dispatch(xg, r)), r, xg.shape[0] * xg.shape[1])
         return y.view_as(x)
 

@@ -94,6 +94,11 @@ def _report(rd) -> int:
         m = act.get("model_bytes")
         print(f"\n  peak saved activations: {act['measured_peak_bytes'] / 1e3:.1f} kB per rank (max) measured"
               + (f", {m / 1e3:.1f} kB by formula ({act['formula']})" if m is not None else ""), end="")
+    moe = s.get("moe")
+    if moe:
+        print(f"\n  experts: {moe['routed']} token assignments routed, {moe['dropped']} dropped "
+              f"({100 * moe['drop_fraction']:.1f} %) at capacity {moe['capacity']} per (sequence, expert); the load "
+              f"per expert: expert_load.png in the report", end="")
     _print_failures(rd)
     print(f"\nrun directory: {rd.path}   (plots: pslab report {rd.path}, into {rd.path / 'report'})")
     return 0

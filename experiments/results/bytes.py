@@ -15,6 +15,10 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
     cp ring + grads       ring attention: per layer 2(C−1) K/V blocks forward, 2(C−1) + 2C backward (block
                           b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed
                                                                          D·C · (L · ring + AR_C(M) + AR_C(8 B))
+    ep all-to-all + grads expert parallelism: per MoE layer dispatch + combine forward and backward, each an
+                          all-to-all of the (groups, E, capacity, d) buffer; then the replicated (non-expert)
+                          parameters' gradients and the loss summed over ep (R + 4 bytes)
+                                                                         D·E · (4·L·(E−1)/E·G·E·C·d·4 + AR_E(R + 4))
     ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
@@ -104,6 +108,8 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
         out["tp activations"] = (total, formula)
     if p.cp > 1:
         out["cp ring + grads"] = _context(wl, D, p.cp)
+    if p.ep > 1:
+        out["ep all-to-all + grads"] = _experts(cfg, wl, D, p.ep)
     if p.pp > 1:
         from parallelism.pipeline import split_stages
         bounds = split_stages(model, p.pp)
@@ -125,6 +131,29 @@ def _context(wl: Workload, D: int, C: int) -> tuple[float, str]:
     return (D * C * (len(att) * ring + grads + loss),
             f"D·C ranks · ({len(att)} layers · ring {ring} B (K, V: 2(C−1) blocks forward, 2(C−1)+2C backward) "
             f"+ gradients {rule} + loss (C−1)·8 B)")
+
+
+def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]:
+    """Expert parallelism (parallelism/expert.py): the all-to-alls of every MoE layer, the ep gradient sum."""
+    from parallelism.expert import all_to_all_bytes_per_step
+    from parallelism.moe import capacity, moe_layers
+    model = wl.make_model()
+    layers = [m for _, m in moe_layers(model)]
+    x, _, _ = wl.batch(0, 0)
+    b, S = x.shape
+    w = cfg.workload
+    C = capacity(S, w.experts, w.top_k, w.capacity_factor)        # groups are single sequences
+    d = layers[0].router.in_features if layers else 0
+    a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, len(layers), wire=True)
+    R = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
+    grads, rule = _allreduce(R + 4, ep, "E", "(R + 4)")
+    total = D * ep * (a2a + grads)
+    formula = (f"D·E ranks · ({len(layers)} MoE layers · 4 all-to-alls · (E−1)/E · (b/E sequences · {w.experts} "
+               f"experts · capacity {C} · d {d} · 4 B) + replicated gradients and loss {rule}, R = {R} B)")
+    if cfg.strategy.uses_ps:      # ep rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
+        total += D * (ep - 1) * R
+        formula += " + D·(E−1)·R (PS: ep rank 0 broadcasts the replicated tensors)"
+    return total, formula
 
 
 def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -320,6 +320,9 @@ def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
             "bytes_per_worker": plot_bytes(runs, out),
             **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {}),
             "staleness_per_worker": plot_staleness_per_worker(runs, out)}
+    if any((r.get("summary") or {}).get("moe") for r in runs):
+        from experiments.results.moe import plot_expert_load
+        plots["expert_load"] = plot_expert_load(runs, out)
     if any(r.get("events") for r in runs):
         from experiments.results.faults import plot_timeline
         plots["failure_timeline"] = plot_timeline(runs, out)

@@ -52,6 +52,12 @@ EXPLAIN = {
                      "counted once, where it is sent (a PS step: the worker's push and the shard's reply). Tensor "
                      "parallelism talks in every layer, pipeline parallelism only at stage boundaries -- why TP "
                      "stays on the fastest link.",
+    "expert_load": "Mixture of experts: for each MoE layer, the token assignments the router sent to each expert "
+                   "over the run (training forwards of every rank), admitted (solid) and dropped because the expert "
+                   "was full (hatched: more than the capacity C = ceil(capacity_factor x top_k x S / experts) in one "
+                   "sequence). The dashed line is a perfectly balanced router (k x T / E); the Switch load-balancing "
+                   "loss (workload.aux_weight) pulls the bars towards it. Under expert parallelism every token "
+                   "crosses to its expert's rank and back by all-to-all (bytes in the table above).",
     "failure_timeline": "Each run with failures over time: the world size (membership after each event), "
                         "throughput (applied updates per second over a sliding window) and the training loss with "
                         "test accuracy points; dotted lines mark inject (red), detect (orange), recover (green) and "

@@ -90,6 +90,10 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
                            "bytes_by_kind": bytes_by_kind(cfg, wl, finished),
                            "activations": activation_memory(cfg, wl, finished)}
+    from experiments.results.moe import moe_summary
+    moe = moe_summary(cfg, finished)
+    if moe:
+        out["moe"] = moe
     if len(finished) < len(results):
         out["finished_ranks"] = len(finished)
     if cfg.strategy.uses_ps and results:

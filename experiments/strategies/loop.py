@@ -250,8 +250,9 @@ class _Worker(ElasticMember):
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords)}
-        if hasattr(replica, "moe_stats"):
-            out["moe"] = replica.moe_stats()
+        moe = _moe_stats(replica)
+        if moe:
+            out["moe"] = moe
         if hasattr(strategy, "refresh"):
             strategy.refresh(replica)
             if self.group.rank == 0:
@@ -342,6 +343,18 @@ def _shift(before: dict[str, tuple[int, int]], a: dict[str, tuple[int, int]],
            b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """`before` moved by what happened between snapshots a and b (so it is not counted)."""
     return {k: (v[0] + b[k][0] - a[k][0], v[1] + b[k][1] - a[k][1]) for k, v in before.items()}
+
+
+def _moe_stats(replica: Any) -> dict[str, dict[str, list[int]]]:
+    """Per MoE layer, assignments routed to / dropped by each expert over this process's training forwards (its
+    own tokens: summed over ranks they are the run's)."""
+    if hasattr(replica, "moe_stats"):
+        stats = replica.moe_stats()
+    else:
+        from parallelism.moe import moe_layers
+        module = getattr(replica, "module", None)
+        stats = {n: m.pop_stats() for n, m in moe_layers(module)} if module is not None else {}
+    return {n: {k: [int(v) for v in t.tolist()] for k, t in st.items()} for n, st in stats.items()}
 
 
 def _groups(mesh: Any) -> list[Any]:

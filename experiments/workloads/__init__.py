@@ -72,6 +72,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
     WorkloadSpec("text-transformer", "text", models.transformer, "lm",
                  "tiny causal transformer LM (2 blocks, width 32, 4 heads) on a generated corpus (next-character "
                  "accuracy); the workload for tensor and pipeline parallelism", {"dim": 32, "heads": 4, "layers": 2}),
+    WorkloadSpec("text-moe", "text", models.moe_transformer, "lm",
+                 "the tiny transformer LM with a mixture-of-experts feed-forward in each block (4 experts, top-1, "
+                 "capacity factor 1.25 per sequence, Switch aux loss 0.01: [workload] experts, top_k, "
+                 "capacity_factor, aux_weight); the workload for expert parallelism", {"dim": 32, "heads": 4, "layers": 2}),
 ]}
 
 
@@ -111,7 +115,10 @@ class Workload:
         return batch_digest(self.schedule.indices(worker, step))
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loss_from_output(model(x), y)
+        """The training loss: the task's, plus a mixture-of-experts model's load-balancing loss (0 for others)."""
+        from parallelism.moe import moe_aux_loss
+        out = self.loss_from_output(model(x), y)
+        return out + moe_aux_loss(model) if self.spec.model is models.moe_transformer else out
 
     def loss_from_output(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.task == "lm":

@@ -130,3 +130,17 @@ def transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, heads: 
     in_dim is the context length (a sample is a window of token ids); num_classes is the vocabulary size."""
     from parallelism.models import tiny_transformer
     return _init_(tiny_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, seed=seed), seed)
+
+
+def moe_transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, heads: int = 4, layers: int = 2,
+                    experts: int = 4, top_k: int = 1, capacity_factor: float = 1.25,
+                    aux_weight: float = 0.01) -> nn.Module:
+    """`transformer` with a mixture-of-experts feed-forward in every block (`parallelism.moe.MoE`: a softmax router,
+    top-k of `experts` experts each dim -> 4 dim -> dim, GShard capacity with token dropping, the Switch aux loss
+    weighted `aux_weight`). Routing groups are single sequences (capacity per (sequence, expert)
+    = ceil(capacity_factor · top_k · S / experts)), so routing does not depend on how a batch is split over workers or
+    expert-parallel ranks: `local`, allreduce and ps-* route every token the same way."""
+    from parallelism.models import tiny_moe_transformer
+    return _init_(tiny_moe_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, experts=experts,
+                                       top_k=top_k, capacity_factor=capacity_factor, aux_weight=aux_weight, seed=seed,
+                                       group_samples=1), seed)

@@ -41,6 +41,13 @@ LAYOUTS = {
     "ps-bsp dp=2 x pp=2 2 shards": ("ps-bsp", 2, ["parallel.pp=2", "train.shards=2"],
                                     {"ps push + pull", "pp boundaries"}),
     "ps-asp 1 worker": ("ps-asp", 1, [], {"ps push + pull"}),
+    "allreduce tp=2 sp": ("allreduce", 1, ["parallel.tp=2", "parallel.sp=true"], {"tp activations"}),
+    "allreduce dp=2 x tp=2 sp": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true"],
+                                 {"dp gradient sync", "tp activations"}),
+    "ps-bsp dp=2 x tp=2 sp": ("ps-bsp", 2, ["parallel.tp=2", "parallel.sp=true"], {"ps push + pull", "tp activations"}),
+    "allreduce cp=2": ("allreduce", 1, ["parallel.tp=1", "parallel.cp=2"], {"cp ring + grads"}),
+    "allreduce dp=2 x cp=2 torch": ("allreduce", 2, ["parallel.cp=2", "train.backend=torch"],
+                                    {"dp gradient sync", "cp ring + grads"}),
 }
 
 
@@ -91,6 +98,26 @@ def test_every_layout_reports_bytes_by_kind_next_to_the_formula(runs, label):
     for kind, v in kinds.items():
         assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=0.01), (label, kind)
         assert v["formula"]
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_every_layout_reports_peak_activations(runs, label):
+    """The summary's peak saved activations per rank (ActivationMeter over the first steps) equal the formula
+    (experiments/results/memory.py) to the byte wherever one is given; pipeline, ZeRO and checkpointing: measured."""
+    act = runs[label][1]["activations"]
+    assert act and act["measured_peak_bytes"] > 0 and all(b > 0 for b in act["per_rank"]), label
+    if act["model_bytes"] is not None:
+        assert act["model_bytes"] == act["measured_peak_bytes"], (label, act)
+    else:
+        assert any(k in label for k in ("pp=", "zero", "ckpt")), (label, act)
+
+
+def test_activation_memory_falls_with_sp_and_cp(runs):
+    """Per rank: tp + sp < tp < one whole model, and cp = 2 keeps half of the whole model's activations (+ the loss)."""
+    peak = {k: runs[k][1]["activations"]["measured_peak_bytes"] for k in
+            ("allreduce dp=2 overlap", "allreduce tp=2", "allreduce tp=2 sp", "allreduce cp=2")}
+    assert peak["allreduce tp=2 sp"] < peak["allreduce tp=2"] < peak["allreduce dp=2 overlap"]
+    assert peak["allreduce cp=2"] == (peak["allreduce dp=2 overlap"] - 4) // 2 + 4
 
 
 def test_ps_runs_record_staleness_from_the_shards(runs):
@@ -181,3 +208,39 @@ def test_a_straggler_in_a_split_model_slows_it_without_compounding(tmp_path):
                        "train.base_step_s=0.005", 'stragglers.factors={"1" = 3.0}', "train.timeout_s=60")
     rd = execute(cfg, tmp_path, label="straggler pp", quiet=True)
     assert len(read_jsonl(rd.metrics_path)) == 48
+
+
+MOE = ["workload.name=text-moe", "workload.batch_size=8", "train.steps=4", "train.eval_every=4", "train.lr=0.05",
+       "train.optimizer=momentum", "train.workers=2"]
+
+
+@pytest.mark.timeout(240)
+def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
+    """text-moe (top-2, capacity factor 0.75: tokens are dropped) with ep = 2 x dp = 2 under allreduce (zmq and gloo)
+    and under ps-bsp: every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
+    the summary reports the expert load (the same counts as local: routing per sequence does not depend on the
+    split), the all-to-all bytes equal their formula, and `pslab report` draws the expert-load plot."""
+    from experiments.cli import main
+    extra = ["workload.top_k=2", "workload.capacity_factor=0.75"]
+    runs = {}
+    for label, more in {"local": ["train.strategy=local"],
+                        "allreduce ep=2": ["train.strategy=allreduce", "parallel.ep=2"],
+                        "allreduce ep=2 torch": ["train.strategy=allreduce", "parallel.ep=2", "train.backend=torch"],
+                        "ps-bsp ep=2": ["train.strategy=ps-bsp", "parallel.ep=2"]}.items():
+        rd = execute(small_config(*MOE, *extra, *more), tmp_path, label=label, quiet=True)
+        runs[label] = (rd, {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(rd.metrics_path)},
+                       json.loads((rd.path / "summary.json").read_text()))
+    _, ref, ref_s = runs["local"]
+    assert len(ref) == 8 and len(set(ref.values())) == 8
+    assert ref_s["moe"]["dropped"] > 0 and ref_s["moe"]["routed"] == 2 * 2 * 2 * 4 * 8 * 32   # layers k D steps b S
+    for label, (rd, losses, s) in runs.items():
+        assert losses.keys() == ref.keys() and max(abs(losses[k] - ref[k]) for k in ref) < 2e-6, label
+        assert s["final_test_acc"] == pytest.approx(ref_s["final_test_acc"], abs=1e-6), label
+        assert s["moe"]["layers"] == ref_s["moe"]["layers"], label
+        if label != "local":
+            v = s["bytes_by_kind"]["ep all-to-all + grads"]
+            assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=1e-6), (label, v)
+    rd = runs["allreduce ep=2"][0]
+    assert main(["report", str(rd.path)]) == 0
+    report = (rd.path / "report" / "report.md").read_text()
+    assert "expert_load.png" in report and (rd.path / "report" / "expert_load.png").exists()

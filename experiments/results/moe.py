@@ -1,0 +1,75 @@
+"""Mixture-of-experts runs: how the router spread the tokens over the experts, and what the capacity dropped.
+
+Each MoE layer routes every token to its top-k experts; expert e admits at most C = ceil(cf · k · S / E)
+assignments per sequence (GShard's capacity, `parallelism.moe.capacity`), the rest are dropped (the token's
+residual carries it). A balanced router gives each expert k·T/E of the T tokens; the Switch auxiliary loss
+α · E · Σ_e f_e · P_e pushes towards that. Counts are over the training forwards of every rank (evaluations are not
+counted), summed over ranks: `loop._moe_stats` reports each process's own tokens.
+
+    summary["moe"] = {"capacity": C, "layers": {name: {"routed": [per expert], "dropped": [per expert]}},
+                      "routed": total assignments, "dropped": total dropped, "drop_fraction", "steps"}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from experiments.config import RunConfig
+
+
+def moe_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The expert load of the run (sum over ranks), or None for a model without MoE layers."""
+    layers: dict[str, dict[str, list[int]]] = {}
+    for r in results:
+        for name, st in (r.get("moe") or {}).items():
+            acc = layers.setdefault(name, {k: [0] * len(v) for k, v in st.items()})
+            for k, v in st.items():
+                acc[k] = [a + int(b) for a, b in zip(acc[k], v)]
+    if not layers:
+        return None
+    from parallelism.moe import capacity
+    from experiments.workloads import get_workload
+    w = cfg.workload
+    wl = get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.model_kwargs())
+    S = int(wl.batch(0, 0)[0].shape[-1])
+    routed = sum(sum(st["routed"]) for st in layers.values())
+    dropped = sum(sum(st["dropped"]) for st in layers.values())
+    return {"capacity": capacity(S, w.experts, w.top_k, w.capacity_factor), "sequence": S, "experts": w.experts,
+            "top_k": w.top_k, "capacity_factor": w.capacity_factor, "layers": layers, "routed": routed,
+            "dropped": dropped, "drop_fraction": dropped / routed if routed else 0.0}
+
+
+def plot_expert_load(runs: list[dict[str, Any]], out: Path) -> Path | None:
+    """One panel per (run, MoE layer): assignments per expert, admitted (solid) and dropped (hatched), with the
+    balanced load k·T/E; None if no run has MoE layers."""
+    from experiments.results.plots import run_label, save_figure
+    import matplotlib.pyplot as plt
+    panels = [(r, name, st) for r in runs for name, st in (((r.get("summary") or {}).get("moe") or {})
+                                                            .get("layers") or {}).items()]
+    if not panels:
+        return None
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, (r, name, st) in zip(axes.flat, panels):
+        m = r["summary"]["moe"]
+        E = len(st["routed"])
+        admitted = [a - d for a, d in zip(st["routed"], st["dropped"])]
+        xs = list(range(E))
+        ax.bar(xs, admitted, color="tab:blue", label="admitted")
+        ax.bar(xs, st["dropped"], bottom=admitted, color="white", edgecolor="tab:red", hatch="///",
+               label="dropped (over capacity)")
+        ax.axhline(sum(st["routed"]) / E, color="grey", ls="--", lw=1, label="balanced k·T/E")
+        ax.set_xticks(xs)
+        ax.set_xlabel("expert", fontsize=7)
+        ax.set_ylabel("token assignments", fontsize=7)
+        ax.set_title(f"{run_label(r)}\nlayer {name}: C = {m['capacity']} per sequence", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.set_ylim(0, 1.3 * max(st["routed"] + [1]))       # room for the legend above the bars
+        ax.legend(fontsize=5.5, loc="upper center", ncol=2, frameon=False)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    return save_figure(fig, Path(out) / "expert_load.png", "Expert load: tokens routed per expert, dropped above "
+                       "capacity", 9)
