@@ -4,7 +4,7 @@
     [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
                   lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
                   target_acc
-    [workload]    (text-moe only) experts, top_k, capacity_factor, aux_weight
+    [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
     [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
@@ -39,6 +39,7 @@ class WorkloadConfig:
     name: str = "digits-mlp"
     batch_size: int = 32
     seed: int = 0
+    seq_len: int = 0                 # language-model workloads (text-*): tokens per sample; 0: the workload's (32)
     # the mixture-of-experts workload (text-moe) only:
     experts: int = 4                 # experts per MoE layer (parallel.ep must divide it)
     top_k: int = 1                   # 1 | 2: experts each token is sent to
@@ -47,9 +48,13 @@ class WorkloadConfig:
 
     MOE_KEYS = ("experts", "top_k", "capacity_factor", "aux_weight")
 
-    def model_kwargs(self) -> dict[str, Any]:
-        """The model settings this section overrides (the MoE workload's), for `get_workload(..., **them)`."""
-        return {k: getattr(self, k) for k in self.MOE_KEYS} if self.name == "text-moe" else {}
+    def overrides(self) -> dict[str, Any]:
+        """What this section changes in the named workload (the MoE settings, the sequence length), for
+        `get_workload(name, workers, batch_size, seed, **overrides)`."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.MOE_KEYS} if self.name == "text-moe" else {}
+        if self.seq_len:
+            out["context"] = self.seq_len
+        return out
 
 
 @dataclass
@@ -193,6 +198,12 @@ class RunConfig:
             raise ConfigError(f"train.base_step_s must be between 0 and 3600 seconds, got {t.base_step_s}")
         if w.seed < 0:
             raise ConfigError(f"workload.seed must be >= 0, got {w.seed}")
+        if isinstance(w.seq_len, bool) or not isinstance(w.seq_len, int) or not 0 <= w.seq_len <= 4096:
+            raise ConfigError(f"workload.seq_len must be an integer in 1..4096 tokens (0: the workload's own), "
+                              f"got {w.seq_len!r}")
+        if w.seq_len and not w.name.startswith("text-"):
+            raise ConfigError(f"workload.seq_len sets a language model's context; workload {w.name!r} is none: use "
+                              "text-transformer or text-moe")
         if s.kind == "ps-bsp-backup" and s.backup is not None and s.backup >= t.workers:
             raise ConfigError(f"strategy {s.label}: needs more workers than backups (train.workers = {t.workers})")
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}

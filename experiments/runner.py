@@ -159,4 +159,4 @@ def _preload(cfg: RunConfig) -> Workload:
     busy machine) once here, so forked workers and servers inherit them instead of each importing them again."""
     import torch._dynamo  # noqa: F401
     return get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())

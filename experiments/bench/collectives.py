@@ -6,7 +6,8 @@ in machine load hits both; each measurement is the max over ranks of the mean ti
 We report medians over repetitions and the nccl-tests bandwidths:
 
     algbw = S / t          S = tensor bytes (for all_gather / reduce_scatter: the whole, gathered buffer)
-    busbw = algbw * f      f = 2(N-1)/N all_reduce,  (N-1)/N all_gather and reduce_scatter,  1 broadcast
+    busbw = algbw * f      f = 2(N-1)/N all_reduce,  (N-1)/N all_gather, reduce_scatter and all_to_all
+                           (S: each rank's input, N equal chunks, one stays),  1 broadcast
 
 busbw is comparable across N: it is the bandwidth each rank's link actually sustains under the ring algorithm.
 """
@@ -25,17 +26,21 @@ import torch
 import collectives
 from collectives.group import chunk_bounds
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}[op]
+            "broadcast": 1.0, "all_to_all": (n - 1) / n}[op]
 
 
-def _call(group: Any, op: str, full: torch.Tensor, part: torch.Tensor) -> None:
-    if op == "all_reduce":
+def _call(group: Any, op: str, full: torch.Tensor, part: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    if op == "all_to_all":          # expert parallelism's dispatch / combine
+        assert out is not None
+        group.all_to_all(out, full)
+    elif op == "all_reduce":
         group.all_reduce(full)
     elif op == "all_gather":
         group.all_gather(full, part)
@@ -53,12 +58,15 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
     for op in ops:
         for size in sizes:
             elems = max(1, size // 4)
+            if op == "all_to_all":          # N equal chunks
+                elems = max(n, elems - elems % n)
             a, b = chunk_bounds(elems, n)[zgroup.rank]
             full, part = torch.ones(elems), torch.ones(b - a)
+            out = torch.empty(elems) if op == "all_to_all" else None
             # warm-up (connections, allocator) and pick an iteration count that fills ~budget seconds per sample
             t0 = time.perf_counter()
             for g in (zgroup, tgroup):
-                _call(g, op, full, part)
+                _call(g, op, full, part, out)
             probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             zgroup.all_reduce(probe, op="max")
             iters = int(max(1, min(200, budget / max(float(probe[0]) / 2, 1e-6))))
@@ -69,7 +77,7 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
                     zgroup.barrier()
                     t0 = time.perf_counter()
                     for _ in range(iters):
-                        _call(g, op, full, part)
+                        _call(g, op, full, part, out)
                     dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
                     zgroup.all_reduce(dt, op="max")
                     times[name].append(float(dt[0]))
@@ -131,7 +139,8 @@ def parse_size(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pslab bench collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="group sizes N (default: 2 4)")
-    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="collectives to time")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(DEFAULT_OPS),
+                   help="collectives to time (default: all but all_to_all)")
     p.add_argument("--sizes", type=parse_size, nargs="+", default=DEFAULT_SIZES,
                    help="tensor sizes, e.g. 4K 4M 64M (default: 4K 64K 1M 4M 16M 64M)")
     p.add_argument("--reps", type=int, default=5, help="repetitions per backend; medians are reported (default 5)")

@@ -32,7 +32,7 @@ def moe_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any]
     from parallelism.moe import capacity
     from experiments.workloads import get_workload
     w = cfg.workload
-    wl = get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.model_kwargs())
+    wl = get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.overrides())
     S = int(wl.batch(0, 0)[0].shape[-1])
     routed = sum(sum(st["routed"]) for st in layers.values())
     dropped = sum(sum(st["dropped"]) for st in layers.values())

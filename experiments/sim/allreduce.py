@@ -56,7 +56,7 @@ class _Ring:
         self.cfg, self.rundir, self.progress = cfg, rundir, progress
         self.K, self.timing = t.workers, m.timing_only
         self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
         self.model = self.wl.make_model()
         self.params = list(self.model.named_parameters())
         self.opt = torch_optimizer(optimizer_spec(t), [p for _, p in self.params])

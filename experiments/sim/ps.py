@@ -74,7 +74,7 @@ class Simulator:
         t = cfg.train
         self.K, self.steps = t.workers, t.steps
         self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
         torch.manual_seed(cfg.workload.seed)
         self.model = self.wl.make_model()
         init = get_params(self.model)

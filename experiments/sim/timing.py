@@ -141,7 +141,7 @@ class TimingSimulator:
         t = cfg.train
         self.K, self.steps, self.S = t.workers, t.steps, t.shards
         wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
         self.shard_bytes = make_partition(get_params(wl.make_model()), t.shards).bytes_per_shard()
         self.shards = [TimingShard(cfg.strategy.policy, self.K) for _ in range(self.S)]
         self.net = Network(cfg.simulate, self.S)

@@ -85,7 +85,7 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     from experiments.workloads import get_workload
     finished = [r for r in results if isinstance(r, dict) and "bytes_sent" in r]   # not the failed or expelled
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
     from experiments.results.memory import activation_memory
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
                            "bytes_by_kind": bytes_by_kind(cfg, wl, finished),

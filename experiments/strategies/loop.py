@@ -65,7 +65,7 @@ class _Worker(ElasticMember):
         self.curve_keys_dir, self.secret, self.joining = curve_keys_dir, secret, joining
         self.K = cfg.train.workers
         self.wl = get_workload(cfg.workload.name, self.K, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
         self.rd = RunDir(run_path)
         self.commits: Any = None
         self.strategy: Any = None

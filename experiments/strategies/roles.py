@@ -88,7 +88,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
         cfg.train.workers = role.world_size // mp   # the environment decides how many workers there are
         cfg.validate()
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
-                          **cfg.workload.model_kwargs())
+                          **cfg.workload.overrides())
     check_layout(cfg, wl)
     label = label or default_label(cfg, False)
     path = Path(out) / safe_name(label)

@@ -81,10 +81,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {s.name: s for s in [
 
 class Workload:
     def __init__(self, spec: WorkloadSpec, workers: int, batch_size: int, seed: int,
-                 model_kwargs: dict | None = None):
+                 model_kwargs: dict | None = None, context: int | None = None):
         self.spec, self.name, self.task, self.seed = spec, spec.name, spec.task, seed
         self.model_kwargs = {**spec.model_kwargs, **(model_kwargs or {})}
-        self.data = data.DATASETS[spec.dataset]()
+        if context is not None and spec.dataset != "text":
+            raise ConfigError(f"a context length applies to the text workloads, not {spec.name!r}")
+        self.data = data.DATASETS[spec.dataset](context) if context else data.DATASETS[spec.dataset]()
         self.schedule = BatchSchedule(self.data.n_train, workers, batch_size, seed)
         self._x_train = torch.from_numpy(self.data.x_train)
         self._y_train = torch.from_numpy(self.data.y_train)
@@ -134,11 +136,13 @@ class Workload:
         return {"test_loss": float(F.cross_entropy(out, y)), "test_acc": float((out.argmax(-1) == y).float().mean())}
 
 
-def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 0, **model_kwargs: object) -> Workload:
-    """The workload `name`; `model_kwargs` override its model's (e.g. the MoE workload's experts, top_k)."""
+def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 0, context: int | None = None,
+                 **model_kwargs: object) -> Workload:
+    """The workload `name`; `context`: tokens per sample of a text workload (default 32); `model_kwargs` override its
+    model's (e.g. the MoE workload's experts, top_k)."""
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
-    return Workload(WORKLOADS[name], workers, batch_size, seed, model_kwargs)
+    return Workload(WORKLOADS[name], workers, batch_size, seed, model_kwargs, context)
 
 
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:

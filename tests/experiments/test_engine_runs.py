@@ -134,6 +134,8 @@ ACCEPTANCE = {
     "allreduce dp=2 x tp=2": ["train.strategy=allreduce", "train.workers=2", "parallel.tp=2"],
     "ps-asp pp=2": ["train.strategy=ps-asp", "train.workers=2", "parallel.pp=2"],
     "ps-ssp:2 dp=2 x tp=2": ["train.strategy=ps-ssp:2", "train.workers=2", "parallel.tp=2"],
+    "allreduce tp=2 sp": ["train.strategy=allreduce", "train.workers=1", "parallel.tp=2", "parallel.sp=true"],
+    "allreduce cp=2 S=48": ["train.strategy=allreduce", "train.workers=1", "parallel.cp=2", "workload.seq_len=48"],
 }
 
 
@@ -154,6 +156,7 @@ def test_pslab_run_with_parallel_settings_writes_a_full_run_dir(tmp_path, capsys
     workers = int(next(s for s in ACCEPTANCE[label] if s.startswith("train.workers")).split("=")[1])
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(workers) for t in range(4)]
     assert summary["final_test_acc"] is not None and summary["bytes_by_kind"]
+    assert summary["activations"]["measured_peak_bytes"] > 0
     assert (rd / "eval.jsonl").exists() and (rd / "config.toml").exists()
     if "ps-" in label:
         assert all(u["staleness"] is not None for u in ups)
