@@ -2,13 +2,17 @@
 
     pslab run experiments/configs/compare_default.toml --set train.strategy=ps-ssp:2
     pslab run experiments/configs/transformer_tp.toml --set parallel.tp=1 --set parallel.pp=2   # dp=2 x pp=2
+    pslab run experiments/configs/transformer_tp.toml --set parallel.sp=true                    # tp=2 + sequence par.
+    pslab run experiments/configs/transformer_tp.toml --set parallel.tp=1 --set parallel.cp=2   # ring attention
+    pslab run experiments/configs/moe_ep.toml                                 # mixture of experts, experts over ep=2
     pslab run experiments/configs/compare_default.toml --simulate --set train.target_acc=0.9  # stop at 90%
     pslab run experiments/configs/sim64.toml --timing-only --set train.steps=5000    # no gradients: staleness, time
     pslab run experiments/configs/compare_default.toml --set train.strategy=allreduce --set faults.checkpoint_every=20
     pslab run --resume runs/<run> --set train.steps=200 --set train.workers=2   # go on from its newest checkpoint
 
-The run starts train.workers x parallel.tp x parallel.pp processes (train.workers is the data-parallel degree) and
-prints the accuracy, the staleness and the bytes per step by kind next to their formulas.
+The run starts train.workers x parallel.tp x pp x cp x ep processes (train.workers is the data-parallel degree) and
+prints the accuracy, the staleness, the bytes per step by kind and the peak saved activations per rank next to their
+formulas (and, for the mixture-of-experts workload text-moe, the tokens routed and dropped).
 
 --resume RUN_DIR continues a run (allreduce with any engine, or local) from the newest committed checkpoint in
 RUN_DIR/checkpoints that verifies (faults.checkpoint_every wrote them; a corrupt one is skipped with a warning) up to
