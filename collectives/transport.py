@@ -120,8 +120,12 @@ class Transport:
             self.ipc_dir = cleanup.temp_dir("pslab-")
             self._rm_ipc = weakref.finalize(self, shutil.rmtree, self.ipc_dir, True)
             ep = f"ipc://{self.ipc_dir}/r{rank}"
-            self.pull.bind(ep)
-            endpoints.append(ep)
+            if len(ep) - len("ipc://") < zmq.IPC_PATH_MAX_LEN:
+                self.pull.bind(ep)
+                endpoints.append(ep)
+            else:      # a long TMPDIR: a socket path is at most ~107 bytes; peers on this host use tcp loopback
+                self._rm_ipc()
+                self.ipc_dir = None
         try:
             port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
         except zmq.ZMQError as e:

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -239,3 +240,27 @@ def test_fork_launches_in_a_row_all_finish(backend):
     for _ in range(10):
         assert collectives.launch(store_sum, 4, backend=backend, timeout=30, start_method="fork") == [6.0] * 4
     assert time.monotonic() - t0 < 120
+
+
+def _endpoints_and_sum(group):
+    t = torch.ones(3)
+    group.all_reduce(t)
+    return [e.split(":")[0] for e in group.tr.endpoints], float(t[0])
+
+
+def test_a_long_temp_dir_falls_back_to_tcp_loopback(tmp_path, monkeypatch):
+    """A socket path is at most ~107 bytes: under a long TMPDIR the ranks bind tcp loopback only (no ipc socket,
+    no failing bind) and the group works. The length is picked so that multiprocessing's own forkserver socket
+    (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX) still fits but a rank's (TMPDIR/pslab-job-XXXXXXXX/pslab-XXXXXXXX/r0)
+    does not."""
+    want = 74
+    if len(str(tmp_path)) > want - 2:
+        pytest.skip("the test's temp dir is already too long to build the exact length")
+    long = tmp_path / ("d" * (want - len(str(tmp_path)) - 1))
+    long.mkdir(parents=True)
+    assert len(str(long)) == want
+    monkeypatch.setenv("TMPDIR", str(long))
+    monkeypatch.setattr(tempfile, "tempdir", str(long))     # this process' cached choice too
+    out = collectives.launch(_endpoints_and_sum, 2, "zmq", timeout=60)
+    assert [s for _, s in out] == [2.0, 2.0]
+    assert all(kinds == ["tcp"] for kinds, _ in out), out
