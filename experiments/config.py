@@ -305,6 +305,9 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
     if others:
         raise ConfigError(f"workload text-moe runs data parallel or expert parallel (parallel.ep), not with "
                           f"{', '.join(others)}: set them to 1 (zero = 0)")
+    if p.activation_checkpointing:
+        raise ConfigError("parallel.activation_checkpointing would detach text-moe's load-balancing loss (the "
+                          "checkpointed forward runs without gradients): drop it for the MoE workload")
     _positive("workload.experts", w.experts)
     if w.top_k not in (1, 2) or isinstance(w.top_k, bool):
         raise ConfigError(f"workload.top_k must be 1 or 2, got {w.top_k!r}")

@@ -34,7 +34,8 @@ from torch import nn
 from .comm import Comm, CommLog
 from .engine import EngineError, LocalReplica, ParamSlot
 from .mesh import DeviceMesh
-from .models import Attention, Embed
+from .models import Attention, Embed, lm_loss
+from .moe import moe_layers
 from .ring_attention import LayoutError, chunks_of, local_positions, ring_attention
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -165,6 +166,10 @@ class ContextParallelEngine:
                               f"{', '.join(f'{a}={n}' for a, n in other.items())}: set them to 1")
         log = self.log if self.log is not None else CommLog()
         cp = Comm(mesh.group("cp"), log)
-        model = context_parallelize(model_factory(), cp, self.layout)
+        full = model_factory()
+        if moe_layers(full):
+            raise EngineError("ContextParallelEngine does not add a mixture-of-experts model's load-balancing "
+                              "loss: use the data or expert-parallel engine for MoE models")
+        model = context_parallelize(full, cp, self.layout)
         return ContextParallelReplica(model, cp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
-                                      self.loss_fn, self.layout)
+                                      self.loss_fn or lm_loss, self.layout)

@@ -165,6 +165,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     of `comm` hold in `layout` order. q, k, v: (B, H, S_local, hd), S_local = two equal chunks; returns (B, H,
     S_local, hd), equal to the matching rows of full attention. The ring's p2p bytes are logged under `site`."""
     chunks_of(0, comm.size, layout)          # validates the layout name
+    if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype:
+        raise LayoutError(f"ring attention keeps its running output and log-sum-exp in the input dtype: use "
+                          f"float32 or float64 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype}); bf16/fp16 would "
+                          "lose the online softmax's precision")
     return _RingAttention.apply(q, k, v, comm, causal, layout, site)
 
 

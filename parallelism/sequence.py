@@ -202,27 +202,32 @@ class SequenceParallelReplica(LocalReplica):
             raise EngineError(f"sequence parallelism needs a target per token, shape (B, S) = {tuple(x.shape[:2])}, "
                               f"got {tuple(y.shape)}; use it for language models only")
         a, b = sequence_bounds(x.shape[1], self.tp)
+        earlier = [p.grad for p in self.replicated]    # accumulated by earlier calls: already summed over tp
+        for p in self.replicated:
+            p.grad = None
         local = self.loss_fn(self.forward(x), y[:, a:b])
         (local / self.tp.size).backward()
         self.after_backward()
+        for p, g in zip(self.replicated, earlier):   # into the earlier tensors: a strategy may own them (PS)
+            if g is not None and not g.is_sparse and p.grad is not None:
+                g.add_(p.grad)
+                p.grad = g
+            elif g is not None:
+                p.grad = g + p.grad if p.grad is not None else g
         total = torch.tensor([float(local.detach())], dtype=torch.float64)
         self.tp.all_reduce(total, "sum", site=LOSS_SITE)
         return float(total[0]) / self.tp.size
 
     def after_backward(self) -> None:
-        """Sum the replicated parameters' partial gradients over tp (one flat all-reduce)."""
+        """Sum the replicated parameters' partial gradients of this call over tp (one flat all-reduce)."""
         ps = self.replicated
         if self.tp.size == 1 or not ps:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
         self.tp.all_reduce(flat, "sum", site=GRAD_SITE)
         off = 0
-        for p in ps:          # into the existing tensors: a strategy may own them (a PS push segment)
-            total = flat[off:off + p.numel()].view_as(p)
-            if p.grad is not None and not p.grad.is_sparse:
-                p.grad.copy_(total)
-            else:
-                p.grad = total.clone()
+        for p in ps:          # this call's partial gradients, summed (forward_backward adds earlier ones back)
+            p.grad = flat[off:off + p.numel()].view_as(p).clone()
             off += p.numel()
 
 

@@ -255,7 +255,12 @@ class TensorParallelEngine:
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         log = self.log if self.log is not None else CommLog()
         tp = Comm(mesh.group("tp"), log)
-        model = tensor_parallelize(model_factory(), tp, self.sequence_parallel, self.regather)
+        full = model_factory()
+        from .moe import moe_layers
+        if moe_layers(full):
+            raise EngineError("the tensor-parallel engine does not split mixture-of-experts layers: use the data "
+                              "or expert-parallel engine for MoE models")
+        model = tensor_parallelize(full, tp, self.sequence_parallel, self.regather)
         suffix = f"#tp{tp.rank}/{tp.size}"
 
         def name_of(name: str, p: torch.Tensor) -> str:
@@ -264,5 +269,6 @@ class TensorParallelEngine:
         dp, rank = Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank]
         if self.sequence_parallel:
             replicated = [p for p in model.parameters() if not getattr(p, SHARD_ATTR, False)]
-            return SequenceParallelReplica(model, dp, tp, rank, replicated, self.loss_fn, name_of)
+            from .models import lm_loss
+            return SequenceParallelReplica(model, dp, tp, rank, replicated, self.loss_fn or lm_loss, name_of)
         return LocalReplica(model, dp, rank, self.loss_fn, name_of)

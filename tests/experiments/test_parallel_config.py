@@ -55,6 +55,8 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.ep=2", "train.strategy=allreduce", "workload.name=text-moe", "workload.batch_size=7"],
      "must be divisible by it"),
     (["parallel.tp=2", "workload.name=text-moe"], "runs data parallel or expert parallel"),
+    (["workload.name=text-moe", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
+     "would detach text-moe's load-balancing loss"),
     (["workload.experts=8"], "applies to the mixture-of-experts workload only"),
     (["workload.name=text-moe", "workload.top_k=3"], "workload.top_k must be 1 or 2"),
     (["workload.name=text-moe", "workload.capacity_factor=0"], "capacity_factor must be a finite number > 0"),

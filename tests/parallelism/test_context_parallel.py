@@ -184,3 +184,21 @@ model's and are written into the gradient tensors a strategy put there (a parame
         assert kept, "the cp gradient average must write into the existing gradient tensors"
         for n, w in model.named_parameters():
             assert_close(grads[n], w.grad, f"grad {n}")
+
+
+def test_moe_models_are_refused():
+    """The context-parallel engine does not add an MoE model's load-balancing loss: such a model is refused."""
+    from parallelism.context import ContextParallelEngine
+    from parallelism.engine import EngineError
+    from parallelism.models import tiny_moe_transformer
+
+    class _Mesh:
+        def size(self, axis):
+            return 1
+
+        def group(self, axis):
+            class _G:
+                rank, world_size, ranks = 0, 1, (0,)
+            return _G()
+    with pytest.raises(EngineError, match="mixture-of-experts"):
+        ContextParallelEngine().build(tiny_moe_transformer, _Mesh())

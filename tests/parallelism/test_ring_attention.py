@@ -94,6 +94,9 @@ def test_layout_checks():
         block_counts(2, "striped")
     assert ring_bytes(2, 8, 16, 1)["total"] == 0
     assert sorted(torch.cat([local_positions(r, 3, 12) for r in range(3)]).tolist()) == list(range(12))
+    q = torch.zeros(1, 1, 4, 2, dtype=torch.bfloat16)     # the online softmax needs float32 or float64
+    with pytest.raises(LayoutError, match="float32 or float64"):
+        ring_attention(q, q, q, type("OneRank", (), {"size": 1, "rank": 0})())
 
 
 def _memory_worker(group, seq):

@@ -253,3 +253,34 @@ def test_sequence_not_divisible_is_refused():
     assert per_sequence is not None and "target per token" in per_sequence
     with pytest.raises(EngineError, match="sequence_parallel=True"):
         TensorParallelEngine(regather=True)
+
+
+def _accumulate_worker(group, variant):
+    """Two forward_backward calls on two batches without zeroing: every slot's gradient."""
+    replica = _engine(variant).build(TF_FACTORY, DeviceMesh(group, tp=2))
+    for x, y in tf_batches(steps=2):
+        replica.forward_backward(x, y)
+    return {s.name: s.grad.clone() for s in replica.slots()}
+
+
+def test_sp_accumulates_gradients_like_tp():
+    """Gradient accumulation (two calls, no zeroing between them): SP's replicated parameters hold G1 + G2, as TP's
+    do — each call sums only its own partial gradients over tp (it once summed the earlier total again: T·G1 + G2)."""
+    sp = collectives.launch(_accumulate_worker, 2, backend="zmq", args=("sp",), timeout=TIMEOUT)
+    tp = collectives.launch(_accumulate_worker, 2, backend="zmq", args=("tp",), timeout=TIMEOUT)
+    for got, want in zip(sp, tp):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert_close(got[name], want[name], name)
+    with pytest.raises(EngineError, match="mixture-of-experts"):
+        from parallelism.models import tiny_moe_transformer
+        TensorParallelEngine(sequence_parallel=True).build(tiny_moe_transformer, _OneRankMesh())
+
+
+class _OneRankMesh:
+    """Enough of a mesh for an engine that refuses the model before it talks to anyone."""
+
+    def group(self, axis):
+        class _G:
+            rank, world_size, ranks = 0, 1, (0,)
+        return _G()
