@@ -43,7 +43,7 @@ class WorkloadConfig:
     # the mixture-of-experts workload (text-moe) only:
     experts: int = 4                 # experts per MoE layer (parallel.ep must divide it)
     top_k: int = 1                   # 1 | 2: experts each token is sent to
-    capacity_factor: float = 1.25    # capacity per (sequence, expert) = ceil(capacity_factor · top_k · S / experts)
+    capacity_factor: float = 1.25    # capacity per (sequence, expert) = min(ceil(capacity_factor·top_k·S/experts), S)
     aux_weight: float = 0.01         # the Switch load-balancing loss' weight alpha
 
     MOE_KEYS = ("experts", "top_k", "capacity_factor", "aux_weight")
@@ -309,6 +309,8 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
         raise ConfigError("parallel.activation_checkpointing would detach text-moe's load-balancing loss (the "
                           "checkpointed forward runs without gradients): drop it for the MoE workload")
     _positive("workload.experts", w.experts)
+    if w.experts > 256:
+        raise ConfigError(f"workload.experts = {w.experts}: at most 256 experts per MoE layer here")
     if w.top_k not in (1, 2) or isinstance(w.top_k, bool):
         raise ConfigError(f"workload.top_k must be 1 or 2, got {w.top_k!r}")
     if w.top_k > w.experts:

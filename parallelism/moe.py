@@ -15,7 +15,7 @@ T = B·S/G tokens each — or, with `group_samples` = n set, into groups of n sa
 n works, e.g. n = 1 for per-sequence capacity); routing, capacity and the aux loss are per group. Capacity per
 (group, expert):
 
-    C = ceil(capacity_factor · k · T / E)
+    C = min(ceil(capacity_factor · k · T / E), T)        (an expert takes each token at most once)
 
 Admission order (GShard): first every token's top-1 choice in token order (sample-major, then position), then every
 top-2 choice in token order; an expert takes assignments until it holds C, the rest are dropped for that expert.
@@ -55,12 +55,13 @@ class MoEConfigError(ValueError):
 
 
 def capacity(tokens_per_group: int, experts: int, top_k: int = 1, capacity_factor: float = 1.0) -> int:
-    """GShard's expert capacity C = ceil(capacity_factor · k · T / E) (rounded to 1e-9 first, so 1.1·… = x.0000001
-    does not become x + 1)."""
+    """GShard's expert capacity C = min(ceil(capacity_factor · k · T / E), T) (rounded to 1e-9 first, so 1.1·… =
+    x.0000001 does not become x + 1): an expert can receive each of the group's T tokens at most once, so a larger
+    C would only pad the dispatch buffer."""
     if capacity_factor <= 0 or tokens_per_group < 1 or experts < 1:
         raise MoEConfigError(f"capacity needs capacity_factor > 0, tokens and experts >= 1; got {capacity_factor}, "
                              f"{tokens_per_group}, {experts}")
-    return max(1, math.ceil(round(capacity_factor * top_k * tokens_per_group / experts, 9)))
+    return min(tokens_per_group, max(1, math.ceil(round(capacity_factor * top_k * tokens_per_group / experts, 9))))
 
 
 @dataclass

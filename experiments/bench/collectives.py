@@ -112,7 +112,7 @@ def add_memory_bandwidth(reps: int = 5) -> float:
 def _fmt_size(b: int) -> str:
     for unit, s in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= s:
-            return f"{b / s:g} {unit}"
+            return f"{b / s:.4g} {unit}"
     return f"{b} B"
 
 

@@ -15,10 +15,10 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
     cp ring + grads       ring attention: per layer 2(C−1) K/V blocks forward, 2(C−1) + 2C backward (block
                           b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed
                                                                          D·C · (L · ring + AR_C(M) + AR_C(8 B))
-    ep all-to-all + grads expert parallelism: per MoE layer dispatch + combine forward and backward, each an
-                          all-to-all of the (groups, E, capacity, d) buffer; then the replicated (non-expert)
-                          parameters' gradients and the loss summed over ep (R + 4 bytes)
-                                                                         D·E · (4·L·(E−1)/E·G·E·C·d·4 + AR_E(R + 4))
+    ep all-to-all + grads expert parallelism over ep ranks: per MoE layer dispatch + combine forward and backward,
+                          each an all-to-all of the (b/ep sequences, experts, capacity, d) buffer; then the
+                          replicated (non-expert) parameters' gradients and the loss summed over ep (R + 4 bytes)
+                                                            D·ep · (4·L·(ep−1)/ep·(b/ep)·experts·C·d·4 + AR_ep(R + 4))
     ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
@@ -146,13 +146,13 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
     d = layers[0].router.in_features if layers else 0
     a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, len(layers), wire=True)
     R = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
-    grads, rule = _allreduce(R + 4, ep, "E", "(R + 4)")
+    grads, rule = _allreduce(R + 4, ep, "ep", "(R + 4)")
     total = D * ep * (a2a + grads)
-    formula = (f"D·E ranks · ({len(layers)} MoE layers · 4 all-to-alls · (E−1)/E · (b/E sequences · {w.experts} "
+    formula = (f"D·ep ranks · ({len(layers)} MoE layers · 4 all-to-alls · (ep−1)/ep · (b/ep sequences · {w.experts} "
                f"experts · capacity {C} · d {d} · 4 B) + replicated gradients and loss {rule}, R = {R} B)")
     if cfg.strategy.uses_ps:      # ep rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
         total += D * (ep - 1) * R
-        formula += " + D·(E−1)·R (PS: ep rank 0 broadcasts the replicated tensors)"
+        formula += " + D·(ep−1)·R (PS: ep rank 0 broadcasts the replicated tensors)"
     return total, formula
 
 

@@ -173,7 +173,8 @@ def plot_bytes(runs: list[dict[str, Any]], out: Path) -> Path:
 
 
 KIND_COLORS = {"dp gradient sync": "tab:blue", "zero RS + AG": "tab:purple", "tp activations": "tab:orange",
-               "pp boundaries": "tab:green", "ps push + pull": "tab:red"}
+               "pp boundaries": "tab:green", "ps push + pull": "tab:red", "cp ring + grads": "tab:brown",
+               "ep all-to-all + grads": "tab:olive"}
 
 
 def plot_bytes_by_kind(runs: list[dict[str, Any]], out: Path) -> Path | None:
@@ -183,13 +184,15 @@ def plot_bytes_by_kind(runs: list[dict[str, Any]], out: Path) -> Path | None:
     if not any(data):
         return None
     kinds = [k for k in KIND_COLORS if any(k in d for d in data)]
+    kinds += sorted({k for d in data for k in d} - set(kinds))     # a kind without a colour still counts
+    colors = {**KIND_COLORS, **{k: plt.get_cmap("tab20")(i) for i, k in enumerate(kinds) if k not in KIND_COLORS}}
     fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * len(runs) + 2.5), 4.8))
     xs = np.arange(len(runs))
     for i, (which, alpha) in enumerate((("measured_per_step", 1.0), ("model_per_step", 0.4))):
         bottom = np.zeros(len(runs))
         for k in kinds:
             v = np.array([float((d.get(k) or {}).get(which) or 0.0) for d in data]) / 1e3
-            ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=KIND_COLORS[k], alpha=alpha,
+            ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=colors[k], alpha=alpha,
                    edgecolor="black", linewidth=0.4, label=k if i == 0 else None)
             bottom += v
         for x, total in zip(xs + (i - 0.5) * 0.38, bottom):

@@ -54,7 +54,7 @@ EXPLAIN = {
                      "stays on the fastest link.",
     "expert_load": "Mixture of experts: for each MoE layer, the token assignments the router sent to each expert "
                    "over the run (training forwards of every rank), admitted (solid) and dropped because the expert "
-                   "was full (hatched: more than the capacity C = ceil(capacity_factor x top_k x S / experts) in one "
+                   "was full (hatched: more than the capacity C = min(ceil(capacity_factor x top_k x S / experts), S) in one "
                    "sequence). The dashed line is a perfectly balanced router (k x T / E); the Switch load-balancing "
                    "loss (workload.aux_weight) pulls the bars towards it. Under expert parallelism every token "
                    "crosses to its expert's rank and back by all-to-all (bytes in the table above).",

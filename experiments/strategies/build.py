@@ -64,8 +64,9 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
         raise ConfigError("ps-bsp-backup picks the first N gradients of each clock on each shard, and two shards could "
                           "pick different workers (half a gradient applied): use train.shards = 1")
     if cfg.strategy.kind == "ps-bsp-backup" and p.model_parallel > 1:
-        raise ConfigError("ps-bsp-backup picks the first N gradients of each clock per shard set; with tp or pp > 1 "
-                          "the stages' shard sets could pick different workers: use parallel.tp = parallel.pp = 1")
+        raise ConfigError("ps-bsp-backup picks the first N gradients of each clock per shard set; with a split "
+                          f"model ({p.describe()}) the shard sets could pick different workers: use parallel.tp = "
+                          "pp = cp = ep = 1")
     if p.tp > 1:
         from parallelism.models import MLP, Attention
         model = wl.make_model()
@@ -79,8 +80,11 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
                                   f"width of {wl.name}: choose tp in {_divisors(m.heads)}")
     seq = wl.batch(0, 0)[0].shape[-1] if wl.task == "lm" else None
     if p.sp and seq is not None and seq % p.tp:
+        heads = next((m.heads for m in wl.make_model().modules() if hasattr(m, "heads")), seq)
+        ok = [d for d in _divisors(seq) if d > 1 and heads % d == 0]
         raise ConfigError(f"parallel.sp splits the sequence ({seq} tokens in {wl.name}) over tp = {p.tp} ranks: "
-                          f"choose tp in {[d for d in _divisors(seq) if d > 1][:6]}")
+                          + (f"choose tp in {ok}" if ok else f"no tp > 1 divides both the sequence and the {heads} "
+                             "heads: choose workload.seq_len divisible by tp"))
     if p.cp > 1:
         from parallelism.models import Attention
         if seq is None or not any(isinstance(m, Attention) for m in wl.make_model().modules()):

@@ -223,13 +223,15 @@ class _Worker(ElasticMember):
                 close(self.replica)
             getattr(self.replica, "close", lambda: None)()
 
-    METERED_STEPS = 3        # the first steps of a process are metered for saved activations (shapes repeat)
+    METERED_STEPS = 3        # the first steps of a process are metered for saved activations (shapes repeat;
+                             # a mixture of experts' do not: its routing changes them, so all its steps are)
 
     def _meter(self, k: int) -> Any:
-        """`parallelism.checkpointing.ActivationMeter` around the k-th step of this process (k < METERED_STEPS):
-        the high-water mark of activations saved for backward, kept in self.peak_activations."""
+        """`parallelism.checkpointing.ActivationMeter` around the k-th step of this process (k < METERED_STEPS, or
+        every step of an MoE model): the high-water mark of activations saved for backward, in
+        self.peak_activations."""
         import contextlib
-        if k >= self.METERED_STEPS:
+        if k >= self.METERED_STEPS and not self.cfg.workload.name == "text-moe":
             return contextlib.nullcontext()
         from parallelism.checkpointing import ActivationMeter
         meter = ActivationMeter()

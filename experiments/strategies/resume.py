@@ -14,7 +14,7 @@ shards instead (`faults.shard_checkpoint_every`); `faults.checkpoint_every` is r
 Resuming (`resume_config`, then `runner.execute(..., resume=rd)` which calls `prepare` and `append_parts`): the run's
 own config.toml plus `--set` overrides that change the layout or the length (train.workers, parallel.*, train.steps,
 train.backend, ...). Overrides of what the checkpoint's state depends on (IDENTITY: the workload, its batch size and
-seed, the optimizer) are refused; so is a manifest whose config digest is another. At a new data-parallel size
+seed, the optimizer; FIXED adds the sequence length and the MoE settings) are refused; so is a manifest whose config digest is another. At a new data-parallel size
 D' the run goes on as a D'-worker run from the restored step s: each worker keeps workload.batch_size examples per
 step (the global batch becomes D' x batch_size), the training set is split into D' worker shards (`BatchSchedule`),
 worker w takes batch(w, s), batch(w, s + 1), ..., and the step's learning rate follows train.lr_rule for D'
@@ -39,6 +39,8 @@ from experiments.errors import ConfigError
 from experiments.results.rundir import RunDir, read_jsonl, write_jsonl
 
 IDENTITY = (("workload", "name"), ("workload", "batch_size"), ("workload", "seed"), ("train", "optimizer"))
+# refused on resume too (the model's shape or its training loss), but not in the digest (older checkpoints verify)
+FIXED = IDENTITY + tuple(("workload", k) for k in ("seq_len", "experts", "top_k", "capacity_factor", "aux_weight"))
 KEEP = 2
 log = logging.getLogger("experiments.resume")
 
@@ -95,7 +97,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = 
     if not any(o.strip().startswith("faults.events") for o in overrides):
         cfg.faults.events = []          # the run's injected faults happened already; --set faults.events=... for new
         cfg.validate()
-    for s, k in IDENTITY:
+    for s, k in FIXED:
         old, new = getattr(getattr(before, s), k), getattr(getattr(cfg, s), k)
         if old != new:
             raise ConfigError(f"--resume: {s}.{k} = {new!r} differs from the run's {old!r}; a checkpoint continues "

@@ -138,7 +138,7 @@ def moe_transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, hea
     """`transformer` with a mixture-of-experts feed-forward in every block (`parallelism.moe.MoE`: a softmax router,
     top-k of `experts` experts each dim -> 4 dim -> dim, GShard capacity with token dropping, the Switch aux loss
     weighted `aux_weight`). Routing groups are single sequences (capacity per (sequence, expert)
-    = ceil(capacity_factor · top_k · S / experts)), so routing does not depend on how a batch is split over workers or
+    = min(ceil(capacity_factor · top_k · S / experts), S)), so routing does not depend on how a batch is split over workers or
     expert-parallel ranks: `local`, allreduce and ps-* route every token the same way."""
     from parallelism.models import tiny_moe_transformer
     return _init_(tiny_moe_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, experts=experts,

@@ -183,3 +183,11 @@ def test_resume_refusals(tmp_path):
         resume_config(bare.path, ["train.steps=4"])
     with pytest.raises(ConfigError, match="shard_checkpoint_every"):
         load_config(None, ["train.strategy=ps-asp", "faults.checkpoint_every=5"])
+    moe = execute(small_config("workload.name=text-moe", "workload.batch_size=8", "train.strategy=allreduce",
+                               "train.workers=2", "train.steps=2", "faults.checkpoint_every=1"),
+                  tmp_path, label="moe", quiet=True)
+    written = (moe.path / "config.toml").read_text()
+    for change in ("workload.experts=8", "workload.capacity_factor=0.5", "workload.seq_len=16"):
+        with pytest.raises(ConfigError, match=change.split("=")[0]):
+            resume_config(moe.path, [change, "train.steps=4"])
+    assert (moe.path / "config.toml").read_text() == written      # nothing written by a refused resume

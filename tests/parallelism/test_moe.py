@@ -68,6 +68,8 @@ def test_capacity_formula():
     assert capacity(8, 4, 1, 1.0) == 2
     assert capacity(100, 10, 1, 1.1) == 11
     assert capacity(24, 4, 2, 2.0) == 24          # cf = E/k: every token fits
+    assert capacity(32, 2, 2, 1.25) == 32         # 40, capped: an expert receives each token at most once
+    assert capacity(32, 4, 1, 1e9) == 32
     with pytest.raises(MoEConfigError):
         capacity(8, 4, 1, 0.0)
 
