@@ -19,6 +19,9 @@ Files, one idea each:
     schedule.py      GPipe and 1F1B as data; (p−1)/(m+p−1); virtual-time replay
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
+    memory_model.py  bytes per GPU of a layout: model state (ZeRO), activations (Korthikanti et al.) — `pslab memory`
+    moe.py           a mixture-of-experts feed-forward: top-k router, GShard capacity and dropping, Switch aux loss
+    expert.py        expert parallelism: experts over the ep ranks, all-to-all dispatch and combine
     checkpointing.py activation checkpointing and the saved-activation meter
     export.py        gather_full_state: the full single-process model reassembled from one replica's ranks
     snapshot.py      a rank's state as pieces of the full tensors (+ optimizer, RNG): capture / restore_into, re-cut
