@@ -25,6 +25,7 @@ from .curve import is_loopback
 from .errors import AuthError, RendezvousError
 from .group import ProcessGroup
 from .mailbox import MAILBOX_BYTES, SEQ_WINDOW
+from .topology import from_env as topology_from_env
 from .transport import CurveKeys, Transport
 
 BACKENDS = ("zmq", "torch")
@@ -53,6 +54,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
     store: an existing torch.distributed Store (the launcher passes one); else one is made by env:// rendezvous.
     secret: the job's secret (zmq backend; default: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE, see auth.py).
     mailbox_bytes, seq_window: limits of the early-arrival mailbox (mailbox.py).
+    topology= (in group_options, else PSLAB_TOPOLOGY as JSON): emulated hosts and links, zmq only (topology.py).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -63,6 +65,12 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
                               "(torchrun does), or run under collectives.launch")
     if not 0 <= rank < world_size:
         raise RendezvousError(f"rank {rank} is outside world size {world_size}")
+    topology = group_options.pop("topology", None) or topology_from_env()     # emulated links: topology.py
+    if topology is not None:
+        if backend != "zmq":
+            raise ValueError("a topology (links of different speeds) is emulated by the zmq backend only; use "
+                             "backend='zmq' or unset PSLAB_TOPOLOGY")
+        topology.check_world(world_size)
     if backend == "zmq":
         secret = secret or job_secret()
         if secret is None and curve_keys_dir is None and world_size > 1 and rank > 0:
@@ -90,7 +98,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
     tr = Transport(rank, world_size, dist.PrefixStore(store_prefix, store), timeout=timeout, bind_host=bind_host,
                    curve=curve, use_ipc=use_ipc, use_shm=use_shm, secret=secret,
                    mailbox_bytes=mailbox_bytes, seq_window=seq_window, namespace=store_prefix)
-    group = ZmqGroup(tr, range(world_size), **group_options)
+    group = ZmqGroup(tr, range(world_size), topology=topology, **group_options)
     group.store = store  # the job's store, e.g. to form a second (torch) group beside this one
     return group
 

@@ -75,6 +75,7 @@ class Transport:
         self.store, self.namespace = store, namespace
         self.interrupt: Callable[[], None] | None = None   # called by every wait when set (see the module docstring)
         self.interrupt_every = 0.05
+        self.links: Any = None      # a topology.LinkEmulator (set by ZmqGroup(topology=)): emulated link delays
         self.mailbox = Mailbox(rank, mailbox_bytes, seq_window)
         self.dropped = 0
         self.last_drop_reason = ""
@@ -208,6 +209,8 @@ class Transport:
         m = {"k": list(key)}
         if meta:
             m.update(meta)
+        if self.links is not None:                 # emulated topology: stamp when it may be delivered
+            m["due"], m["dly"] = self.links.stamp(dst, tensors)
         if mode == "shm":
             box = self._outbox.get(dst)
             if box is not None and box.size:
@@ -273,6 +276,8 @@ class Transport:
         while (hit := self.mailbox.take(*want)) is not None:
             if check is not None:
                 check(src, hit[1])
+            if self.links is not None:
+                self.links.hold(hit[1])
             try:
                 return expect(hit[0]) if expect is not None else hit[0]
             except WireError as e:
@@ -294,6 +299,8 @@ class Transport:
                 if check is not None:
                     check(got[0], h)
                 if got == want:
+                    if self.links is not None:
+                        self.links.hold(h)
                     return expect(msg) if expect is not None else msg
                 self.mailbox.file(got[0], got[1], msg, h, sum(len(f) for f in frames))
             except WireError as e:

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import ring
+from . import hierarchical, ring
 from .errors import CollectiveMismatchError, WireError
 from .group import ProcessGroup, check_op, chunk_bounds
 from .mailbox import Key, tensor_count
+from .topology import LinkEmulator, Topology
 from .traffic import TrafficCounter
 from .transport import Transport
 from .wire import Message, Tensor
@@ -93,7 +94,13 @@ class ZmqGroup(ProcessGroup):
 
     def __init__(self, transport: Transport, ranks: Sequence[int], gid: str = "w", *,
                  small_bytes: int = SMALL_BYTES, segment_bytes: int = 4 << 20,
-                 traffic: TrafficCounter | None = None, owns_transport: bool = True) -> None:
+                 traffic: TrafficCounter | None = None, owns_transport: bool = True,
+                 topology: Topology | None = None, hierarchical: bool = True) -> None:
+        """topology: emulate links of different speeds on this transport (topology.py; all its groups share it);
+        hierarchical: let all_reduce pick the hierarchical algorithm when the ranks span hosts (hierarchical.py)."""
+        if topology is not None:
+            transport.links = LinkEmulator(topology, transport.rank, transport.world_size)
+        self.hierarchical = hierarchical
         self.tr = transport
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
@@ -200,10 +207,12 @@ class ZmqGroup(ProcessGroup):
     # ---- collectives -------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: Tensor, op: str = "sum", algorithm: str = "auto") -> Tensor:
         """algorithm: "auto" (direct for <= small_bytes, else ring), "ring", "direct", or "root" (gather to rank 0,
-        reduce there, broadcast back: the parameter-server pattern, (N-1) x bytes through the root)."""
+        reduce there, broadcast back: the parameter-server pattern, (N-1) x bytes through the root), or
+        "hierarchical" (hierarchical.py; "auto" picks it over the ring when a topology's hosts split the group)."""
         check_op(op)
-        if algorithm not in ("auto", "ring", "direct", "root"):
-            raise ValueError(f"unknown all_reduce algorithm {algorithm!r}; use auto, ring, direct or root")
+        if algorithm not in ("auto", "ring", "direct", "root", "hierarchical"):
+            raise ValueError(f"unknown all_reduce algorithm {algorithm!r}; use auto, ring, direct, root or "
+                             "hierarchical")
         buf, orig = as_flat(tensor)
         if op == "avg" and not buf.is_floating_point():
             raise ValueError(f"op='avg' needs a floating-point tensor, got {buf.dtype}")
@@ -216,6 +225,9 @@ class ZmqGroup(ProcessGroup):
             self._root_all_reduce("all_reduce", seq, buf, op)
         elif algorithm == "direct" or (algorithm == "auto" and small):
             self._direct_all_reduce("all_reduce", seq, buf, op)
+        elif algorithm == "hierarchical" or (algorithm == "auto" and self.hierarchical and self.tr.links is not None
+                                             and hierarchical.layout(self) is not None):
+            hierarchical.all_reduce(self, buf, op)
         else:
             self._ring("all_reduce", seq, buf, self.rank, ring.all_reduce_steps(n, op))
         if op == "avg" and n > 1:
@@ -391,7 +403,7 @@ class ZmqGroup(ProcessGroup):
             self.tr.mailbox.routes.pop(gid, None)
             return None
         return ZmqGroup(self.tr, ranks, gid, small_bytes=self.small_bytes, segment_bytes=self.segment_bytes,
-                        traffic=TrafficCounter(), owns_transport=False)
+                        traffic=TrafficCounter(), owns_transport=False, hierarchical=self.hierarchical)
 
     @property
     def interrupt(self) -> Callable[[], None] | None:

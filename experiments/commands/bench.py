@@ -4,6 +4,7 @@
     pslab bench ps            parameter-server push+pull rate vs the torch.distributed.rpc PS pattern
     pslab bench dp            data-parallel training samples/s vs torch DistributedDataParallel on gloo
     pslab bench sim           timing-only simulator updates/s vs the training-mode simulator (same config)
+    pslab bench topology      flat ring vs hierarchical all-reduce over an emulated slow inter-host link
 
 Arguments after WHAT go to that benchmark (`pslab bench collectives --help`).
 """
@@ -14,7 +15,8 @@ import argparse
 import importlib
 
 BENCHES = {"collectives": "zmq collectives vs gloo", "ps": "parameter server vs torch RPC PS",
-           "dp": "data parallel vs torch DDP", "sim": "timing-only vs training-mode simulator"}
+           "dp": "data parallel vs torch DDP", "sim": "timing-only vs training-mode simulator",
+           "topology": "flat ring vs hierarchical all-reduce, emulated hosts"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,189 @@
+"""Links of different speeds on one machine: a host topology for a zmq group, emulated in user space.
+
+    topo = Topology(hosts=2, per_host=2, intra_latency_s=10e-6, intra_bandwidth_Bps=2e9,
+                    inter_latency_s=200e-6, inter_bandwidth_Bps=100e6)
+    collectives.launch(work, world_size=4, backend="zmq", topology=topo)       # or init_process_group(topology=)
+    PSLAB_TOPOLOGY='{"hosts": 2, "per_host": 2, "inter_bandwidth_Bps": 1e8}'   # the same under torchrun (JSON)
+
+Rank r sits on emulated host r // per_host (torchrun's packing: consecutive ranks share a node). A link between two
+ranks is "intra" (same host: NVLink's role) or "inter" (different hosts: InfiniBand/Ethernet's role), each with a
+latency (s) and a bandwidth (bytes/s; null/absent in JSON = infinite).
+
+The model (a LogGP-like serialising link per ordered pair of ranks): a message of B bytes from a to b sent at time t
+starts when the link a->b is free, occupies it for B / bandwidth, and is delivered latency later:
+
+    start = max(t, busy[a->b]);   busy[a->b] = start + B / bw;   due = busy[a->b] + latency
+
+so back-to-back messages share the bandwidth and a pipeline of segments pays the latency once, as on a wire.
+The sender stamps `due` (and its total delay `dly`) into the message's header meta (`LinkEmulator.stamp`, on the
+send path: it never blocks the sender, like a NIC with deep queues); the receiver does not hand the message to
+its caller before `due` (`LinkEmulator.hold`). Both ranks read one clock, `time.monotonic()` (CLOCK_MONOTONIC is
+machine-wide on Linux: the emulation is for ranks on one machine); the hold is capped at `dly`, so ranks on
+different machines are never held longer than the modelled delay. Sleeps overshoot by the scheduler's wake-up
+time (~0.1 ms): an emulated delay is a lower bound, and latencies below that are not resolved.
+
+Bytes of tensor payload per link class are counted by the sender (`LinkEmulator.bytes`, read with `link_bytes`).
+The real transport underneath is unchanged (ipc + shared memory between ranks of one machine, whatever their
+emulated host): only the time a message becomes visible moves. With no topology, the transport's only cost is one
+`is None` check per send and per receive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ENV = "PSLAB_TOPOLOGY"
+LINKS = ("intra", "inter")
+
+
+class TopologyError(ValueError):
+    """A topology that cannot describe the ranks (one line: which field, what it must be)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`hosts` x `per_host` ranks; rank r on host r // per_host. Latencies in seconds, bandwidths in bytes/s."""
+
+    hosts: int
+    per_host: int
+    intra_latency_s: float = 0.0
+    intra_bandwidth_Bps: float = math.inf
+    inter_latency_s: float = 0.0
+    inter_bandwidth_Bps: float = math.inf
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "per_host"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise TopologyError(f"topology {name} must be an integer >= 1, got {v!r}")
+        for name in ("intra_latency_s", "inter_latency_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise TopologyError(f"topology {name} must be a finite number of seconds >= 0, got {v!r}")
+        for name in ("intra_bandwidth_Bps", "inter_bandwidth_Bps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
+                raise TopologyError(f"topology {name} must be a number of bytes/s > 0 (inf: unlimited), got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.per_host
+
+    def host(self, rank: int) -> int:
+        return rank // self.per_host
+
+    def local(self, rank: int) -> int:
+        return rank % self.per_host
+
+    def link(self, a: int, b: int) -> str:
+        """'intra' when ranks a and b share a host, else 'inter'."""
+        return "intra" if self.host(a) == self.host(b) else "inter"
+
+    def params(self, a: int, b: int) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of the link a -> b."""
+        if self.link(a, b) == "intra":
+            return self.intra_latency_s, self.intra_bandwidth_Bps
+        return self.inter_latency_s, self.inter_bandwidth_Bps
+
+    def delay(self, a: int, b: int, nbytes: int) -> float:
+        """latency + bytes / bandwidth of one message on an idle link a -> b."""
+        lat, bw = self.params(a, b)
+        return lat + nbytes / bw
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise TopologyError(f"topology of {self.hosts} hosts x {self.per_host} ranks = {self.world_size} ranks, "
+                                f"but the job has {world_size}; make hosts * per_host equal the world size")
+
+    # ---- JSON (the PSLAB_TOPOLOGY variable; inf is written as null) -------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({k: (None if v == math.inf else v) for k, v in asdict(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Topology":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise TopologyError(f"topology JSON does not parse ({e}): {text!r:.80}") from None
+        if not isinstance(d, dict):
+            raise TopologyError(f"topology JSON must be an object, got {text!r:.80}")
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise TopologyError(f"unknown topology field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        missing = [k for k in ("hosts", "per_host") if k not in d]
+        if missing:
+            raise TopologyError(f"topology JSON needs {' and '.join(missing)}")
+        return cls(**{k: (math.inf if v is None and k.endswith("_Bps") else v) for k, v in d.items()})
+
+
+def from_env() -> Topology | None:
+    """The topology in PSLAB_TOPOLOGY (JSON), or None when unset or empty."""
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return Topology.from_json(text)
+    except TopologyError as e:
+        raise TopologyError(f"{ENV}: {e}") from None
+
+
+class LinkEmulator:
+    """One rank's outgoing links: the per-destination busy clocks, the delivery holds and the byte counts."""
+
+    def __init__(self, topology: Topology, rank: int, world_size: int) -> None:
+        topology.check_world(world_size)
+        self.topology, self.rank = topology, rank
+        self.busy: dict[int, float] = {}                       # dst -> when the link rank -> dst is free
+        self.bytes = {c: 0 for c in LINKS}                     # tensor payload bytes sent per link class
+        self.messages = {c: 0 for c in LINKS}
+        self.held_s = 0.0                                      # total time receives were held back
+
+    def stamp(self, dst: int, tensors: Any) -> tuple[float, float]:
+        """(due, delay) of a message to `dst` carrying `tensors`, sent now; advances the link's busy clock."""
+        nbytes = sum(int(t.nbytes) for t in tensors)
+        cls = self.topology.link(self.rank, dst)
+        lat, bw = self.topology.params(self.rank, dst)
+        now = time.monotonic()
+        end = max(now, self.busy.get(dst, 0.0)) + nbytes / bw
+        self.busy[dst] = end
+        self.bytes[cls] += nbytes
+        self.messages[cls] += 1
+        return end + lat, end + lat - now
+
+    def hold(self, header: dict) -> None:
+        """Sleep until the message with this header is due (at most its stamped delay)."""
+        meta = header.get("meta", {})
+        due, dly = meta.get("due"), meta.get("dly")
+        if type(due) is not float or type(dly) is not float:
+            return
+        wait = min(due - time.monotonic(), dly)
+        if wait > 0:
+            time.sleep(wait)
+            self.held_s += wait
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"bytes": dict(self.bytes), "messages": dict(self.messages), "held_s": self.held_s}
+
+    def reset(self) -> None:
+        self.bytes = {c: 0 for c in LINKS}
+        self.messages = {c: 0 for c in LINKS}
+        self.held_s = 0.0
+
+
+def link_bytes(group: Any) -> dict[str, int]:
+    """Tensor bytes this rank has sent per link class ({'intra': .., 'inter': ..}) over the group's transport (all
+    its groups and sub-groups together); zeros when the group has no topology."""
+    links = getattr(getattr(group, "tr", None), "links", None)
+    return dict(links.bytes) if links is not None else {c: 0 for c in LINKS}
+
+
+def reset_link_bytes(group: Any) -> None:
+    links = getattr(getattr(group, "tr", None), "links", None)
+    if links is not None:
+        links.reset()
