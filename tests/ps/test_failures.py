@@ -239,7 +239,7 @@ def test_a_hung_shard_is_detected_within_detect_s_killed_and_restarted(tmp_path)
                                   os.kill(s.processes[0].pid, signal.SIGSTOP) is None)
         assert [e["event"] for e in events] == ["detect", "shard_restart"], events
         detect, restart = events
-        assert detect["how"].startswith("no heartbeat for ") and detect["detect_s"] > detect_s
+        assert detect["how"].startswith("no heartbeat for ") and detect["detect_s"] >= detect_s   # (rounded to ms)
         took = times["detect"] - times["inject"]
         assert took < detect_s + 1.0, f"hung shard detected after {took:.2f} s (bound {detect_s} s + a beat)"
         assert servers.processes[0].pid != pid and 0 <= restart["lost_updates"] <= 2
