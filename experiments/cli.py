@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pslab: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:     # `pslab ... | head`: the reader left; stop quietly, like other Unix tools
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())      # so the interpreter's final flush does not raise again
+        return 141
     except Exception as e:  # one clear line for errors we raise on purpose; tracebacks for bugs
         from experiments.errors import is_user_error
         if is_user_error(e):

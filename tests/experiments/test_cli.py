@@ -302,3 +302,13 @@ def test_labels_cannot_leave_the_output_directory():
         name = safe_name(label)
         assert "/" not in name and "\\" not in name and name not in ("", ".", ".."), (label, name)
     assert safe_name("allreduce[tp=2] +straggler") == "allreduce_tp_2_straggler"
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`pslab memory ... | head`: when the reader has gone, pslab stops with exit status 141 and no traceback
+    (before: a BrokenPipeError traceback on stderr)."""
+    p = subprocess.Popen(PSLAB + ["memory", "--params", "70e9"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()                      # the reader leaves before pslab writes anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err, err
