@@ -72,6 +72,25 @@ class SyncStrategy(Protocol):
     def step(self, replica: Replica) -> None: ...
 
 
+def take_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Detach the gradients earlier calls accumulated (returned) so that backward leaves only this call's; give
+    them back with `add_back_grads`. Engines that reduce this call's partial gradients use the pair."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return earlier
+
+
+def add_back_grads(params: list[torch.Tensor], earlier: list[torch.Tensor | None]) -> None:
+    """p.grad = earlier + this call's, written into the earlier tensor: a strategy may own it (a PS push segment)."""
+    for p, g in zip(params, earlier):
+        if g is not None and not g.is_sparse and p.grad is not None:
+            g.add_(p.grad)
+            p.grad = g
+        elif g is not None:
+            p.grad = g + p.grad if p.grad is not None else g
+
+
 def zero_grads(slots: Iterable[ParamSlot]) -> None:
     for s in slots:
         s.param.grad = None

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, CommLog
-from .engine import EngineError, LocalReplica
+from .engine import EngineError, LocalReplica, add_back_grads, take_grads
 from .mesh import DeviceMesh
 from .models import lm_loss
 from .moe import MoE, MoEBase, moe_aux_loss, moe_layers
@@ -120,18 +120,11 @@ class ExpertParallelReplica(LocalReplica):
                               f"use a batch size divisible by ep (and by the MoE layers' groups)")
         xs, ys = torch.tensor_split(x, n)[self.ep.rank], torch.tensor_split(y, n)[self.ep.rank]
         params = [p for p in self.module.parameters() if not is_expert(p)]
-        earlier = [p.grad for p in params]     # accumulated by earlier calls: already summed over ep
-        for p in params:
-            p.grad = None
+        earlier = take_grads(params)           # accumulated by earlier calls: already summed over ep
         loss = self.loss_fn(self.module(xs), ys) + moe_aux_loss(self.module)
         (loss / n).backward()
         out = self._sum_over_ep(params, loss.detach() / n)
-        for p, g in zip(params, earlier):   # into the earlier tensors: a strategy may own them (a PS push segment)
-            if g is not None and not g.is_sparse and p.grad is not None:
-                g.add_(p.grad)
-                p.grad = g
-            elif g is not None:
-                p.grad = g + p.grad if p.grad is not None else g
+        add_back_grads(params, earlier)
         return out
 
     def _sum_over_ep(self, params: list[nn.Parameter], loss: torch.Tensor) -> float:

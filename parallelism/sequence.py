@@ -61,7 +61,7 @@ from collectives import chunk_bounds
 
 from .checkpointing import ActivationMeter
 from .comm import Comm
-from .engine import EngineError, LocalReplica
+from .engine import EngineError, LocalReplica, add_back_grads, take_grads
 from .models import Embed
 
 LOSS_SITE = "sp loss"
@@ -202,18 +202,11 @@ class SequenceParallelReplica(LocalReplica):
             raise EngineError(f"sequence parallelism needs a target per token, shape (B, S) = {tuple(x.shape[:2])}, "
                               f"got {tuple(y.shape)}; use it for language models only")
         a, b = sequence_bounds(x.shape[1], self.tp)
-        earlier = [p.grad for p in self.replicated]    # accumulated by earlier calls: already summed over tp
-        for p in self.replicated:
-            p.grad = None
+        earlier = take_grads(self.replicated)          # accumulated by earlier calls: already summed over tp
         local = self.loss_fn(self.forward(x), y[:, a:b])
         (local / self.tp.size).backward()
         self.after_backward()
-        for p, g in zip(self.replicated, earlier):   # into the earlier tensors: a strategy may own them (PS)
-            if g is not None and not g.is_sparse and p.grad is not None:
-                g.add_(p.grad)
-                p.grad = g
-            elif g is not None:
-                p.grad = g + p.grad if p.grad is not None else g
+        add_back_grads(self.replicated, earlier)
         total = torch.tensor([float(local.detach())], dtype=torch.float64)
         self.tp.all_reduce(total, "sum", site=LOSS_SITE)
         return float(total[0]) / self.tp.size

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RunConfig
+from experiments.workloads import Workload
 
 
-def moe_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+def moe_summary(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The expert load of the run (sum over ranks), or None for a model without MoE layers."""
     layers: dict[str, dict[str, list[int]]] = {}
     for r in results:
@@ -31,9 +32,7 @@ def moe_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any]
     if not layers:
         return None
     from parallelism.moe import capacity
-    from experiments.workloads import get_workload
     w = cfg.workload
-    wl = get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.overrides())
     S = int(wl.batch(0, 0)[0].shape[-1])
     routed = sum(sum(st["routed"]) for st in layers.values())
     dropped = sum(sum(st["dropped"]) for st in layers.values())

@@ -91,7 +91,7 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
                            "bytes_by_kind": bytes_by_kind(cfg, wl, finished),
                            "activations": activation_memory(cfg, wl, finished)}
     from experiments.results.moe import moe_summary
-    moe = moe_summary(cfg, finished)
+    moe = moe_summary(cfg, wl, finished)
     if moe:
         out["moe"] = moe
     if len(finished) < len(results):
