@@ -30,6 +30,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -170,6 +171,9 @@ def _rpc_proc(rank: int, world: int, port: int, shapes: dict, updates: int, reps
     import torch
     torch.set_num_threads(1)
     import torch.distributed.rpc as rpc
+    # torch's own rpc.shutdown() calls a gloo collective the deprecated way and warns about it (torch 2.x,
+    # distributed_c10d._get_object_coll_device); the peer is torch's code, not ours: silence exactly that warning
+    warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup", category=UserWarning)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=600,
                                            num_worker_threads=8)
     name = "ps" if rank == 0 else f"worker{rank}"

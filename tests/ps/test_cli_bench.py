@@ -26,11 +26,14 @@ def test_server_runs_and_exits_on_idle_timeout():
 
 
 @pytest.mark.timeout(150)
-def test_bench_ps_smoke(capsys):
+def test_bench_ps_smoke(capfd):
+    """... and its processes (torch rpc's included) print no third-party warnings: capfd reads file descriptor 2,
+    which the child processes share."""
     from experiments.bench.ps import main
     rc = main(["--params", "2000", "--workers", "1", "--shards", "1", "--updates", "3", "--reps", "1"])
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     assert rc == 0
+    assert "Warning" not in err, err
     assert "pslab (1 shard)" in out and "torch.distributed.rpc" in out and "1 worker: 1 shard:" in out
 
 
