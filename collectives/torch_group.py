@@ -5,7 +5,8 @@ gloo has no `avg` and no uneven reduce-scatter/all-gather, so:
   avg            = sum, then divide by N
   reduce_scatter = all_reduce of a copy, keep own chunk (same result; not bandwidth-optimal)  [gloo]
                    reduce_scatter_tensor when chunks are equal                                  [nccl]
-  all_gather     = pad every chunk to the largest, all_gather_into_tensor, then unpad
+  all_gather     = pad every chunk to the largest, all_gather_single (all_gather_into_tensor before torch 2.13),
+                   then unpad
 Summation order is gloo's/NCCL's own: compare floats with the `zmq` backend to a tolerance, integers exactly.
 Traffic is accounted with the algorithm's textbook bytes per rank (torch does not report its own), marked
 `"estimated": True` in `traffic()`.
@@ -41,6 +42,8 @@ from .traffic import TrafficCounter
 from .wire import Tensor
 from .zmq_group import as_flat, write_back
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); pyproject allows older torch
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -210,7 +213,7 @@ class TorchGroup(ProcessGroup):
         if self._standalone:
             work = self.pg._allgather_base(padded_out, padded_in)
         else:
-            work = dist.all_gather_into_tensor(padded_out, padded_in, group=self.pg, async_op=True)
+            work = _all_gather_single(padded_out, padded_in, group=self.pg, async_op=True)
         self._wait(work, "all_gather")
         for i, (a, b) in enumerate(bounds):
             out[a:b] = padded_out[i * width:i * width + (b - a)]
