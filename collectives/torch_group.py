@@ -4,7 +4,7 @@ gloo for CPU tensors, NCCL when the tensors live on CUDA. numpy arrays are wrapp
 gloo has no `avg` and no uneven reduce-scatter/all-gather, so:
   avg            = sum, then divide by N
   reduce_scatter = all_reduce of a copy, keep own chunk (same result; not bandwidth-optimal)  [gloo]
-                   reduce_scatter_tensor when chunks are equal                                  [nccl]
+                   reduce_scatter_single when chunks are equal                                  [nccl]
   all_gather     = pad every chunk to the largest, all_gather_single (all_gather_into_tensor before torch 2.13),
                    then unpad
 Summation order is gloo's/NCCL's own: compare floats with the `zmq` backend to a tolerance, integers exactly.
@@ -42,8 +42,10 @@ from .traffic import TrafficCounter
 from .wire import Tensor
 from .zmq_group import as_flat, write_back
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); pyproject allows older torch
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn); pyproject
+# allows older torch
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -186,7 +188,7 @@ class TorchGroup(ProcessGroup):
         if out.numel() != b - a:
             raise ValueError(f"reduce_scatter: output has {out.numel()} elements, rank {self.rank}'s chunk is {b - a}")
         if src.is_cuda and src.numel() % n == 0 and not self._standalone:
-            self._wait(dist.reduce_scatter_tensor(out, src, op=_OPS[op], group=self.pg, async_op=True),
+            self._wait(_reduce_scatter_single(out, src, op=_OPS[op], group=self.pg, async_op=True),
                        "reduce_scatter")
         else:
             tmp = src.clone()
