@@ -10,15 +10,29 @@ We report medians over repetitions and the nccl-tests bandwidths:
                            (S: each rank's input, N equal chunks, one stays),  1 broadcast
 
 busbw is comparable across N: it is the bandwidth each rank's link actually sustains under the ring algorithm.
+
+Peers (`--peers`, default gloo): `gloo` is torch.distributed's CPU backend; `mpi` is MPICH through mpi4py, the CPU
+collectives HPC users trust (`pip install 'pslab[bench]'`: mpi4py + the mpich wheel, whose `mpiexec` lands in the
+environment's bin). With mpi among the peers the N ranks are started by `mpiexec -n N` instead of
+`collectives.launch`; each MPI rank joins the same zmq and gloo groups (rank 0 of COMM_WORLD hosts the TCPStore) and
+times MPI_Allreduce / Allgatherv / Reduce_scatter / Bcast / Alltoall on the same buffers (numpy views of the torch
+tensors, no copy), in the same alternation. Every ratio is `peer time / zmq time` (> 1: zmq is faster; for
+all_reduce = zmq busbw / peer busbw), median over repetitions, from the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +43,36 @@ from collectives.group import chunk_bounds
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+PEERS = ("gloo", "mpi")
+EXTRA = "pip install 'pslab[bench]'  (mpi4py and the mpich wheel)"
+
+
+class MpiGroup:
+    """mpi4py's COMM_WORLD behind the calls `_call` makes (in place on numpy views of the torch tensors)."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.comm.Allreduce(self.MPI.IN_PLACE, t.numpy(), op=self.MPI.SUM)
+
+    def _counts(self, elems: int) -> list[int]:
+        return [b - a for a, b in chunk_bounds(elems, self.world_size)]
+
+    def all_gather(self, full: torch.Tensor, part: torch.Tensor) -> None:
+        counts = self._counts(full.numel())
+        self.comm.Allgatherv(part.numpy(), [full.numpy(), counts])
+
+    def reduce_scatter(self, part: torch.Tensor, full: torch.Tensor) -> None:
+        self.comm.Reduce_scatter(full.numpy(), part.numpy(), recvcounts=self._counts(full.numel()), op=self.MPI.SUM)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        self.comm.Bcast(t.numpy(), root=src)
+
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        self.comm.Alltoall(full.numpy(), out.numpy())
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -50,10 +94,16 @@ def _call(group: Any, op: str, full: torch.Tensor, part: torch.Tensor, out: torc
         group.broadcast(full, src=0)
 
 
-def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget: float) -> list[dict]:
+def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget: float,
+                peers: tuple[str, ...] = ("gloo",)) -> list[dict]:
     """Runs in every rank: returns rows of median times (rank 0's view of the max over ranks)."""
-    tgroup = collectives.init_process_group("torch", rank=zgroup.rank, world_size=zgroup.world_size,
-                                            store=zgroup.store, timeout=zgroup.timeout)
+    torch.set_num_threads(1)
+    groups: list[tuple[str, Any]] = [("zmq", zgroup)]
+    if "gloo" in peers:
+        groups.append(("gloo", collectives.init_process_group("torch", rank=zgroup.rank, world_size=zgroup.world_size,
+                                                              store=zgroup.store, timeout=zgroup.timeout)))
+    if "mpi" in peers:
+        groups.append(("mpi", MpiGroup()))
     n, rows = zgroup.world_size, []
     for op in ops:
         for size in sizes:
@@ -65,15 +115,15 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
             out = torch.empty(elems) if op == "all_to_all" else None
             # warm-up (connections, allocator) and pick an iteration count that fills ~budget seconds per sample
             t0 = time.perf_counter()
-            for g in (zgroup, tgroup):
+            for _, g in groups:
                 _call(g, op, full, part, out)
             probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             zgroup.all_reduce(probe, op="max")
             iters = int(max(1, min(200, budget / max(float(probe[0]) / 2, 1e-6))))
-            times: dict[str, list[float]] = {"zmq": [], "gloo": []}
+            times: dict[str, list[float]] = {name: [] for name, _ in groups}
             for rep in range(reps):
-                order = [("zmq", zgroup), ("gloo", tgroup)]
-                for name, g in (order if rep % 2 == 0 else order[::-1]):
+                k = rep % len(groups)       # rotate who goes first, so drift in load hits every backend alike
+                for name, g in groups[k:] + groups[:k]:
                     zgroup.barrier()
                     t0 = time.perf_counter()
                     for _ in range(iters):
@@ -89,10 +139,15 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
 
 def _with_bandwidth(row: dict) -> dict:
     f = bus_factor(row["op"], row["world"])
-    for k in ("zmq", "gloo"):
+    for k in ("zmq",) + PEERS:
+        if f"{k}_s" not in row:
+            continue
         row[f"{k}_algbw_GBps"] = row["bytes"] / row[f"{k}_s"] / 1e9
         row[f"{k}_busbw_GBps"] = row[f"{k}_algbw_GBps"] * f
-    row["busbw_ratio"] = row["gloo_s"] / row["zmq_s"]  # = zmq busbw / gloo busbw
+        if k != "zmq":
+            row[f"vs_{k}"] = row[f"{k}_s"] / row["zmq_s"]     # = zmq busbw / peer busbw
+    if "gloo_s" in row:
+        row["busbw_ratio"] = row["vs_gloo"]
     return row
 
 
@@ -117,14 +172,20 @@ def _fmt_size(b: int) -> str:
 
 
 def print_table(rows: list[dict], out: Any = sys.stdout) -> None:
-    print(f"{'op':<15}{'N':>3}{'size':>10}  {'zmq time':>11}{'gloo time':>11}  {'zmq algbw':>10}{'zmq busbw':>10}"
-          f"{'gloo busbw':>11}  {'zmq/gloo':>8}", file=out)
-    print(f"{'':<15}{'':>3}{'':>10}  {'(us)':>11}{'(us)':>11}  {'(GB/s)':>10}{'(GB/s)':>10}{'(GB/s)':>11}"
-          f"  {'busbw':>8}", file=out)
+    peers = [k for k in PEERS if rows and f"{k}_s" in rows[0]]
+    head = f"{'op':<15}{'N':>3}{'size':>10}  {'zmq time':>11}" + "".join(f"{k + ' time':>11}" for k in peers)
+    head += f"  {'zmq busbw':>10}" + "".join(f"{k + ' busbw':>11}" for k in peers)
+    head += "".join(f"  {'zmq/' + k:>8}" for k in peers)
+    unit = f"{'':<15}{'':>3}{'':>10}  {'(us)':>11}" + "".join(f"{'(us)':>11}" for _ in peers)
+    unit += f"  {'(GB/s)':>10}" + "".join(f"{'(GB/s)':>11}" for _ in peers) + "".join(f"  {'busbw':>8}" for _ in peers)
+    print(head, file=out)
+    print(unit, file=out)
     for r in rows:
-        print(f"{r['op']:<15}{r['world']:>3}{_fmt_size(r['bytes']):>10}  {r['zmq_s'] * 1e6:>11.1f}"
-              f"{r['gloo_s'] * 1e6:>11.1f}  {r['zmq_algbw_GBps']:>10.3f}{r['zmq_busbw_GBps']:>10.3f}"
-              f"{r['gloo_busbw_GBps']:>11.3f}  {r['busbw_ratio']:>7.2f}x", file=out)
+        line = f"{r['op']:<15}{r['world']:>3}{_fmt_size(r['bytes']):>10}  {r['zmq_s'] * 1e6:>11.1f}"
+        line += "".join(f"{r[k + '_s'] * 1e6:>11.1f}" for k in peers)
+        line += f"  {r['zmq_busbw_GBps']:>10.3f}" + "".join(f"{r[k + '_busbw_GBps']:>11.3f}" for k in peers)
+        line += "".join(f"  {r['vs_' + k]:>7.2f}x" for k in peers)
+        print(line, file=out)
 
 
 def parse_size(s: str) -> int:
@@ -147,19 +208,99 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=0.05, help="seconds per timed sample (sets iterations)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout only)")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per group size, seconds")
+    p.add_argument("--peers", default="gloo",
+                   help="comma-separated peers timed beside zmq in the same processes: gloo, mpi (MPICH via mpi4py; "
+                        f"needs {EXTRA}) (default: gloo)")
     return p
 
 
+def _peers(text: str) -> tuple[str, ...]:
+    peers = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in peers if p not in PEERS]
+    if bad or not peers:
+        raise SystemExit(f"pslab bench collectives: --peers takes a comma-separated list of {', '.join(PEERS)}, "
+                         f"got {text!r}")
+    return peers
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else on PATH; a one-line error naming the extra."""
+    import importlib.util
+    if importlib.util.find_spec("mpi4py") is None:
+        raise SystemExit(f"pslab bench collectives: the mpi peer needs mpi4py and MPICH: {EXTRA}")
+    exe = Path(sys.executable).with_name("mpiexec")
+    found = str(exe) if exe.exists() else shutil.which("mpiexec")
+    if not found:
+        raise SystemExit(f"pslab bench collectives: the mpi peer needs an mpiexec (none beside {sys.executable} "
+                         f"or on PATH): {EXTRA}")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_mpi(n: int, args: argparse.Namespace, peers: tuple[str, ...]) -> list[dict]:
+    """Start N ranks with mpiexec (each runs `_mpi_rank`); rank 0 writes the rows to a file we read back."""
+    with tempfile.TemporaryDirectory(prefix="pslab-mpi-") as tmp:
+        out = Path(tmp) / "rows.json"
+        spec = {"ops": args.ops, "sizes": args.sizes, "reps": args.reps, "budget": args.budget, "peers": peers,
+                "port": _free_port(), "out": str(out), "timeout": min(args.timeout, 300.0)}
+        env = dict(os.environ, PSLAB_JOB_SECRET=os.environ.get("PSLAB_JOB_SECRET") or os.urandom(16).hex(),
+                   OMP_NUM_THREADS="1")
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "experiments.bench.collectives", "--mpi-rank",
+               json.dumps(spec)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise SystemExit(f"pslab bench collectives: the mpiexec run of N={n} passed --timeout {args.timeout:g} s")
+        if proc.returncode != 0 or not out.exists():
+            tail = (err or "").strip().splitlines()[-1:] or ["no output"]
+            raise SystemExit(f"pslab bench collectives: mpiexec -n {n} failed (status {proc.returncode}): {tail[0]}")
+        return json.loads(out.read_text())
+
+
+def _mpi_rank(spec: dict) -> int:
+    """One rank under mpiexec: the zmq (and gloo) groups over a TCPStore hosted by MPI rank 0, then the timings."""
+    from mpi4py import MPI
+    rank, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    zgroup = collectives.init_process_group("zmq", rank=rank, world_size=n, master_addr="127.0.0.1",
+                                            master_port=spec["port"], timeout=spec["timeout"])
+    try:
+        rows = _bench_rank(zgroup, spec["ops"], spec["sizes"], spec["reps"], spec["budget"], tuple(spec["peers"]))
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps(rows))
+        MPI.COMM_WORLD.Barrier()
+    finally:
+        zgroup.destroy()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--mpi-rank"]:              # internal: one rank started by mpiexec (see _launch_mpi)
+        return _mpi_rank(json.loads(argv[1]))
     args = build_parser().parse_args(argv)
     if any(n < 2 for n in args.world) or args.reps < 1:
         raise SystemExit("pslab bench collectives: --world values must be >= 2 and --reps >= 1")
+    peers = _peers(args.peers)
+    if "mpi" in peers:
+        mpiexec()                                # fail before any work when the extra is missing
     from tqdm import tqdm
     rows: list[dict] = []
     for n in tqdm(args.world, desc="group sizes", unit="N", file=sys.stderr, disable=args.json == "-"):
-        res = collectives.launch(_bench_rank, n, "zmq", args=(args.ops, args.sizes, args.reps, args.budget),
-                                 timeout=args.timeout)
-        rows.extend(_with_bandwidth(r) for r in res[0])
+        if "mpi" in peers:
+            res0 = _launch_mpi(n, args, peers)
+        else:
+            res0 = collectives.launch(_bench_rank, n, "zmq", args=(args.ops, args.sizes, args.reps, args.budget,
+                                                                   peers), timeout=args.timeout)[0]
+        rows.extend(_with_bandwidth(r) for r in res0)
     add_bw = add_memory_bandwidth()
     if args.json == "-":
         json.dump({"rows": rows, "add_GBps": add_bw}, sys.stdout, indent=1)
@@ -170,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["op"] == "all_reduce" and r["bytes"] >= 64 << 20:
             print(f"all_reduce N={r['world']} 64 MiB: zmq busbw is {r['zmq_busbw_GBps'] / add_bw:.1%} of that")
+    for k in peers:
+        print(f"zmq / {k}: " + ", ".join(f"{r['op']} N={r['world']} {_fmt_size(r['bytes'])} {r['vs_' + k]:.2f}x"
+                                          for r in rows if r["op"] == "all_reduce"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "add_GBps": add_bw}, f, indent=1)
