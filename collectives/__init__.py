@@ -38,8 +38,9 @@ Where each mechanism lives:
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
                      (PSLAB_CLEANUP_DIR)
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
-    topology.py      emulated hosts: Topology (rank r on host r // per_host; intra/inter latency + bandwidth), a
-                     serialising link per rank pair (sender stamps the due time, receiver holds), bytes per link class;
+    topology.py      emulated hosts: Topology (rank r on host r // per_host, or r % hosts with placement "spread";
+                     intra/inter latency + bandwidth), a serialising link per rank pair (sender stamps the due
+                     time, receiver holds), bytes per link class;
                      launch(..., topology=) / init_process_group(topology=) / PSLAB_TOPOLOGY (JSON)
     hierarchical.py  hierarchical all-reduce (reduce-scatter in the host, all-reduce across hosts, all-gather in the
                      host): 2(H−1)/H · S/L per rank on the slow link; the formulas; picked by all_reduce("auto")

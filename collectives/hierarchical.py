@@ -23,6 +23,14 @@ the flat ring's (so byte models of all-reduce such as parallelism/comm.py's hold
 differs). `inter_bytes_per_rank` etc. give the formulas, `exact_inter_bytes` the exact per-rank count for sizes
 that do not divide evenly (chunk_bounds' rule, at every level).
 
+Sub-groups and placement: the hosts of a group are those of its members' global ranks (`Topology.host`, which
+honours the placement), so a mesh's dp or tp group is judged by where its own members sit. E.g. 2 hosts x 4 ranks,
+dp 4 x tp 2 (tp innermost): packed puts dp group {0, 2, 4, 6} on hosts 0, 0, 1, 1 (hierarchical: host-local pairs
+{0, 2}, {4, 6}, cross-host pairs {0, 4}, {2, 6}) and each tp pair inside a host; spread puts that dp group on
+host 0 only (one host: the flat ring, all intra) and each tp pair across the hosts. A group with one member per
+host (dp 2 x tp 2 on 2 x 2, packed) has nothing to reduce inside a host: the flat ring (or direct exchange) over
+the inter link. The formulas below are for the world group; `exact_inter_bytes` takes the placement.
+
 `ZmqGroup.all_reduce` takes this path by itself (algorithm "auto") when the transport has a topology, the tensor
 is larger than `small_bytes` (smaller ones take the one-step direct exchange) and the group's ranks span more than
 one host with the same number (> 1) of them on each; algorithm="ring" (or the group's `hierarchical=False`) forces
@@ -128,17 +136,21 @@ def _ring_sent(numel: int, world: int, pos: int) -> int:
     return sum(bounds[(pos - k) % world][1] - bounds[(pos - k) % world][0] for k in range(2 * (world - 1)))
 
 
-def exact_inter_bytes(numel: int, itemsize: int, hosts: int, per_host: int, algorithm: str) -> list[int]:
-    """Bytes each rank (global rank order) sends over inter-host links in one all-reduce of `numel` elements,
-    exactly (chunk_bounds at every level); sums to `inter_bytes_total` when the sizes divide evenly."""
+def exact_inter_bytes(numel: int, itemsize: int, hosts: int, per_host: int, algorithm: str,
+                      placement: str = "packed") -> list[int]:
+    """Bytes each rank (global rank order) sends over inter-host links in one all-reduce of `numel` elements by
+    the world group, exactly (chunk_bounds at every level); sums to `inter_bytes_total` when the sizes divide
+    evenly (packed; spread's flat ring crosses hosts on every hop)."""
+    from .topology import Topology
+    topo = Topology(hosts, per_host, placement=placement)
     n = hosts * per_host
     if algorithm == "hierarchical":
         out = []
-        for r in range(n):
-            a, b = chunk_bounds(numel, per_host)[r % per_host]
-            out.append(_ring_sent(b - a, hosts, r // per_host) * itemsize)
+        for r in range(n):            # local index = place among the host's ranks; host index = cross-host ring place
+            a, b = chunk_bounds(numel, per_host)[topo.local(r)]
+            out.append(_ring_sent(b - a, hosts, topo.host(r)) * itemsize)
         return out
     if algorithm == "ring":
-        crosses = [hosts > 1 and r % per_host == per_host - 1 for r in range(n)]   # r -> r+1 on another host
+        crosses = [topo.host(r) != topo.host((r + 1) % n) for r in range(n)]   # r -> r+1 on another host
         return [_ring_sent(numel, n, r) * itemsize if crosses[r] else 0 for r in range(n)]
     raise ValueError(f"algorithm must be 'hierarchical' or 'ring', got {algorithm!r}")

@@ -5,9 +5,13 @@
     collectives.launch(work, world_size=4, backend="zmq", topology=topo)       # or init_process_group(topology=)
     PSLAB_TOPOLOGY='{"hosts": 2, "per_host": 2, "inter_bandwidth_Bps": 1e8}'   # the same under torchrun (JSON)
 
-Rank r sits on emulated host r // per_host (torchrun's packing: consecutive ranks share a node). A link between two
-ranks is "intra" (same host: NVLink's role) or "inter" (different hosts: InfiniBand/Ethernet's role), each with a
-latency (s) and a bandwidth (bytes/s; null/absent in JSON = infinite).
+Placement (`placement`): "packed" (the default, torchrun's packing: consecutive ranks share a node) puts rank r on
+emulated host r // per_host; "spread" puts it on host r % hosts (consecutive ranks on different hosts). A mesh puts
+tp innermost (consecutive ranks), so packed keeps a tp group inside a host and spread stretches it across hosts.
+A link between two ranks is "intra" (same host: NVLink's role) or "inter" (different hosts: InfiniBand/Ethernet's
+role), each with a latency (s) and a bandwidth (bytes/s; null/absent in JSON = infinite). Everything that asks
+where a rank is -- the link classes, hierarchical all-reduce's choice of sub-groups -- goes through `host(rank)`
+with the rank's global (world) number, so a mesh's sub-groups see the hosts of their own members.
 
 The model (a LogGP-like serialising link per ordered pair of ranks): a message of B bytes from a to b sent at time t
 starts when the link a->b is free, occupies it for B / bandwidth, and is delivered latency later:
@@ -39,6 +43,7 @@ from typing import Any
 
 ENV = "PSLAB_TOPOLOGY"
 LINKS = ("intra", "inter")
+PLACEMENTS = ("packed", "spread")
 
 
 class TopologyError(ValueError):
@@ -47,7 +52,8 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class Topology:
-    """`hosts` x `per_host` ranks; rank r on host r // per_host. Latencies in seconds, bandwidths in bytes/s."""
+    """`hosts` x `per_host` ranks; rank r on host r // per_host ("packed") or r % hosts ("spread"). Latencies in
+    seconds, bandwidths in bytes/s."""
 
     hosts: int
     per_host: int
@@ -55,8 +61,12 @@ class Topology:
     intra_bandwidth_Bps: float = math.inf
     inter_latency_s: float = 0.0
     inter_bandwidth_Bps: float = math.inf
+    placement: str = "packed"
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise TopologyError(f"topology placement must be one of {', '.join(PLACEMENTS)} (packed: rank r on host "
+                                f"r // per_host; spread: on host r % hosts), got {self.placement!r}")
         for name in ("hosts", "per_host"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
@@ -75,10 +85,16 @@ class Topology:
         return self.hosts * self.per_host
 
     def host(self, rank: int) -> int:
-        return rank // self.per_host
+        """The emulated host of global rank `rank`: r // per_host (packed) or r % hosts (spread)."""
+        return rank // self.per_host if self.placement == "packed" else rank % self.hosts
 
     def local(self, rank: int) -> int:
-        return rank % self.per_host
+        """Rank `rank`'s index among its host's ranks (0..per_host-1)."""
+        return rank % self.per_host if self.placement == "packed" else rank // self.hosts
+
+    def ranks_of(self, host: int) -> list[int]:
+        """The global ranks on emulated host `host`, in rank order."""
+        return [r for r in range(self.world_size) if self.host(r) == host]
 
     def link(self, a: int, b: int) -> str:
         """'intra' when ranks a and b share a host, else 'inter'."""

@@ -11,6 +11,8 @@
                   (experiments/faults/spec.py)
     [simulate]    enabled, compute_s, latency_intra_s, latency_inter_s, bandwidth_intra_Bps,
                   bandwidth_inter_Bps, workers_per_host, timing_only
+    [topology]    hosts, gpus_per_host, placement, intra_latency_us, intra_bandwidth_GBps, inter_latency_us,
+                  inter_bandwidth_GBps: real runs on emulated hosts (collectives/topology.py); hosts = 0: none
 
 Every value is validated here; a bad one raises ConfigError naming the key and what is allowed.
 """
@@ -144,6 +146,46 @@ class SimulateConfig:
     timing_only: bool = False            # no gradients, no optimizer: gate, versions, staleness, time (sim/timing.py)
 
 
+PLACEMENTS = ("packed", "spread")
+
+
+@dataclass
+class TopologyConfig:
+    """Real runs on emulated hosts: the zmq transport delays each message by its link's latency + bytes/bandwidth
+    (collectives/topology.py) and counts bytes per link class. hosts x gpus_per_host must be the run's world size
+    (train.workers x the model-parallel degree); allreduce and zmq only (the PS shards' processes have no host)."""
+
+    hosts: int = 0                   # emulated hosts; 0: no topology (every link as fast as this machine's)
+    gpus_per_host: int = 0           # ranks ("GPUs") per host
+    placement: str = "packed"        # packed: rank r on host r // gpus_per_host (torchrun's; tp stays inside a host)
+                                     # spread: rank r on host r % hosts (consecutive ranks, a tp group, across hosts)
+    intra_latency_us: float = 0.0    # a link inside a host (NVLink's role): latency in microseconds
+    intra_bandwidth_GBps: float = 0.0   # ... its bandwidth in GB/s (1e9 bytes/s); 0: unlimited
+    inter_latency_us: float = 0.0    # a link between hosts (InfiniBand's role): latency in microseconds
+    inter_bandwidth_GBps: float = 0.0   # ... its bandwidth in GB/s; 0: unlimited
+
+    @property
+    def enabled(self) -> bool:
+        return self.hosts > 0
+
+    def build(self) -> Any:
+        """The `collectives.topology.Topology` of this section, or None when hosts = 0."""
+        if not self.enabled:
+            return None
+        from collectives.topology import Topology
+        bw = lambda g: g * 1e9 if g > 0 else math.inf       # noqa: E731
+        return Topology(self.hosts, self.gpus_per_host, intra_latency_s=self.intra_latency_us * 1e-6,
+                        intra_bandwidth_Bps=bw(self.intra_bandwidth_GBps),
+                        inter_latency_s=self.inter_latency_us * 1e-6,
+                        inter_bandwidth_Bps=bw(self.inter_bandwidth_GBps), placement=self.placement)
+
+    def describe(self) -> str:
+        """e.g. "2x2 packed, intra 2 GB/s + 20 µs, inter 0.05 GB/s + 1000 µs"."""
+        bw = lambda g: f"{g:g} GB/s" if g > 0 else "unlimited"      # noqa: E731
+        return (f"{self.hosts}x{self.gpus_per_host} {self.placement}, intra {bw(self.intra_bandwidth_GBps)} + "
+                f"{self.intra_latency_us:g} µs, inter {bw(self.inter_bandwidth_GBps)} + {self.inter_latency_us:g} µs")
+
+
 @dataclass
 class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -152,6 +194,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     @property
     def strategy(self) -> Strategy:
@@ -229,6 +272,7 @@ class RunConfig:
         if ta is not None and m.timing_only:
             raise ConfigError("train.target_acc needs trained weights to evaluate: a timing-only simulation "
                               "(simulate.timing_only) computes no gradients; drop one of them")
+        _validate_topology(self)
         return self
 
 
@@ -285,6 +329,47 @@ def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulate
     if p.pp > 1 and p.micro_batches > batch_size:
         raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds workload.batch_size = {batch_size}: "
                           "each micro-batch needs at least one example; use fewer micro-batches or a larger batch")
+
+
+def _validate_topology(cfg: RunConfig) -> None:
+    """[topology]: numbers in range, placement known; hosts x gpus_per_host = the run's world size; a strategy and
+    backend whose processes can all be placed (allreduce over zmq), a fixed membership (faults abort)."""
+    tp, t, s = cfg.topology, cfg.train, cfg.strategy
+    for key in ("hosts", "gpus_per_host"):
+        v = getattr(tp, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"topology.{key} must be an integer >= 0, got {v!r}")
+    for key in ("intra_latency_us", "intra_bandwidth_GBps", "inter_latency_us", "inter_bandwidth_GBps"):
+        v = getattr(tp, key)
+        if not (v >= 0 and math.isfinite(v)):
+            raise ConfigError(f"topology.{key} must be a finite number >= 0 (bandwidth 0: unlimited), got {v}")
+    if tp.placement not in PLACEMENTS:
+        raise ConfigError(f"topology.placement must be one of {', '.join(PLACEMENTS)}, got {tp.placement!r}")
+    if not tp.enabled:
+        if tp.gpus_per_host:
+            raise ConfigError(f"topology.gpus_per_host = {tp.gpus_per_host} needs topology.hosts >= 1 (0: no topology)")
+        return
+    if tp.gpus_per_host < 1:
+        raise ConfigError(f"topology.hosts = {tp.hosts} needs topology.gpus_per_host >= 1 (ranks per host)")
+    if cfg.simulate.enabled or cfg.simulate.timing_only:
+        raise ConfigError("[topology] emulates links in real runs; the simulator's network is [simulate]'s "
+                          "(latency_*, bandwidth_*, workers_per_host): drop [topology] or --simulate")
+    if s.kind != "allreduce":
+        why = "is one process: it has no links" if s.kind == "local" else \
+            "has shard processes that the topology does not place on a host"
+        raise ConfigError(f"[topology] needs train.strategy = allreduce: {s.label} {why}")
+    if t.backend != "zmq":
+        raise ConfigError(f"[topology] is emulated by the zmq backend only (gloo has no emulation): set "
+                          f"train.backend = zmq, not {t.backend!r}")
+    world = t.workers * cfg.parallel.model_parallel
+    if tp.hosts * tp.gpus_per_host != world:
+        raise ConfigError(f"topology.hosts x gpus_per_host = {tp.hosts} x {tp.gpus_per_host} = "
+                          f"{tp.hosts * tp.gpus_per_host} ranks, but the run has {world} (train.workers {t.workers} "
+                          f"x model-parallel degree {cfg.parallel.model_parallel}): make them equal")
+    split = cfg.parallel.model_parallel > 1 or cfg.parallel.zero > 0
+    if cfg.faults.policy(s.kind, split) != "abort":
+        raise ConfigError(f"[topology] places a fixed set of ranks on hosts: faults.on_failure = "
+                          f"{cfg.faults.on_failure} would change the membership; set faults.on_failure = abort")
 
 
 def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:

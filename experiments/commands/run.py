@@ -9,10 +9,15 @@
     pslab run experiments/configs/sim64.toml --timing-only --set train.steps=5000    # no gradients: staleness, time
     pslab run experiments/configs/compare_default.toml --set train.strategy=allreduce --set faults.checkpoint_every=20
     pslab run --resume runs/<run> --set train.steps=200 --set train.workers=2   # go on from its newest checkpoint
+    pslab run experiments/configs/topology_tp.toml --set topology.placement=spread   # tp across the slow link
 
 The run starts train.workers x parallel.tp x pp x cp x ep processes (train.workers is the data-parallel degree) and
 prints the accuracy, the staleness, the bytes per step by kind and the peak saved activations per rank next to their
 formulas (and, for the mixture-of-experts workload text-moe, the tokens routed and dropped).
+
+[topology] (hosts, gpus_per_host, placement = packed | spread, intra/inter_latency_us, intra/inter_bandwidth_GBps)
+runs the ranks on emulated hosts: the zmq transport delays each message by its link's latency + bytes/bandwidth;
+the run prints the bytes per step on each link class (intra, inter) and the median step time.
 
 --resume RUN_DIR continues a run (allreduce with any engine, or local) from the newest committed checkpoint in
 RUN_DIR/checkpoints that verifies (faults.checkpoint_every wrote them; a corrupt one is skipped with a warning) up to
@@ -55,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     role = from_environment()
     if role is not None and not args.simulate:
+        if cfg.topology.enabled:
+            from experiments.errors import ConfigError
+            raise ConfigError("[topology] emulates hosts for the ranks of a local pslab run; under torchrun/SLURM "
+                              "drop it (set PSLAB_TOPOLOGY in each rank's environment to emulate links there)")
         from experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
     rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet, force=args.force)
@@ -93,6 +102,11 @@ def _report(rd) -> int:
         model = v.get("model_per_step")
         print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
+    links = s.get("link_bytes_per_step")
+    if links is not None:
+        print(f"\n  links ({s.get('topology', '')}): intra {links['intra'] / 1e3:.1f} kB/step, inter "
+              f"{links['inter'] / 1e3:.1f} kB/step (all ranks)" + (f"; step time {s['step_time_s'] * 1e3:.1f} ms "
+              "(median)" if s.get("step_time_s") is not None else ""), end="")
     act = s.get("activations")
     if act:
         m = act.get("model_bytes")

@@ -88,11 +88,38 @@ def steady_throughput(updates: list[dict[str, Any]]) -> float | None:
     return n / t_end if t_end > 0 else None
 
 
+WARMUP_STEPS = 2
+
+
+def step_time(updates: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> float | None:
+    """`step_time_s`: the median over steps (after each worker's first `warmup`, which warm up) of the max over
+    workers of one step's wall time. Step k of worker w lasts time_s of its k-th record minus that of its (k-1)-th
+    (the first: since the start barrier, time_s = 0), records in time order; the max over workers is the slowest
+    worker's. A worker's record is written by its first rank (pp = tp = 0) after the step's synchronisation, and
+    its model-parallel ranks run in lockstep with it, so this is the max over ranks up to that lockstep. A step's
+    time includes what ran between two records: an evaluation or a checkpoint at that step (the median leaves the
+    few such steps out). None with fewer than warmup + 1 steps."""
+    per: dict[int, list[float]] = {}
+    for u in sorted(updates, key=lambda u: u["time_s"]):
+        per.setdefault(u["worker"], []).append(float(u["time_s"]))
+    slowest: dict[int, float] = {}
+    for times in per.values():
+        for k in range(warmup, len(times)):
+            d = times[k] - (times[k - 1] if k else 0.0)
+            slowest[k] = max(slowest.get(k, 0.0), d)
+    if not slowest:
+        return None
+    v = sorted(slowest.values())
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+
+
 def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wall_s: float,
               label: str, simulated: bool, target_acc: float | None = None) -> dict[str, Any]:
-    """Totals a teacher puts on a slide: updates/s, final loss/accuracy, mean/max staleness (whole run, and over the
-    steady window of `steady_window_end`, which leaves out a straggler's solo tail at tau = 0), waiting, bytes, and
-    with `target_acc` the time and updates to reach it (None if not reached). Loss may be None (timing-only runs)."""
+    """Totals a teacher puts on a slide: updates/s, `step_time_s` (see `step_time`), final loss/accuracy, mean/max
+    staleness (whole run, and over the steady window of `steady_window_end`, which leaves out a straggler's solo
+    tail at tau = 0), waiting, bytes, and with `target_acc` the time and updates to reach it (None if not reached).
+    Loss may be None (timing-only runs)."""
     ups = list(updates)
     n = len(ups)
     stal = [u["staleness"] for u in ups if u.get("staleness") is not None]
@@ -105,7 +132,7 @@ def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wa
     return {
         "label": label, "simulated": simulated, "updates": n, "workers": len(workers), "time_s": wall_s,
         "updates_per_s_total": n / wall_s if wall_s > 0 else None,
-        "updates_per_s": steady_throughput(ups),
+        "updates_per_s": steady_throughput(ups), "step_time_s": step_time(ups),
         "dropped": sum(1 for u in ups if u.get("dropped")),
         "final_train_loss": sum(tail) / len(tail) if tail else None,
         "final_test_loss": last_eval.get("test_loss"), "final_test_acc": last_eval.get("test_acc"),

@@ -3,6 +3,7 @@ turn what the ranks returned into summary fields.
 
     shards  ps.start_servers(train.shards, num_workers=D, policy, optimizer spec, groups=P·T)  (forked, loopback)
     ranks   collectives.launch(train_worker, D·T·P, backend=train.backend)   (local: 1 rank playing all K workers)
+            with [topology]: launch(..., topology=Topology) -- each rank's transport emulates its links
 
 A supervisor (experiments/faults/supervisor.py) watches every rank and shard: a dead or hung one is named within
 faults.detect_s and handled by faults.on_failure (abort ends every process; continue / shrink / replace go on, see
@@ -52,10 +53,12 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
     try:
         addresses = servers.group_addresses if servers is not None else None
         # one job secret: the ranks get the shards' one (as PSLAB_JOB_SECRET, never through the store)
+        # [topology]: every rank's zmq transport emulates the links (init_process_group(topology=))
+        links = {"topology": cfg.topology.build()} if cfg.topology.enabled else {}
         return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
                                   args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.run_limit_s or None,
                                   group_timeout=cfg.train.timeout_s, start_method=START_METHOD,
-                                  secret=servers.secret if servers else None, supervisor=sup)
+                                  secret=servers.secret if servers else None, supervisor=sup, **links)
     except collectives.LaunchError as e:
         first = str(e).splitlines()[0] + _resume_hint(cfg, rd)
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
@@ -96,6 +99,11 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
         out["moe"] = moe
     if len(finished) < len(results):
         out["finished_ranks"] = len(finished)
+    if cfg.topology.enabled:        # bytes per link class over the training steps, summed over ranks (loop.py)
+        steps = max([1] + [int(r.get("steps", 0)) for r in finished])
+        out["link_bytes_per_step"] = {c: sum(float((r.get("link_bytes") or {}).get(c, 0)) for r in finished) / steps
+                                      for c in ("intra", "inter")}
+        out["topology"] = cfg.topology.describe()
     if cfg.strategy.uses_ps and results:
         st = ((_first(results, "shard_stats") or [{}])[0]).get("stats") or {}
         out.update(shard_staleness_mean=st.get("mean"), shard_staleness_max=st.get("max"),

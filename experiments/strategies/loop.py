@@ -17,8 +17,9 @@ replica and strategy on the next generation and, for allreduce, rolls back to th
 committed (faults.commit_every); worker ids, batches and part files stay. Injected faults ([faults] events at_step)
 are announced to the supervisor at the start of the step; a planned `leave` changes membership at that boundary.
 
-Returns, per rank, what the runner needs for the summary: bytes sent per kind over the training steps and, from
-rank 0 of a PS run, the shards' own staleness series and statistics.
+Returns, per rank, what the runner needs for the summary: bytes sent per kind over the training steps (and, under
+a [topology], per link class over the same steps: `collectives.topology.link_bytes`) and, from rank 0 of a PS run,
+the shards' own staleness series and statistics.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from collectives.launcher import notify
+from collectives.topology import link_bytes
 from experiments.config import RunConfig, config_from_dict
 from experiments.errors import DIVERGED, DivergedError
 from experiments.results.records import UpdateRecord
@@ -134,6 +136,7 @@ class _Worker(ElasticMember):
             self.t0 = t0
             first_step = step                                  # a resumed run or a joiner starts later
             measured: dict[str, int] = {}
+            self.link_sent = {"intra": 0, "inter": 0}     # [topology]: bytes per link class, same window as measured
             stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
             while True:
                 while step < t.steps:
@@ -151,7 +154,7 @@ class _Worker(ElasticMember):
                     try:
                         if self.eg is not None:
                             self.eg.check()
-                        before = _traffic(self.mesh)
+                        before, links0 = _traffic(self.mesh), link_bytes(self.group)
                         # -- phase 1: forward + backward on batch(w, step) for the worker(s) this process plays -----
                         tc = time.perf_counter()
                         done = []
@@ -166,9 +169,10 @@ class _Worker(ElasticMember):
                                                     f"smaller train.lr than {t.lr})")
                         # -- phase 2: straggler padding: the step lasts StragglerModel.step_time(w, t, max(c, base))
                         if agree:   # the worker's tp x pp ranks pad to one deadline: its compute spans the first
-                            pre = _traffic(self.mesh)   # rank's start to the last one's end
-                            start, compute = _span_over(self.mesh.group("mp"), tc, time.perf_counter())
+                            pre, lpre = _traffic(self.mesh), link_bytes(self.group)   # rank's start to the last
+                            start, compute = _span_over(self.mesh.group("mp"), tc, time.perf_counter())   # one's end
                             before = _shift(before, pre, _traffic(self.mesh))   # those 16 bytes are not the step's
+                            links0 = {c: v + link_bytes(self.group)[c] - lpre[c] for c, v in links0.items()}
                             tc = start
                         target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in self.workers)
                         left = target - (time.perf_counter() - tc)
@@ -182,6 +186,8 @@ class _Worker(ElasticMember):
                         step = self._recover(e.generation, step)
                         continue
                     after = _traffic(self.mesh)
+                    for c, v in link_bytes(self.group).items():
+                        self.link_sent[c] += v - links0[c]
                     ps_sent, ps_recv = getattr(self.strategy, "last_bytes", (0, 0))
                     for axis, (sent, _) in after.items():
                         measured[axis] = measured.get(axis, 0) + sent - before[axis][0]
@@ -251,7 +257,7 @@ class _Worker(ElasticMember):
                                "slot_bytes": getattr(strategy, "pushed_bytes", None)
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
-                               "coords": dict(self.mesh.coords)}
+                               "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent)}
         moe = _moe_stats(replica)
         if moe:
             out["moe"] = moe
