@@ -247,3 +247,34 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
     assert main(["report", str(rd.path)]) == 0
     report = (rd.path / "report" / "report.md").read_text()
     assert "expert_load.png" in report and (rd.path / "report" / "expert_load.png").exists()
+
+
+def test_the_planners_pslab_comm_model_equals_the_measured_bytes_per_kind(runs):
+    """`parallelism.comm_model.step_comm(..., algorithm="pslab")` for each allreduce layout's Shape (the workload's
+    layers, width, heads, context, vocabulary; the micro-batch b/m) gives the bytes per kind the engines measured,
+    EXACTLY: direct exchange <= 32 KiB, the pipeline's loss broadcast and its one-off shape headers spread over the
+    run's steps, SP's replicated-gradient and loss all-reduces, ZeRO's per-parameter reduce-scatters and all-gathers.
+    (The gloo run counts every all-reduce as a ring: with groups of 2 that equals the direct exchange's (N−1)·S.)"""
+    from experiments.workloads import get_workload
+    from parallelism.cluster import Cluster
+    from parallelism.comm_model import bytes_by_kind, step_comm
+    from parallelism.memory_model import Layout, Shape
+    for label, (strategy, workers, extra, _) in LAYOUTS.items():
+        if strategy != "allreduce":
+            continue
+        cfg = small_config(*_overrides(strategy, workers, extra))
+        p, w = cfg.parallel, cfg.workload
+        wl = get_workload(w.name, workers, w.batch_size, w.seed, **w.overrides())
+        x, _, _ = wl.batch(0, 0)
+        m = p.micro_batches if p.pp > 1 else 1
+        kw = wl.model_kwargs
+        shape = Shape(layers=kw["layers"], hidden=kw["dim"], heads=kw["heads"], seq=x.shape[1],
+                      vocab=wl.data.num_classes, micro_batch=x.shape[0] // m)
+        layout = Layout(dp=workers, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, micro_batches=m,
+                        recompute="full" if p.activation_checkpointing else "none", schedule=p.schedule)
+        here = Cluster("here", layout.gpus(), 1, 1e12, 1e12)
+        terms = step_comm(shape, layout, here, algorithm="pslab", act_bytes=4, grad_bytes=4, overlap=p.overlap,
+                          steps=cfg.train.steps)
+        measured = {k: v["measured_per_step"] for k, v in runs[label][1]["bytes_by_kind"].items()
+                    if v["measured_per_step"] > 0}
+        assert bytes_by_kind(terms) == measured, label

@@ -1,0 +1,512 @@
+"""Communication of one training step, modelled: bytes per kind and link, and the seconds each costs a rank.
+
+    step_comm(shape, layout, cluster, placement="packed", algorithm="ring", act_bytes=2, grad_bytes=2,
+              overlap=False, steps=None) -> [CommTerm(kind, link, bytes, seconds, overlappable, formula), ...]
+
+bytes: sent per training step, summed over all ranks (what `experiments/results/bytes.py` calls a kind's bytes);
+seconds: what this communication adds to one rank's critical path per step (the slowest group of the kind), α-β on
+the link the group spans: a message of B bytes costs α + B/β (cluster.link("intra" | "inter")).
+
+Where ranks sit (the mesh is dp, pp, cp, ep, tp with tp innermost: parallelism/mesh.py):
+
+    packed   rank r on node r // gpus_per_node     (torchrun's packing: a tp group inside a node)
+    spread   rank r on node r % nodes, nodes = min(cluster.nodes, ranks)     (consecutive ranks on different nodes)
+
+A ring over a group (in group order) sends each hop's bytes over the link between its two ends, exactly as
+`collectives/ring.py` cuts the buffer (`chunk_bounds`); its time is its slowest hop's (the ring moves in lock-step):
+k·α + (the bytes one rank sends, on average)/β on the slower link class. Groups whose members sit on nodes in the
+same pattern (and on the same stage) cost the same: each is computed once (`Placement.group_classes`). Notation: b micro-batch, s sequence, h hidden, L layers,
+V vocabulary, m micro-batches per step (layout.micro_batches, default p), D/T/P/C/E the dp/tp/pp/cp/ep degrees,
+A = b·(s/C)·h·act_bytes (one micro-batch's activation on one rank), Ψ_k the parameters of a rank of pipeline stage k,
+g = grad_bytes, N the group's size, S a tensor's bytes.
+
+    ring all-reduce             per rank 2(N−1)/N·S, 2(N−1) latencies      (Patarasuk & Yuan 2009)
+    reduce-scatter, all-gather  per rank (N−1)/N·S, N−1 latencies
+    hierarchical all-reduce     a group spanning H nodes with the same L > 1 of its ranks on each: reduce-scatter
+                                inside ((L−1)/L·S per rank, intra), ring all-reduce across of each rank's S/L
+                                (2(H−1)/H·S/L, inter), all-gather inside: two terms, one per link
+                                (collectives/hierarchical.py)
+
+Textbook rules (algorithm "ring", NCCL-like):
+
+    tp activations   Megatron f/g (Shoeybi et al. 2019): per layer and micro-batch 2 all-reduces of A forward, 2
+                     backward; full recompute runs the forward's 2 again (Korthikanti et al. 2022); sequence
+                     parallelism: all-gathers + reduce-scatters, the same bytes. Σ = D·C·E·T·L·m·(4|6)·2(T−1)/T·A
+    pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
+                     of a stage sends its own A:  Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β)
+    dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
+    zero RS + AG     ZeRO 1/2: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g;
+                     ZeRO 3 all-gathers the parameters again in backward: 3(D−1)/D (Rajbhandari et al. 2020)
+    cp ring + grads  ring attention per layer and micro-batch: K, V forward 2(C−1) blocks, backward 2(C−1) + 2C
+                     blocks of b·(s/C)·h·act_bytes (ring_attention.ring_bytes: 6C − 4 blocks in 3C − 2 messages
+                     around the cp ring); + the gradients summed over cp
+    ep all-to-all    the Shape has no experts: every layer's MLP taken as a top-1 MoE with capacity factor 1; per
+                     layer and micro-batch 4 all-to-alls (dispatch, combine, forward and backward) of A, (E−1)/E·A
+                     each; + the gradients summed over ep
+    Stages: memory_model.stage_layers (L/P layers each, the embeddings on the first, the head on the last).
+
+algorithm "pslab" — what pslab's zmq backend and engines send (so that for pslab's fp32 runs, act_bytes =
+grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/experiments/test_engine_runs.py):
+
+    all-reduce       S <= 32 KiB (collectives.zmq_group.SMALL_BYTES): one direct exchange, (N−1)·S per rank;
+                     else hierarchical where it applies (any group, not only dp), else the ring
+    stages           pipeline.split_stages: the L + 2 parameterised children [Embed, Block × L, Head] cut by
+                     chunk_bounds(L + 2, P)
+    dp gradient sync one flat all-reduce of the stage's gradients (engine.allreduce_grads), or with overlap (the
+                     data-parallel engine only) one per DDP bucket (data.py: ≤ 25 MiB, parameters in reverse order)
+    zero RS + AG     per parameter a ring reduce-scatter and all-gather (ZeRO 3: two all-gathers), zero.py
+    tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes) and the loss (8 B),
+                     once per step (sequence.py)
+    pp boundaries    + the loss broadcast from the last stage (4 B, direct: (P−1)·4 per pipeline) every step, and
+                     once per run a 64-byte shape header per boundary (pipeline.py: int64 × 8)
+    cp ring + grads  + the loss all-reduced over cp (8 B)
+    one-off bytes (the shape headers; the hierarchical all-reduce's set-up barrier, 1 byte to every peer) count
+    only when `steps` is given: spread over that many steps, as a run's summary reports them.
+
+dp/zero gradient terms are `overlappable` (they may hide behind backward compute: step_model decides how much).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from collectives.group import chunk_bounds
+from collectives.zmq_group import SMALL_BYTES
+
+from .cluster import Cluster
+from .memory_model import Layout, MemoryModelError, Shape, stage_layers
+
+AXES = ("dp", "pp", "cp", "ep", "tp")
+PLACEMENTS = ("packed", "spread")
+ALGORITHMS = ("ring", "pslab")
+KINDS = ("dp gradient sync", "zero RS + AG", "tp activations", "pp boundaries", "cp ring + grads",
+         "ep all-to-all + grads")
+BUCKET_BYTES = 25 << 20        # parallelism/data.py DEFAULT_BUCKET_BYTES
+HEADER_BYTES = 8 * 8           # pipeline.py: a shape header is _MAX_DIMS + 2 int64
+
+
+class CommModelError(MemoryModelError):
+    """A layout, placement or algorithm the communication model cannot describe (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    kind: str            # one of KINDS (experiments/results/bytes.py's names)
+    link: str            # "intra" | "inter": the link class the bytes cross
+    bytes: float         # bytes sent per training step, summed over all ranks
+    seconds: float       # time on one rank's critical path per step (α-β on that link)
+    overlappable: bool   # dp / zero gradient communication: may hide behind backward compute
+    formula: str
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "link": self.link, "bytes": self.bytes, "seconds": self.seconds,
+                "overlappable": self.overlappable, "formula": self.formula}
+
+
+# ---- where ranks sit -----------------------------------------------------------------------------------------
+
+class Placement:
+    """Node of each global rank, the link class between two ranks, and the mesh's groups along an axis."""
+
+    def __init__(self, layout: Layout, cluster: Cluster, placement: str = "packed") -> None:
+        if placement not in PLACEMENTS:
+            raise CommModelError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        n = layout.gpus()
+        if n > cluster.gpus:
+            raise CommModelError(f"the layout needs {n} GPUs but cluster {cluster.name} has {cluster.gpus} "
+                                 f"({cluster.nodes} x {cluster.gpus_per_node}): add nodes or shrink the layout")
+        self.cluster, self.placement, self.world = cluster, placement, n
+        self.nodes = min(cluster.nodes, n)
+        self.sizes = {ax: getattr(layout, ax) for ax in AXES}
+        self.stride: dict[str, int] = {}
+        s = 1
+        for ax in reversed(AXES):
+            self.stride[ax] = s
+            s *= self.sizes[ax]
+
+    def node(self, r: int) -> int:
+        return r // self.cluster.gpus_per_node if self.placement == "packed" else r % self.nodes
+
+    def link(self, a: int, b: int) -> str:
+        return "intra" if self.node(a) == self.node(b) else "inter"
+
+    def coord(self, r: int, axis: str) -> int:
+        return (r // self.stride[axis]) % self.sizes[axis]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` (global ranks in coordinate order), as MeshLayout.groups."""
+        st, n = self.stride[axis], self.sizes[axis]
+        return [[r + i * st for i in range(n)] for r in range(self.world) if (r // st) % n == 0]
+
+    def group_classes(self, axis: str) -> list[tuple[list[int], int]]:
+        """One representative of each class of equivalent groups along `axis`, and how many there are: groups of
+        the same pipeline stage whose members sit on nodes in the same pattern cost the same (packed: node
+        (r0 + i·stride) // G, spread: (r0 + i·stride) % nodes, so the pattern is fixed by r0 mod G, resp. nodes)."""
+        st, n = self.stride[axis], self.sizes[axis]
+        period = self.cluster.gpus_per_node if self.placement == "packed" else self.nodes
+        seen: dict[tuple, list] = {}         # the node pattern of a group depends on its first rank mod `period`
+        for r in range(self.world):
+            if (r // st) % n:
+                continue
+            key = (0 if axis == "pp" else self.coord(r, "pp"), r % period)
+            if key in seen:
+                seen[key][1] += 1
+            else:
+                seen[key] = [[r + i * st for i in range(n)], 1]
+        return [(g, k) for g, k in seen.values()]
+
+    def hosts_of(self, group: list[int]) -> list[list[int]] | None:
+        """The group's positions per node when a hierarchical all-reduce applies (>= 2 nodes, the same number >= 2
+        of its ranks on each: collectives/hierarchical.layout), else None."""
+        by: dict[int, list[int]] = {}
+        for i, r in enumerate(group):
+            by.setdefault(self.node(r), []).append(i)
+        hosts = [by[h] for h in sorted(by)]
+        if len(group) < 4 or len(hosts) < 2 or len({len(h) for h in hosts}) != 1 or len(hosts[0]) < 2:
+            return None
+        return hosts
+
+
+# ---- the cost of collectives on one group: bytes per link (summed over members), seconds of one member ---------
+
+class Cost:
+    """Bytes sent per link class (summed over the group's members) and one member's seconds per link class."""
+
+    def __init__(self) -> None:
+        self.bytes = {"intra": 0, "inter": 0}
+        self.secs = {"intra": 0.0, "inter": 0.0}
+        self.hierarchical = False          # a hierarchical all-reduce ran: its set-up barrier is a one-off
+
+    def add(self, other: "Cost", times: int = 1) -> "Cost":
+        self.hierarchical |= other.hierarchical and times > 0
+        for k in self.bytes:
+            self.bytes[k] += times * other.bytes[k]
+            self.secs[k] += times * other.secs[k]
+        return self
+
+    def send(self, pl: Placement, a: int, b: int, nbytes: int) -> None:
+        self.bytes[pl.link(a, b)] += nbytes
+
+    def wait(self, pl: Placement, cls: str, messages: int, nbytes: float) -> None:
+        lat, bw = pl.cluster.link(cls)
+        self.secs[cls] += messages * lat + nbytes / bw
+
+
+def _slowest(links: Iterable[str]) -> str:
+    return "inter" if "inter" in set(links) else "intra"
+
+
+def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str) -> Cost:
+    """One ring pass (collectives/ring.py) over `numel` elements of `e` bytes: phase "ar" (all-reduce: member i
+    sends 2(N−1) chunks, all but chunks i+1 and i+2 twice), "rs" (reduce-scatter: all chunks but its own), "ag"
+    (all-gather: all but chunk i+1). Bytes per link exact (chunk_bounds); seconds: the textbook per-rank share
+    on the slowest hop's link, 2(N−1) (ar) or N−1 latencies."""
+    c, n = Cost(), len(group)
+    if n == 1:
+        return c
+    nodes = [pl.node(r) for r in group]
+    cross = [i for i in range(n) if nodes[i] != nodes[(i + 1) % n]]
+    total = (2 if phase == "ar" else 1) * (n - 1) * numel
+    if len(cross) in (0, n):
+        c.bytes["inter" if cross else "intra"] += total * e
+    else:
+        base, extra = divmod(numel, n)
+
+        def size(j: int) -> int:
+            return base + (1 if j % n < extra else 0)
+
+        def sent(i: int) -> int:
+            if phase == "ar":
+                return numel if n == 2 else 2 * numel - size(i + 1) - size(i + 2)
+            return numel - size(i if phase == "rs" else i + 1)
+        x = sum(sent(i) for i in cross)
+        c.bytes["inter"] += x * e
+        c.bytes["intra"] += (total - x) * e
+    c.wait(pl, "inter" if cross else "intra", 2 * (n - 1) if phase == "ar" else n - 1, total / n * e)
+    return c
+
+
+def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
+    """Every member sends its whole tensor to every other member: one latency, (N−1)·S through its link."""
+    c, n = Cost(), len(group)
+    if n == 1:
+        return c
+    per_node: dict[int, int] = {}
+    for r in group:
+        per_node[pl.node(r)] = per_node.get(pl.node(r), 0) + 1
+    inside = sum(k * (k - 1) for k in per_node.values())
+    c.bytes["intra"] += inside * nbytes
+    c.bytes["inter"] += (n * (n - 1) - inside) * nbytes
+    c.wait(pl, "inter" if len(per_node) > 1 else "intra", 1, (n - 1) * nbytes)
+    return c
+
+
+def all_reduce(pl: Placement, group: list[int], numel: int, e: int, small: int = 0,
+               hierarchical: bool = True) -> Cost:
+    """All-reduce of numel·e bytes on every member: direct exchange when <= small, hierarchical where it applies
+    (and is allowed), else the ring."""
+    n = len(group)
+    if n == 1 or numel == 0:
+        return Cost()
+    if numel * e <= small:
+        return direct(pl, group, numel * e)
+    hosts = pl.hosts_of(group) if hierarchical else None
+    if hosts is None:
+        return ring(pl, group, numel, e, "ar")
+    c = Cost()
+    c.hierarchical = True
+    L = len(hosts[0])
+    for members in hosts:                                     # reduce-scatter + all-gather inside each node
+        sub = [group[i] for i in members]
+        inside = ring(pl, sub, numel, e, "rs").add(ring(pl, sub, numel, e, "ag"))
+        c.bytes["intra"] += inside.bytes["intra"]
+        c.bytes["inter"] += inside.bytes["inter"]
+        c.secs["intra"] = max(c.secs["intra"], inside.secs["intra"])
+    slowest = 0.0
+    for l, (a, b) in enumerate(chunk_bounds(numel, L)):      # local rank l's shard, across the nodes
+        across = ring(pl, [group[h[l]] for h in hosts], b - a, e, "ar")
+        c.bytes["intra"] += across.bytes["intra"]
+        c.bytes["inter"] += across.bytes["inter"]
+        slowest = max(slowest, across.secs["inter"])
+    c.secs["inter"] += slowest
+    return c
+
+
+def setup_barrier(pl: Placement, group: list[int]) -> Cost:
+    """The hierarchical all-reduce's one-off barrier on its first call: 1 byte from every member to every other."""
+    return direct(pl, group, 1)
+
+
+def all_to_all(pl: Placement, group: list[int], nbytes: int) -> Cost:
+    """Chunk j of an S-byte buffer to member j: (N−1)/N·S per member, one latency."""
+    return direct(pl, group, nbytes // len(group)) if len(group) > 1 else Cost()
+
+
+# ---- the model's parameters, as the engines hold them --------------------------------------------------------
+
+def layer_tensors(shape: Shape, t: int = 1) -> list[int]:
+    """Elements of one Block's parameters in registration order (ln1, qkv, proj, ln2, fc1, fc2; weight, bias),
+    the column-parallel ones (qkv, proj.weight, fc1, fc2.weight) split by t."""
+    h = shape.hidden
+    return [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
+
+
+def stage_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> list[int]:
+    """Elements of the parameters one rank of `stage` holds, in registration order."""
+    h, t, p = shape.hidden, layout.tp, layout.pp
+    embed, head = [shape.vocab * h, shape.seq * h], [h, h, shape.vocab * h, shape.vocab]
+    if algorithm == "pslab":           # pipeline.split_stages: [Embed, Block × L, Head] by chunk_bounds(L + 2, P)
+        a, b = chunk_bounds(shape.layers + 2, p)[stage]
+        units = range(a, b)
+        out: list[int] = []
+        for u in units:
+            out += embed if u == 0 else head if u == shape.layers + 1 else layer_tensors(shape, t)
+        return out
+    n = stage_layers(shape.layers, p, stage)
+    return (embed if stage == 0 else []) + layer_tensors(shape, t) * n + (head if stage == p - 1 else [])
+
+
+def stage_blocks(shape: Shape, layout: Layout, stage: int, algorithm: str) -> int:
+    if algorithm == "pslab":
+        a, b = chunk_bounds(shape.layers + 2, layout.pp)[stage]
+        return sum(1 for u in range(a, b) if 0 < u <= shape.layers)
+    return stage_layers(shape.layers, layout.pp, stage)
+
+
+def replicated_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> int:
+    """Elements of the parameters tensor parallelism leaves whole on a rank of `stage` (LayerNorms, the row-parallel
+    biases, the embeddings, the head)."""
+    if layout.tp == 1:
+        return 0
+    full = sum(stage_tensors(shape, layout, stage, algorithm))
+    split = stage_blocks(shape, layout, stage, algorithm) * (12 * shape.hidden ** 2 + 7 * shape.hidden)
+    return full - split // layout.tp
+
+
+def buckets(tensors: list[int], e: int, bucket_bytes: int = BUCKET_BYTES) -> list[int]:
+    """DDP buckets (data.py GradReducer): parameters in reverse order, a bucket closed before it would exceed
+    bucket_bytes; elements per bucket."""
+    out: list[int] = []
+    cur = size = 0
+    for n in reversed(tensors):
+        if cur and size + n * e > bucket_bytes:
+            out.append(cur)
+            cur = size = 0
+        cur += n
+        size += n * e
+    if cur:
+        out.append(cur)
+    return out
+
+
+# ---- the kinds -----------------------------------------------------------------------------------------------
+
+class _Kind:
+    """One kind's cost: per group a Cost; bytes summed over the groups, seconds those of the slowest group."""
+
+    def __init__(self, name: str, formula: str, overlappable: bool = False) -> None:
+        self.name, self.formula, self.overlappable = name, formula, overlappable
+        self.bytes = {"intra": 0.0, "inter": 0.0}
+        self.secs = {"intra": 0.0, "inter": 0.0}
+
+    def group(self, c: Cost, once: Cost | None = None, steps: int | None = None, times: int = 1) -> None:
+        """Add `times` groups that each cost `c` per step (+ `once` per run, spread over `steps`)."""
+        for k in self.bytes:
+            self.bytes[k] += times * c.bytes[k] + (times * once.bytes[k] / steps if once is not None and steps else 0)
+        if sum(c.secs.values()) > sum(self.secs.values()):
+            self.secs = dict(c.secs)
+
+    def terms(self) -> list[CommTerm]:
+        return [CommTerm(self.name, k, float(self.bytes[k]), self.secs[k], self.overlappable, self.formula)
+                for k in ("intra", "inter") if self.bytes[k] > 0 or self.secs[k] > 0]
+
+
+def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g: int, overlap: bool,
+           steps: int | None) -> list[CommTerm]:
+    D, T, P, C, E = lay.dp, lay.tp, lay.pp, lay.cp, lay.ep
+    pslab = algorithm == "pslab"
+    small = SMALL_BYTES if pslab else 0
+    m = lay.micro_batches or P
+    b, s, h = shape.micro_batch, shape.seq // C, shape.hidden
+    A = b * s * h                                    # elements of one micro-batch's activation on one rank
+    stage = lambda grp: pl.coord(grp[0], "pp")       # noqa: E731
+    psi = [sum(stage_tensors(shape, lay, k, algorithm)) for k in range(P)]
+    out: list[CommTerm] = []
+
+    def once(grp: list[int], c: Cost) -> Cost | None:
+        """pslab's one-off bytes of a group: the set-up barrier of its first hierarchical all-reduce."""
+        return setup_barrier(pl, grp) if pslab and c.hierarchical else None
+
+    if T > 1:
+        per_layer = 6 if lay.recompute == "full" else 4
+        kind = _Kind("tp activations", f"D·C·E·T·L·m·{per_layer}·AR_T(A), A = b·(s/C)·h·{act} B = {A * act} B"
+                     + (" as all-gathers + reduce-scatters (sp)" if lay.sp else "")
+                     + (" + AR_T(R) + AR_T(8 B loss), once per step" if lay.sp and pslab else "")
+                     + ("; AR: direct (T−1)·S for S <= 32 KiB, else ring" if pslab else "; AR: ring 2(T−1)/T·S"))
+        for grp, times in pl.group_classes("tp"):
+            k = stage(grp)
+            n = stage_blocks(shape, lay, k, algorithm) * m * per_layer
+            if lay.sp:
+                c = Cost().add(ring(pl, grp, A, act, "ag"), n).add(ring(pl, grp, A, act, "rs"), n)
+                if pslab:
+                    c.add(all_reduce(pl, grp, replicated_tensors(shape, lay, k, algorithm), g, small))
+                    c.add(all_reduce(pl, grp, 1, 8, small))
+            else:
+                c = Cost().add(all_reduce(pl, grp, A, act, small, hierarchical=pslab), n)
+            kind.group(c, once(grp, c), steps, times)
+        out += kind.terms()
+
+    if P > 1:
+        kind = _Kind("pp boundaries", f"D·C·E·T·(P−1)·m·2·A, A = {A * act} B"
+                     + (" + (P−1)·4 B loss broadcast + 64 B shape header per boundary once" if pslab else ""))
+        for grp, times in pl.group_classes("pp"):
+            c, header = Cost(), Cost()
+            for k in range(P - 1):
+                c.send(pl, grp[k], grp[k + 1], m * A * act)
+                c.send(pl, grp[k + 1], grp[k], m * A * act)
+                header.send(pl, grp[k], grp[k + 1], HEADER_BYTES)
+            if pslab:
+                for k in range(P - 1):
+                    c.send(pl, grp[-1], grp[k], 4)
+            # one rank's time: a middle stage sends m activations forward and m gradients back
+            for k in range(P):
+                t = Cost()
+                if k < P - 1:
+                    t.wait(pl, pl.link(grp[k], grp[k + 1]), m, m * A * act)
+                if k > 0:
+                    t.wait(pl, pl.link(grp[k], grp[k - 1]), m, m * A * act)
+                if sum(t.secs.values()) > sum(c.secs.values()):
+                    c.secs = t.secs
+            kind.group(c, header if pslab else None, steps, times)
+        out += kind.terms()
+
+    if D > 1 and lay.zero:
+        k3 = 3 if lay.zero == 3 else 2
+        kind = _Kind("zero RS + AG", f"Σ_ranks {k3}(D−1)/D·Ψ_k·{g} B (ZeRO-{lay.zero}: reduce-scatter the gradients, "
+                     "all-gather the parameters" + (", twice" if lay.zero == 3 else "") + ")"
+                     + ("; per parameter, ring" if pslab else ""), True)
+        for grp, times in pl.group_classes("dp"):
+            c = Cost()
+            for n in (stage_tensors(shape, lay, stage(grp), algorithm) if pslab else [psi[stage(grp)]]):
+                c.add(ring(pl, grp, n, g, "rs")).add(ring(pl, grp, n, g, "ag"), k3 - 1)
+            kind.group(c, times=times)
+        out += kind.terms()
+    elif D > 1:
+        bucketed = pslab and overlap and T == P == C == E == 1
+        kind = _Kind("dp gradient sync", f"Σ_ranks AR_D(Ψ_k·{g} B)" + (" per DDP bucket (25 MiB)" if bucketed else "")
+                     + ("; AR: direct (D−1)·S for S <= 32 KiB, hierarchical across nodes, else ring 2(D−1)/D·S"
+                        if pslab else "; AR: ring 2(D−1)/D·S, hierarchical across nodes"), True)
+        for grp, times in pl.group_classes("dp"):
+            k = stage(grp)
+            parts = buckets(stage_tensors(shape, lay, k, algorithm), g) if bucketed else [psi[k]]
+            c = Cost()
+            for n in parts:
+                c.add(all_reduce(pl, grp, n, g, small))
+            kind.group(c, once(grp, c), steps, times)
+        out += kind.terms()
+
+    if C > 1:
+        block = b * s * h * act
+        kind = _Kind("cp ring + grads", f"D·C·(L·m·(6C−4)·block + AR_C(Ψ_k·{g} B)"
+                     + (" + AR_C(8 B loss)" if pslab else "") + f"), block = b·(s/C)·h·{act} B = {block} B", False)
+        for grp, times in pl.group_classes("cp"):
+            k = stage(grp)
+            layers = stage_blocks(shape, lay, k, algorithm) * m
+            c = Cost()
+            for i in range(C):
+                c.send(pl, grp[i], grp[(i + 1) % C], layers * (6 * C - 4) * block)
+            c.wait(pl, _slowest(pl.link(grp[i], grp[(i + 1) % C]) for i in range(C)), layers * (3 * C - 2),
+                   layers * (6 * C - 4) * block)
+            c.add(all_reduce(pl, grp, psi[k], g, small))
+            if pslab:
+                c.add(all_reduce(pl, grp, 1, 8, small))
+            kind.group(c, once(grp, c), steps, times)
+        out += kind.terms()
+
+    if E > 1:
+        kind = _Kind("ep all-to-all + grads", f"D·E·(4·L·m·(E−1)/E·A + AR_E(Ψ_k·{g} B)), A = {A * act} B (every MLP "
+                     "a top-1 MoE with capacity factor 1: an approximation)")
+        for grp, times in pl.group_classes("ep"):
+            k = stage(grp)
+            n = stage_blocks(shape, lay, k, algorithm) * m * 4
+            c = Cost().add(all_to_all(pl, grp, A * act), n).add(all_reduce(pl, grp, psi[k], g, small))
+            kind.group(c, once(grp, c), steps, times)
+        out += kind.terms()
+    return out
+
+
+def step_comm(shape: Shape, layout: Layout, cluster: Cluster, *, placement: str = "packed",
+              algorithm: str = "ring", act_bytes: int = 2, grad_bytes: int = 2, overlap: bool = False,
+              steps: int | None = None) -> list[CommTerm]:
+    """The communication of one training step of `layout` on `cluster` (see the module docstring).
+    overlap: the data-parallel engine's bucketed, overlapped gradient all-reduce (pslab: one all-reduce per bucket);
+    steps: spread one-off bytes (pipeline shape headers, the hierarchical set-up barrier) over that many steps."""
+    if algorithm not in ALGORITHMS:
+        raise CommModelError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if shape.seq % layout.cp:
+        raise CommModelError(f"the sequence ({shape.seq}) must be divisible by --cp {layout.cp}")
+    if shape.heads % layout.tp:
+        raise CommModelError(f"--tp {layout.tp} must divide the {shape.heads} attention heads")
+    if layout.pp > shape.layers + (2 if algorithm == "pslab" else 0):
+        raise CommModelError(f"--pp {layout.pp} exceeds the {shape.layers} layers")
+    if steps is not None and steps < 1:
+        raise CommModelError(f"steps must be >= 1, got {steps}")
+    return _terms(shape, layout, Placement(layout, cluster, placement), algorithm, act_bytes, grad_bytes, overlap,
+                  steps)
+
+
+def bytes_by_kind(terms: list[CommTerm]) -> dict[str, float]:
+    """{kind: bytes per step, summed over links}."""
+    out: dict[str, float] = {}
+    for t in terms:
+        out[t.kind] = out.get(t.kind, 0.0) + t.bytes
+    return out
+
+
+def bytes_by_link(terms: list[CommTerm]) -> dict[str, float]:
+    """{"intra": bytes, "inter": bytes} per step over all kinds."""
+    out = {"intra": 0.0, "inter": 0.0}
+    for t in terms:
+        out[t.link] += t.bytes
+    return out
