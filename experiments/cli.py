@@ -13,7 +13,7 @@ import sys
 import threading
 
 # sub-command modules, in the order `pslab --help` lists them; a missing module is skipped (work in progress)
-COMMANDS = ("compare", "run", "sweep", "report", "server", "schedule", "bench", "workloads", "memory")
+COMMANDS = ("compare", "run", "sweep", "report", "server", "schedule", "bench", "workloads", "memory", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,11 @@ Files, one idea each:
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     memory_model.py  bytes per GPU of a layout: model state (ZeRO), activations (Korthikanti et al.) — `pslab memory`
+    cluster.py       a cluster for the planner: nodes of GPUs, memory, achieved FLOP/s, intra/inter links; presets
+    comm_model.py    bytes and α-β seconds per step of each kind of communication, per link class (textbook
+                     ring rules, or pslab's own exact ones) under a placement of ranks on nodes
+    step_model.py    step time of a layout: FLOPs (Narayanan et al. eq. 3), bubble, exposed comm, memory
+    planner.py       every layout of a model on a cluster, ranked by step time, explained — `pslab plan`
     moe.py           a mixture-of-experts feed-forward: top-k router, GShard capacity and dropping, Switch aux loss
     expert.py        expert parallelism: experts over the ep ranks, all-to-all dispatch and combine
     checkpointing.py activation checkpointing and the saved-activation meter

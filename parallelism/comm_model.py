@@ -35,8 +35,10 @@ Textbook rules (algorithm "ring", NCCL-like):
     pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
                      of a stage sends its own A:  Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β)
     dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
-    zero RS + AG     ZeRO 1/2: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g;
-                     ZeRO 3 all-gathers the parameters again in backward: 3(D−1)/D (Rajbhandari et al. 2020)
+    zero RS + AG     ZeRO 1: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g per
+                     step; with m micro-batches of gradient accumulation ZeRO 2 reduce-scatters after each one:
+                     (m+1)(D−1)/D; ZeRO 3 also all-gathers the parameters for each micro-batch's forward and
+                     backward: 3m(D−1)/D (Rajbhandari et al. 2020; DeepSpeed, FSDP)
     cp ring + grads  ring attention per layer and micro-batch: K, V forward 2(C−1) blocks, backward 2(C−1) + 2C
                      blocks of b·(s/C)·h·act_bytes (ring_attention.ring_bytes: 6C − 4 blocks in 3C − 2 messages
                      around the cp ring); + the gradients summed over cp
@@ -423,13 +425,20 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
 
     if D > 1 and lay.zero:
         k3 = 3 if lay.zero == 3 else 2
-        kind = _Kind("zero RS + AG", f"Σ_ranks {k3}(D−1)/D·Ψ_k·{g} B (ZeRO-{lay.zero}: reduce-scatter the gradients, "
-                     "all-gather the parameters" + (", twice" if lay.zero == 3 else "") + ")"
+        # textbook, with m micro-batches of gradient accumulation (DeepSpeed / FSDP): ZeRO-1 keeps whole gradients
+        # and reduce-scatters once per step; ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every
+        # micro-batch's backward; ZeRO-3 also all-gathers the parameters for every micro-batch's forward and backward
+        n_rs, n_ag = {1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[lay.zero] if not pslab else (1, k3 - 1)
+        rule = f"{n_rs + n_ag}(D−1)/D" if not pslab else f"{k3}(D−1)/D"
+        kind = _Kind("zero RS + AG", f"Σ_ranks {rule}·Ψ_k·{g} B (ZeRO-{lay.zero}: reduce-scatter the gradients"
+                     + (f" × {n_rs} micro-batches" if n_rs > 1 else "") + ", all-gather the parameters"
+                     + (f" × {n_ag} (forward and backward of each micro-batch)" if n_ag > 1 and not pslab else "")
+                     + (", twice" if lay.zero == 3 and pslab else "") + ")"
                      + ("; per parameter, ring" if pslab else ""), True)
         for grp, times in pl.group_classes("dp"):
             c = Cost()
             for n in (stage_tensors(shape, lay, stage(grp), algorithm) if pslab else [psi[stage(grp)]]):
-                c.add(ring(pl, grp, n, g, "rs")).add(ring(pl, grp, n, g, "ag"), k3 - 1)
+                c.add(ring(pl, grp, n, g, "rs"), n_rs).add(ring(pl, grp, n, g, "ag"), n_ag)
             kind.group(c, times=times)
         out += kind.terms()
     elif D > 1:

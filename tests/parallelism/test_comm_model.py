@@ -108,6 +108,15 @@ def test_zero_moves_what_the_paper_says():
         assert bytes_by_kind(terms) == {"zero RS + AG": pytest.approx(4 * k * 3 / 4 * S, rel=1e-12)}
 
 
+def test_zero_2_and_3_pay_per_micro_batch_under_gradient_accumulation():
+    """m = 4 micro-batches: ZeRO-1 keeps whole gradients (2(N−1)/N·Ψ per step); ZeRO-2 reduce-scatters after each
+    micro-batch ((m+1)(N−1)/N); ZeRO-3 also all-gathers the parameters for each forward and backward (3m(N−1)/N)."""
+    S, m = GPT.params() * 2, 4
+    for z, k in ((1, 2), (2, m + 1), (3, 3 * m)):
+        terms = step_comm(GPT, Layout(dp=4, zero=z, micro_batches=m), _cluster(4))
+        assert bytes_by_kind(terms) == {"zero RS + AG": pytest.approx(4 * k * 3 / 4 * S, rel=1e-12)}, z
+
+
 def test_model_flops_of_a_narayanan_table_1_model():
     """GPT-3 175B of Narayanan et al. 2021 Table 1 (h = 12288, 96 layers, s = 2048, V = 51200, batch 1536), eq. (3)
     with full recompute, by hand: 96·1536·2048·96·12288²·(1 + 2048/73728 + 51200/18874368) = 4.5110e18 FLOPs."""

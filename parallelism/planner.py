@@ -1,0 +1,444 @@
+"""The 3D-layout planner: every way to lay one transformer out on a cluster, each through the step-time model,
+the ones that fit ranked by step time, and the winner explained in words (`pslab plan`).
+
+    cluster = preset("dgx-a100-80gb", nodes=384)
+    ranked = plan(Shape(128, 25600, 160, 2048, 51200), cluster, global_batch=3072)   # GPT-1T, Narayanan et al.
+    print(explain(ranked, cluster))
+
+The layouts (for `gpus` GPUs, default all of the cluster's):
+
+    dp · tp · pp · cp · ep = gpus         ep = 1 (a dense Shape has no experts); cp ∈ `cp` (default 1)
+    tp | heads,  tp ≤ max_tp              (default: no limit; a tp > gpus_per_node group crosses nodes: such
+                                           layouts stay in the list, so that the explanation can say why they lose)
+    pp | layers                           (equal stages, as in Narayanan et al. 2021)
+    b ∈ {1, 2, 4, 8},  m = B / (dp · b)   (micro-batch size and count: dp · m · b = the global batch B, m integer)
+    ZeRO stage ∈ zero                     (only 0 when dp = 1: the stages differ only across dp ranks)
+    recompute ∈ recompute                 (none, selective, full: Korthikanti et al. 2022)
+    SP with every tp > 1                  (same bytes as TP's all-reduce, activations /t: it is never worse)
+    schedule ∈ schedules                  (1F1B; GPipe optional; one schedule when pp = 1)
+    placement "packed"                    (tp innermost, a tp group fills a node before the next)
+
+Each layout goes through `step_model.predict` (compute = Narayanan et al.'s FLOPs at the cluster's achieved rate,
+the bubble (p−1)/(m+p−1), each communication α-β on the link its group spans, DP's gradient sync overlapped with
+backward; memory per GPU = the worst pipeline stage of `memory_model.estimate`). The layouts that fit (memory ≤ the
+GPU's) are ranked by step time; ties by memory per GPU, then by fewer model-parallel ranks.
+
+Speed: the candidates are built first (integer arithmetic, ~2·10⁵ per second); one whose first pipeline stage
+alone does not fit is dropped before `predict` (stage 0's memory, ~10⁵ per second, is a lower bound of the max over
+stages). The rest is `predict`'s pace: on this 2-core machine ~2800 layouts/s for GPT-1.7B on 32 GPUs, ~600/s for
+GPT-1T on 3072 (the communication model walks the groups of the mesh). A tqdm bar on stderr with `progress=True`.
+
+Published runs (`PUBLISHED`, `compare_published`, `pslab plan --published`): Narayanan et al. 2021's Table 1, each
+row's own layout and the planner's best predicted on the A100 preset with one efficiency for all rows.
+
+`explain` turns the ranking into sentences: the winner and its time breakdown; why its tensor parallelism stays in
+the node (the fastest layout whose tp group crosses nodes, its TP seconds on the inter link against the same bytes
+on the intra link); why its pipeline depth (no shallower pipeline fits); and what limits it (memory headroom,
+bubble, DP communication left exposed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator
+
+from .cluster import Cluster
+from .memory_model import PRECISIONS, Layout, MemoryModelError, Shape, estimate
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+TP_KIND = "tp activations"
+
+
+class PlanError(MemoryModelError):
+    """A planning request that cannot be answered (one line: what to change)."""
+
+
+class Ranked(list):
+    """`plan`'s answer: the feasible Predictions, fastest first, and how the search went."""
+
+    def __init__(self, items: Iterable = ()) -> None:
+        super().__init__(items)
+        self.enumerated = 0          # layouts built
+        self.predicted = 0           # of which went through predict (the rest failed the memory pre-check)
+        self.elapsed_s = 0.0
+        self.smallest: tuple[float, str] | None = None   # (bytes per GPU, layout) of the leanest, when none fits
+        self.gpus = 0
+        self.shape: Shape | None = None   # what was planned (explain re-predicts counterfactuals with it)
+        self.precision = "mixed"
+        self.options: dict = {}      # placement, algorithm, overlap as passed to predict
+        self.space: dict = {}        # the recompute modes, ZeRO stages and schedules searched
+        self.tried: dict = {}        # (tp, pp) -> layouts enumerated with those degrees (fitting or not)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    shape: Shape             # with micro_batch = b
+    layout: Layout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: Shape, gpus: int, global_batch: int, *, max_tp: int | None = None,
+               schedules: Iterable[str] = ("1f1b",), recompute: Iterable[str] = ("none", "selective", "full"),
+               zero: Iterable[int] = (0, 1, 2, 3), micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES,
+               cp: Iterable[int] = (1,), sp: bool = True) -> Iterator[Candidate]:
+    """Every layout of the module docstring's table, in a fixed order (tp, pp, cp, b, zero, recompute, schedule)."""
+    zero, recompute, schedules = tuple(zero), tuple(recompute), tuple(schedules)
+    shapes = {b: replace(shape, micro_batch=b) for b in micro_batch_sizes}
+    for tp in divisors(gpus):
+        if shape.heads % tp or (max_tp is not None and tp > max_tp):
+            continue
+        for pp in divisors(gpus // tp):
+            if shape.layers % pp:
+                continue
+            for c in cp:
+                if (gpus // (tp * pp)) % c or shape.seq % c:
+                    continue
+                dp = gpus // (tp * pp * c)
+                use_sp = sp and tp > 1 and shape.seq % (tp * c) == 0
+                for b, sh in shapes.items():
+                    if global_batch % (dp * b):
+                        continue
+                    m = global_batch // (dp * b)
+                    for z in (zero if dp > 1 else (0,)):
+                        for r in recompute:
+                            for s in (schedules if pp > 1 else schedules[:1]):
+                                yield Candidate(sh, Layout(dp=dp, tp=tp, pp=pp, cp=c, zero=z, sp=use_sp, recompute=r,
+                                                           micro_batches=m, schedule=s))
+
+
+def _check(shape: Shape, cluster: Cluster, global_batch: int, precision: str, gpus: int,
+           schedules: tuple, recompute: tuple, zero: tuple) -> None:
+    if type(global_batch) is not int or global_batch < 1:
+        raise PlanError(f"--global-batch must be an integer >= 1, got {global_batch!r}")
+    if type(gpus) is not int or gpus < 1:
+        raise PlanError(f"--gpus must be an integer >= 1, got {gpus!r}")
+    if gpus > cluster.gpus:
+        raise PlanError(f"--gpus {gpus} exceeds the cluster's {cluster.gpus} ({cluster.nodes} nodes x "
+                        f"{cluster.gpus_per_node}): raise --nodes")
+    if precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    if min(shape.layers, shape.hidden, shape.heads, shape.seq, shape.vocab) < 1:
+        raise PlanError("--layers, --hidden, --heads, --seq and --vocab must be >= 1")
+    if shape.hidden % shape.heads:
+        raise PlanError(f"the heads ({shape.heads}) must divide the hidden size ({shape.hidden})")
+    bad = [s for s in schedules if s not in ("1f1b", "gpipe")] + [r for r in recompute
+                                                                 if r not in ("none", "selective", "full")]
+    if bad or not schedules or not recompute or not zero or any(z not in (0, 1, 2, 3) for z in zero):
+        raise PlanError("schedules must be 1f1b/gpipe, recompute none/selective/full, zero stages 0-3 (non-empty)")
+
+
+def plan(shape: Shape, cluster: Cluster, global_batch: int, *, precision: str = "mixed", gpus: int | None = None,
+         max_tp: int | None = None, schedules: Iterable[str] = ("1f1b",),
+         recompute: Iterable[str] = ("none", "selective", "full"), zero: Iterable[int] = (0, 1, 2, 3),
+         progress: bool = False, micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES, cp: Iterable[int] = (1,),
+         sp: bool = True, where: Callable[[Layout], bool] | None = None, placement: str = "packed",
+         algorithm: str = "ring", overlap: bool = True) -> Ranked:
+    """The feasible layouts of `shape` on `gpus` GPUs of `cluster` for a global batch of sequences, fastest first
+    (`where`: keep only the layouts it accepts, e.g. a published run's own tp and pp)."""
+    from .step_model import predict
+    gpus = cluster.gpus if gpus is None else gpus
+    schedules, recompute, zero = tuple(schedules), tuple(recompute), tuple(zero)
+    micro_batch_sizes, cp = tuple(micro_batch_sizes), tuple(cp)
+    _check(shape, cluster, global_batch, precision, gpus, schedules, recompute, zero)
+    if not micro_batch_sizes or not cp or min(micro_batch_sizes + cp) < 1:
+        raise PlanError("micro-batch sizes and cp degrees must be non-empty lists of integers >= 1")
+    t0 = time.perf_counter()
+    cands = [c for c in candidates(shape, gpus, global_batch, max_tp=max_tp, schedules=schedules, recompute=recompute,
+                                   zero=zero, micro_batch_sizes=micro_batch_sizes, cp=cp, sp=sp)
+             if where is None or where(c.layout)]
+    out = Ranked()
+    out.enumerated, out.gpus, out.shape, out.precision = len(cands), gpus, shape, precision
+    out.options = dict(placement=placement, algorithm=algorithm, overlap=overlap)
+    out.space = dict(recompute=recompute, zero=zero, schedules=schedules)
+    for c in cands:
+        k = (c.layout.tp, c.layout.pp)
+        out.tried[k] = out.tried.get(k, 0) + 1
+    if not cands:
+        if where is not None:
+            raise PlanError(f"no layout of {gpus} GPUs passes the given filter (e.g. a fixed tp / pp)")
+        raise PlanError(_no_layout(shape, gpus, global_batch, micro_batch_sizes))
+    cap = cluster.gpu_memory_bytes
+    from tqdm import tqdm
+    for c in tqdm(cands, desc="pslab plan", unit="layout", disable=not progress, file=sys.stderr, leave=False):
+        first = estimate(c.layout, precision, shape=c.shape, stage=0).total
+        if first > cap:
+            _lean(out, first, c)
+            continue
+        out.predicted += 1
+        p = predict(c.shape, c.layout, cluster, global_batch, precision=precision, placement=placement,
+                    algorithm=algorithm, overlap=overlap)
+        if p.fits:
+            out.append(p)
+        else:
+            _lean(out, p.memory_bytes, c)
+    out.sort(key=rank_key)
+    if out:
+        out.smallest = None
+    out.elapsed_s = time.perf_counter() - t0
+    return out
+
+
+def rank_key(p) -> tuple:
+    lay = p.layout
+    return (p.step_s, p.memory_bytes, lay.tp * lay.pp * lay.cp, lay.pp, lay.zero, describe(p))
+
+
+def _lean(out: Ranked, nbytes: float, c: Candidate) -> None:
+    if out.smallest is None or nbytes < out.smallest[0]:
+        out.smallest = (nbytes, f"{c.layout.describe()} b={c.shape.micro_batch}")
+
+
+def _no_layout(shape: Shape, gpus: int, batch: int, bs: tuple) -> str:
+    tps = [t for t in divisors(gpus) if shape.heads % t == 0]
+    return (f"no layout of {gpus} GPUs: dp·tp·pp must be {gpus} with tp dividing the {shape.heads} heads "
+            f"(possible tp: {', '.join(map(str, tps))}), pp dividing the {shape.layers} layers, and dp·b dividing "
+            f"the global batch {batch} for a micro-batch size b in {', '.join(map(str, bs))}: change --gpus or "
+            f"--global-batch")
+
+
+def describe(p) -> str:
+    """A layout in one token list: dp, tp, pp (always), then cp, sp, ZeRO, recompute, micro-batch size and count."""
+    lay = p.layout
+    parts = [f"dp={lay.dp}", f"tp={lay.tp}", f"pp={lay.pp}"] + [f"cp={lay.cp}"] * (lay.cp > 1)
+    parts += ["sp"] * lay.sp + [f"zero{lay.zero}"] * bool(lay.zero)
+    parts += [f"rc={lay.recompute}"] * (lay.recompute != "none") + ["gpipe"] * (lay.schedule == "gpipe")
+    parts += [f"b={micro_batch(p)}", f"m={lay.micro_batches}"]
+    return " ".join(parts)
+
+
+# ---- the time breakdown and the explanation ----------------------------------------------------------------
+
+PARTS = ("compute", "bubble", "TP", "PP", "DP exposed", "other comm", "overhead")
+
+
+def breakdown(p) -> dict[str, float]:
+    """Seconds of one step by part: compute, bubble, the communication the step waits for by kind (TP, PP; DP =
+    what of the dp / ZeRO sync is left exposed; other = CP, EP), overhead. Sums to the step time."""
+    tp = pp = other = 0.0
+    exposed_fixed = 0.0
+    for t in p.comm:
+        if t.overlappable:
+            continue
+        if t.kind == TP_KIND:
+            tp += t.seconds
+        elif t.kind == "pp boundaries":
+            pp += t.seconds
+        elif t.kind.startswith(("cp", "ep")):
+            other += t.seconds
+        else:
+            continue                      # dp / ZeRO terms that are not overlappable: counted in "DP exposed"
+        exposed_fixed += t.seconds
+    dp = max(0.0, p.exposed_comm_s - exposed_fixed)
+    parts = {"compute": p.compute_s, "bubble": p.bubble_s, "TP": tp, "PP": pp, "DP exposed": dp, "other comm": other,
+             "overhead": p.overhead_s}
+    rest = p.step_s - sum(parts.values())
+    if abs(rest) > 1e-9 * max(p.step_s, 1e-30):   # a model whose parts do not add up: keep the total honest
+        parts["overhead"] += rest
+    return parts
+
+
+def link_seconds(p, kind: str = TP_KIND) -> dict[str, float]:
+    """Seconds of one kind of communication per link class ('intra', 'inter') in a prediction."""
+    out = {"intra": 0.0, "inter": 0.0}
+    for t in p.comm:
+        if t.kind == kind:
+            out[t.link] = out.get(t.link, 0.0) + t.seconds
+    return out
+
+
+def _pct(x: float, total: float) -> str:
+    return f"{100 * x / total:.0f}%" if total > 0 else "0%"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def micro_batch(p) -> int:
+    """The micro-batch size b of a prediction: B / (dp · m)."""
+    return p.global_batch // (p.layout.dp * p.layout.micro_batches)
+
+
+def tp_on_intra(p, cluster: Cluster, shape: Shape, precision: str = "mixed", **options):
+    """The same layout predicted as if every link were as fast as the intra link (the counterfactual of 'its tp
+    group crosses nodes'): what its TP bytes would cost on NVLink."""
+    from .step_model import predict
+    lat, bw = cluster.link("intra")
+    fast = cluster.with_(inter_latency_s=lat, inter_bandwidth_Bps=bw)
+    return predict(replace(shape, micro_batch=micro_batch(p)), p.layout, fast, p.global_batch, precision=precision,
+                   **options)
+
+
+def explain(ranked: list, cluster: Cluster) -> str:
+    """The top choice in words: what it is, where its time goes, why TP stays in the node, why this pipeline
+    depth, and what limits it."""
+    if not ranked:
+        sm = getattr(ranked, "smallest", None)
+        return ("No layout fits." + (f" The leanest, {sm[1]}, needs at least {_gb(sm[0])} per GPU of the "
+                                     f"{_gb(cluster.gpu_memory_bytes)}: add GPUs (--nodes) or allow more recompute / "
+                                     f"ZeRO." if sm else ""))
+    best = ranked[0]
+    lay, step = best.layout, best.step_s
+    bd = breakdown(best)
+    g = cluster.gpus_per_node
+    lines = [f"Best of {len(ranked)} layouts that fit: {describe(best)} — {_s(step)} per step, "
+             f"{best.tflops_per_gpu:.0f} TFLOP/s per GPU ({best.tflops_per_gpu * 1e12 / cluster.peak_flops:.0%} "
+             f"of peak), {_gb(best.memory_bytes)} of {_gb(cluster.gpu_memory_bytes)} per GPU."]
+    lines.append("Its step: " + ", ".join(f"{k} {_pct(v, step)}" for k, v in bd.items() if v > 0.0005 * step) + ".")
+    # -- tensor parallelism and the node boundary
+    crossing = [p for p in ranked if p.layout.tp > g]
+    if lay.tp > g:
+        lines.append(f"Its tp={lay.tp} crosses nodes ({g} GPUs per node): no layout with tp <= {g} is faster "
+                     f"(TP costs {_s(bd['TP'])} per step here).")
+    elif cluster.nodes == 1 or best.layout.gpus() <= g:
+        lines.append(f"All {best.layout.gpus()} GPUs sit in one node: every TP all-reduce rides the intra link.")
+    elif crossing:
+        x = crossing[0]
+        rank = ranked.index(x) + 1
+        inter = link_seconds(x)
+        head = (f"TP stays inside the node: tp={lay.tp} <= {g} GPUs per node, so its all-reduces ride the intra "
+                f"link ({_s(bd['TP'])} per step)." if lay.tp > 1 else
+                "No tensor parallelism (tp=1): the model fits without splitting its layers, and TP's per-layer "
+                "all-reduces would only add time.")
+        text = (f"{head} The fastest layout whose tp group crosses nodes, {describe(x)} (#{rank}), takes "
+                f"{_s(x.step_s)} ({x.step_s / step:.2f}x): its TP spends {_s(inter['inter'])} on the inter link"
+                + (f" (+{_s(inter['intra'])} intra)" if inter["intra"] > 0 else ""))
+        shape = getattr(ranked, "shape", None)
+        if shape is not None:
+            fast = link_seconds(tp_on_intra(x, cluster, shape, getattr(ranked, "precision", "mixed"),
+                                            **getattr(ranked, "options", {})))
+            text += f", where the same bytes would take {_s(fast['intra'] + fast['inter'])} on the intra link"
+        ratio = cluster.intra_bandwidth_Bps / cluster.inter_bandwidth_Bps
+        lines.append(text + f" (the links' bandwidths differ {ratio:.0f}x).")
+    else:
+        tried = sum(n for (t, _), n in getattr(ranked, "tried", {}).items() if t > g)
+        why = (f"none of the {tried} layouts whose tp group crosses nodes fits in memory" if tried else
+               f"no tp > {g} is possible here (tp must divide the heads and dp·tp·pp the GPUs, or --max-tp)")
+        lines.append((f"TP stays inside the node (tp={lay.tp} <= {g})" if lay.tp > 1 else
+                      "No tensor parallelism (tp=1)") + f"; {why}.")
+    # -- pipeline depth
+    if lay.pp > 1:
+        shallower = [p for p in ranked if p.layout.pp < lay.pp]
+        if not shallower:
+            tried = sum(n for (_, q), n in getattr(ranked, "tried", {}).items() if q < lay.pp)
+            why = (f"none of the {tried} layouts with fewer pipeline stages fits in {_gb(cluster.gpu_memory_bytes)} "
+                   f"per GPU" if tried else "no layout with fewer pipeline stages exists for these GPUs and batch "
+                   "(dp·tp·pp = GPUs, tp | heads, pp | layers)")
+            lines.append(f"pp={lay.pp}: {why}; the bubble (p-1)/(m+p-1) costs {_pct(bd['bubble'], step)} with m="
+                         f"{lay.micro_batches}.")
+        else:
+            s = shallower[0]
+            lines.append(f"pp={lay.pp}: the fastest shallower pipeline, {describe(s)}, takes {_s(s.step_s)} "
+                         f"({s.step_s / step:.2f}x).")
+    # -- what limits it
+    limits = []
+    head = best.memory_bytes / cluster.gpu_memory_bytes
+    if head > 0.8:
+        limits.append(f"memory ({head:.0%} of the GPU used)")
+    for k, label in (("bubble", "the pipeline bubble"), ("DP exposed", "DP gradient sync left exposed"),
+                     ("TP", "TP communication"), ("PP", "pipeline transfers"), ("other comm", "CP/EP communication"),
+                     ("overhead", "per-step overhead")):
+        if bd[k] > 0.05 * step:
+            limits.append(f"{label} ({_pct(bd[k], step)})")
+    searched = getattr(ranked, "space", {}).get("recompute", ("none",))
+    if lay.recompute != "none" and "none" in searched:
+        limits.append(f"recompute={lay.recompute} (its extra forward FLOPs buy the memory: the same layout without "
+                      f"it is slower or does not fit)")
+    lines.append("What limits it: " + (", ".join(limits) if limits else "compute: it runs at the cluster's achieved "
+                                       "FLOP/s with little else") + ".")
+    if len(ranked) > 1:
+        r = ranked[1]
+        rb = breakdown(r)
+        diff = max(PARTS, key=lambda k: rb[k] - bd[k])
+        if r.step_s - step <= 1e-6 * step:
+            lines.append(f"Runner-up: {describe(r)}, the same {_s(r.step_s)}, ranked lower for its memory "
+                         f"({_gb(r.memory_bytes)} per GPU).")
+        else:
+            lines.append(f"Runner-up: {describe(r)}, {_s(r.step_s)} (+{(r.step_s / step - 1) * 100:.1f}%), mostly "
+                         f"{diff} (+{_s(rb[diff] - bd[diff])}).")
+    return "\n".join(lines)
+
+
+# ---- published runs: Narayanan et al. 2021, Table 1 --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Published:
+    """One row of Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", SC'21, arXiv:2104.04473), Table 1: GPT models on Selene (DGX A100 80 GB nodes, 8 GPUs each, 8
+    HDR InfiniBand NICs per node), sequence 2048, vocabulary 51200, mixed precision; achieved TFLOP/s per GPU by
+    their eq. (3), end to end (data loading, optimizer and logging included)."""
+
+    name: str
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float            # achieved teraFLOP/s per GPU (of 312 peak)
+
+    def shape(self, micro_batch: int = 1) -> Shape:
+        return Shape(self.layers, self.hidden, self.heads, 2048, 51200, micro_batch)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+PUBLISHED: dict[str, Published] = {r.name: r for r in (
+    Published("gpt-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    Published("gpt-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    Published("gpt-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    Published("gpt-18b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Published("gpt-39b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    Published("gpt-76b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Published("gpt-145b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    Published("gpt-310b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Published("gpt-530b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    Published("gpt-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)}
+PAPER_CLUSTER = "dgx-a100-80gb"
+
+
+def compare_published(row: Published, cluster: Cluster | None = None, *, progress: bool = False) -> dict:
+    """The planner against one published run, all predicted on `cluster` (default the A100 preset with the run's
+    nodes): the paper's layout (its tp, pp, dp; ZeRO 0, no SP, full recompute, 1F1B, as Megatron-LM ran then;
+    micro-batch size the fastest of 1-8 that fits), the planner's best with those same knobs ("planner_megatron":
+    free tp, pp, dp, b), and its best with every knob ("planner_best"). TFLOP/s per GPU = the prediction's own
+    (eq. (3)'s FLOPs of its recompute mode / step / GPUs: for full recompute the paper's count)."""
+    from .cluster import preset
+    cluster = cluster or preset(PAPER_CLUSTER, nodes=max(1, -(-row.gpus // 8)))
+    shape = row.shape()
+    knobs = dict(zero=(0,), recompute=("full",), sp=False)          # Megatron-LM's in 2021
+    own = plan(shape, cluster, row.batch, gpus=row.gpus, where=lambda lay: lay.tp == row.tp and lay.pp == row.pp,
+               **knobs)
+    megatron = plan(shape, cluster, row.batch, gpus=row.gpus, **knobs)
+    best = plan(shape, cluster, row.batch, gpus=row.gpus, progress=progress)
+    out = {"model": row.name, "params_b": row.params_b, "gpus": row.gpus, "batch": row.batch,
+           "paper": {"tp": row.tp, "pp": row.pp, "dp": row.dp, "tflops_per_gpu": row.tflops},
+           "efficiency": cluster.efficiency, "peak_tflops": cluster.peak_flops / 1e12,
+           "paper_layout": None, "planner_best": None, "enumerated": best.enumerated, "feasible": len(best)}
+    if own:
+        p = own[0]
+        out["paper_layout"] = {"layout": describe(p), "tflops_per_gpu": p.tflops_per_gpu,
+                               "step_s": p.step_s, "memory_bytes": p.memory_bytes}
+    for key, ranked in (("planner_megatron", megatron), ("planner_best", best)):
+        if ranked:
+            p = ranked[0]
+            out[key] = {"layout": describe(p), "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
+                        "tflops_per_gpu": p.tflops_per_gpu, "step_s": p.step_s, "memory_bytes": p.memory_bytes,
+                        "tp_inside_node": p.layout.tp <= cluster.gpus_per_node}
+        else:
+            out[key] = None
+    return out
