@@ -38,6 +38,7 @@ A push ack carrying `checkpoint_error` (the shard's periodic checkpoint failed) 
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -59,8 +60,9 @@ from .errors import (CheckpointWarning, ConfigError, PSError, RequestTimeoutErro
 from .futures import LazyFuture, gather, mapped, metas
 from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
-from . import shm_path
+from . import shm_arena, shm_path
 from .protocol import CLIENT_LIMITS
+from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
 
 
@@ -130,8 +132,8 @@ class PSClient:
         for sock in self._socks + self._monitors:
             self._poller.register(sock, zmq.POLLIN)
         self._monitor_of = {m: i for i, m in enumerate(self._monitors)}
-        self._links = [ClientLink(self.worker, i, shm_path.wanted(a) if shm is None else bool(shm))
-                       for i, a in enumerate(self.addresses)]
+        self._arena, self._into = self._arenas([shm_path.wanted(a) if shm is None else bool(shm)
+                                                for a in self.addresses])
         try:
             self.registration = self._register()
         except BaseException:
@@ -146,9 +148,50 @@ class PSClient:
                                   f"model's partition puts {sorted(mine)[:6]} there: same model and shard order "
                                   "on every worker, and the servers listed in shard order?")
 
+    def _arenas(self, enabled: list[bool]) -> tuple[PushArena | None, PullArena | None]:
+        """The shard links and the client's two arenas (ps.shm_arena): one push segment for all links, laid out
+        tensor by tensor, and, if some tensor is split across shards, one pull segment the shards write its pieces
+        into. Both are made (and renewed) at register."""
+        n = len(self.addresses)
+        on = [i for i in range(n) if enabled[i]]
+        arena = into = None
+        push_at: dict[str, tuple[int, int]] = {}
+        into_at: dict[str, tuple[int, int]] = {}
+        self._tensor_at: dict[str, int] = {}           # tensor name -> its offset in the push / pull arena
+        self._wholes: dict[str, tuple[np.ndarray, int]] = {}
+        self._wholes_for = ""
+        self._into_at: dict[str, int] = {}
+        if on:
+            push_at, self._tensor_at, total = shm_arena.places(self.partition.slices, n)
+            arena = PushArena(secrets.token_hex(6), self.worker, on, total)
+            split = {m for m, sl in self._slices_of.items() if len(sl) > 1 and self.dtypes[m] is not None}
+            if split:
+                into_at, self._into_at, total = shm_arena.places(self.partition.slices, n, split)
+                into = PullArena(secrets.token_hex(6), self.worker, on, total)
+        self._links = [ClientLink(self.worker, i, enabled[i], arena=arena,
+                                  places={s.key: push_at[s.key] for s in self._keys_of[i]} if arena else None,
+                                  into=into, into_places={s.key: into_at[s.key] for s in self._keys_of[i]
+                                                          if s.key in into_at},
+                                  into_dtypes={s.key: self.dtypes[s.name] for s in self._keys_of[i]
+                                               if s.key in into_at})
+                       for i in range(n)]
+        return arena, into
+
+    def _renew_arenas(self) -> None:
+        """Fresh segments (a new generation) for a (re-)register: nothing of a previous incarnation maps them."""
+        if self._arena is not None:
+            self._arena.close()
+        if self._into is not None:
+            self._into.close()
+            try:
+                self._into.reserve_all()         # the shards map it at register: it must not grow afterwards
+            except OSError:
+                self._into.close()               # split tensors come back through the reply segments
+
     # ------------------------------------------------------------------ requests
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
+        self._renew_arenas()
         per = [(dict({"worker": self.worker, "token": self._token}, **link.probe()), None) for link in self._links]
         regs = self._all("register", per_shard=per).result(self.timeout + 1)
         for i, (r, _) in enumerate(regs):
@@ -278,15 +321,26 @@ class PSClient:
     def grad_buffers(self) -> dict[str, np.ndarray]:
         """Writable arrays shaped like the parameters to compute gradients into (e.g. `p.grad =
         torch.from_numpy(buf[name])`, so backward accumulates in place): on the same-host path they are the push
-        segment itself, and a push of them copies nothing. Do not write them while a push is in flight. Tensors
-        split across shards, and shards without the path, get ordinary arrays (pushed with a copy)."""
+        segment itself (ps.shm_arena: a tensor split across shards too), and a push of them copies nothing. Do not
+        write them while a push is in flight. Tensors on a shard without the path get ordinary arrays (pushed
+        with a copy), and so does everything if the segment cannot be allocated."""
         out: dict[str, np.ndarray] = {}
-        for i, link in enumerate(self._links):
-            specs = {s.key: ((s.numel,), self.dtypes[s.name]) for s in self._keys_of[i]}
-            views = link.buffers(specs) if all(d is not None for _, d in specs.values()) else {}
-            for s in self._keys_of[i]:
-                if len(self._slices_of[s.name]) == 1 and s.key in views:
-                    out[s.name] = views[s.key].reshape(s.shape)
+        arena = self._arena
+        if arena is not None and any(link.push_ok for link in self._links):
+            try:
+                arena.reserve_all()
+            except OSError:                                  # /dev/shm full: pushes go as frames
+                for link in self._links:
+                    link.push_ok = False
+        if arena is not None and arena.bytes is not None:
+            raw = arena.bytes.numpy()
+            for name, pieces in self._slices_of.items():
+                dt = self.dtypes[name]
+                if dt is None or not all(self._links[p.shard].push_ok for p in pieces):
+                    continue
+                off = self._tensor_at[name]
+                out[name] = raw[off:off + pieces[0].itemsize * math.prod(self.shapes[name])].view(dt).reshape(
+                    self.shapes[name])
         for name in self.partition.names:
             if name not in out:
                 out[name] = np.zeros(self.shapes[name], self.dtypes[name] or np.float32)
@@ -329,6 +383,10 @@ class PSClient:
                 out[name] = (a if a.flags.writeable or not copy else np.array(a)).reshape(pieces[0].shape)
                 continue
             first = per_shard[pieces[0].shard][pieces[0].key]
+            whole = self._in_place(name, pieces, per_shard) if not copy else None
+            if whole is not None:                               # the shards wrote it into our pull arena
+                out[name] = whole
+                continue
             n = sum(p.numel for p in pieces)
             flat = None if copy else self._scratch.get(name)    # copy=False: one buffer, rewritten by each read
             if flat is None or flat.dtype != first.dtype or flat.size != n:
@@ -339,6 +397,29 @@ class PSClient:
                 flat[p.start:p.stop] = per_shard[p.shard][p.key]
             out[name] = flat.reshape(pieces[0].shape)
         return out
+
+    def _in_place(self, name: str, pieces: list[Any], per_shard: list[dict[str, Any]]) -> np.ndarray | None:
+        """The whole of a split tensor as a read-only view of the pull arena, if every piece lies at its place
+        there (the shards wrote them in: nothing to reassemble); else None."""
+        into = self._into
+        if into is None or into.bytes is None or name not in self._into_at:
+            return None
+        if self._wholes_for != into.name:                  # the views of one generation of the arena
+            self._wholes, self._wholes_for = {}, into.name
+        got = self._wholes.get(name)
+        if got is None:
+            off = self._into_at[name]
+            flat = into.bytes.numpy()[off:off + pieces[0].itemsize * math.prod(self.shapes[name])]
+            whole = flat.view(self.dtypes[name]).reshape(self.shapes[name])
+            whole.flags.writeable = False
+            got = self._wholes[name] = (whole, whole.__array_interface__["data"][0])
+        whole, base = got
+        for p in pieces:
+            a = per_shard[p.shard][p.key]
+            if not (isinstance(a, np.ndarray) and a.dtype == whole.dtype and a.size == p.numel
+                    and a.__array_interface__["data"][0] == base + p.start * p.itemsize):
+                return None
+        return whole
 
     # ------------------------------------------------------------------ progress
     def _drive(self, fut: Future, timeout: float | None) -> None:
@@ -471,6 +552,9 @@ class PSClient:
                     sock.close(0)
             for link in getattr(self, "_links", []):
                 link.close()
+            for arena in (getattr(self, "_arena", None), getattr(self, "_into", None)):
+                if arena is not None:
+                    arena.close()
 
     def __enter__(self) -> "PSClient":
         return self

@@ -64,25 +64,20 @@ def gather(futs: list[Future]) -> Future:
             if out.done():
                 return
     out: Future = LazyFuture(drive)
-    remaining = [len(futs)]
+    state = [len(futs), False]           # futures still pending; whether `out` is settled
     lock = threading.Lock()
 
-    def done(_: Future) -> None:
+    def done(f: Future) -> None:         # looks at the future that just finished only (no scan of all of them)
+        exc = f.exception()
         with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if out.done():
-            return
-        for f in futs:
-            if f.done() and f.exception() is not None:
-                with lock:
-                    if not out.done():
-                        out.set_exception(f.exception())
+            state[0] -= 1
+            if state[1] or (exc is None and state[0] > 0):
                 return
-        if last:
-            with lock:
-                if not out.done():
-                    out.set_result([f.result() for f in futs])
+            state[1] = True
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result([g.result() for g in futs])
     for f in futs:
         f.add_done_callback(done)
     return out

@@ -76,16 +76,16 @@ class Parking:
         meta = {"version": r.version, "clock": r.clock, "committed": r.committed_clock}
         if p.ack is not None:                              # push_pull: the ack, with the read under "read"
             meta = dict(p.ack, read=meta)
-        flat = {k: t.reshape(-1) for k, t in r.params.items()}
+        flat = {k: (t if t.dim() == 1 else t.reshape(-1)) for k, t in r.params.items()}
         link = self.links.get(p.identity) if p.shm else None
-        entries = None
+        entries, into = None, []
         if link is not None:                               # one memcpy into the client's view; nothing to track
-            try:
-                entries = link.reply(flat, now)
+            try:                                           # (split pieces: straight into the client's arena)
+                entries, into = link.reply(flat, now)
             except OSError:                                # /dev/shm full: this answer goes as frames
                 entries = None
         if entries is not None:
-            self._send(p.identity, "ok", p.seq, dict(meta, shm=entries))
+            self._send(p.identity, "ok", p.seq, dict(meta, shm=entries, **({"shm_into": into} if into else {})))
         else:
             self._send(p.identity, "ok", p.seq, meta, flat, track=True)
         return True

@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'system':<22}{'workers':>8}{'updates/s':>12}{'MB/s':>10}{'min..max upd/s':>20}")
     results: dict[tuple[str, int], float] = {}
     ratios: dict[tuple[int, int], float] = {}
+    shard_ratios: dict[tuple[int, int], float] = {}
     for w in workers:
         systems: list[Any] = []
         try:   # all systems of this worker count stay up; their windows alternate, so load drifts hit all alike
@@ -293,11 +294,22 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"pslab ({sh} shard{'s' if sh > 1 else ''})"
                 per_round = [x / y for x, y in zip(rates[label], rates[RpcSystem.label])]
                 ratios[(w, sh)] = statistics.median(per_round)
+        if len(shards) > 1:       # more shards against the first count, round by round (same load)
+            first = rates[f"pslab ({shards[0]} shard{'s' if shards[0] > 1 else ''})"]
+            for sh in shards[1:]:
+                per_round = [x / y for x, y in zip(rates[f"pslab ({sh} shard{'s' if sh > 1 else ''})"], first)]
+                shard_ratios[(w, sh)] = statistics.median(per_round)
     if not a.no_rpc:
         print("ratio pslab / torch-rpc updates/s (median over rounds of the per-round ratio; same model, same run):")
         for w in workers:
             print(f"  {w} worker{'s' if w > 1 else ''}: " + ", ".join(
                 f"{sh} shard{'s' if sh > 1 else ''}: {ratios[(w, sh)]:.2f}x" for sh in shards))
+    if shard_ratios:
+        print(f"ratio pslab N shards / {shards[0]} shard{'s' if shards[0] > 1 else ''} updates/s (median over rounds "
+              "of the per-round ratio; same run):")
+        for w in workers:
+            print(f"  {w} worker{'s' if w > 1 else ''}: " + ", ".join(
+                f"{sh} shard{'s' if sh > 1 else ''}: {shard_ratios[(w, sh)]:.2f}x" for sh in shards[1:]))
     return 0
 
 
