@@ -10,14 +10,17 @@ One "update" = a worker sends one gradient for every parameter and gets the fres
          reads the gradient in place and makes one copy of the weights. ASP, server-side SGD, 1 or 2 shards;
   rpc    rpc_sync(ps, update_and_fetch_model, grads): the PS applies SGD under a lock and returns the parameters
          (the pattern of "Implementing Batch RPC Processing Using Asynchronous Executions", without batching, and
-         returning the parameter tensors rather than the pickled module).
+         returning the parameter tensors rather than the pickled module);
+  ray    (--peers rpc,ray) Ray's actor PS, the Ray docs' pattern (experiments/bench/ray_ps.py): a worker actor calls
+         ray.get(ps.update_and_fetch.remote(grads)) and copies the weights into its model buffers.
 No compute: gradients are fixed random tensors, so the figure is the PS's transport + apply cost. Each worker is a
 process with torch.set_num_threads(1). For one worker count, every system (pslab with each shard count, torch rpc)
 is started once and stopped (SIGSTOP) outside its own timed windows -- idle torch-rpc processes busy-poll and would
 otherwise eat the CPU of the system being timed; the windows of the systems alternate round by round (order
 reversed every other round), so a load change on a shared machine hits all of them alike. Reported: the median
 updates/s over `--reps` windows of `--updates` updates per worker (all workers counted; MB/s = updates/s x 2 x
-model bytes), and the median over rounds of the per-round pslab / rpc ratio.
+model bytes), and the median over rounds of the per-round pslab / peer ratio. Ray's processes are not stopped
+between windows (see RaySystem).
 """
 
 from __future__ import annotations
@@ -208,6 +211,30 @@ class RpcSystem(_Processes):
                                 for r in range(workers + 1)])
 
 
+class RaySystem:
+    """Ray's actor PS (experiments/bench/ray_ps.py), same model and windows. Its processes are not stopped between
+    windows: idle Ray actors block instead of spinning, and a stopped raylet would fail Ray's health checks."""
+
+    label = "ray (actor PS)"
+
+    def __init__(self, workers: int, shapes: dict, updates: int, reps: int) -> None:
+        from experiments.bench.ray_ps import RayPS
+        self.updates = updates
+        self.ps = RayPS(shapes, workers)
+
+    def pids(self) -> list[int]:
+        return []
+
+    def window(self, r: int) -> float:
+        return self.ps.window(self.updates)
+
+    def stop(self) -> None:
+        self.ps.close()
+
+
+PEERS = {"rpc": RpcSystem, "ray": RaySystem}
+
+
 # ---------------------------------------------------------------------------------------------- common
 def _collect(out: Any, r: int, workers: int, updates: int, timeout: float = 600) -> float:
     """Wait for every worker's (t0, t1) of window r; updates/s over the union of their intervals."""
@@ -251,8 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=40, help="updates per worker per timed window (default: 40)")
     ap.add_argument("--reps", type=int, default=5, help="timed windows per configuration; median reported")
     ap.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="pslab transport (default: tcp)")
-    ap.add_argument("--no-rpc", action="store_true", help="skip the torch.distributed.rpc peer")
+    ap.add_argument("--peers", default="rpc",
+                    help="comma-separated peers in the same run: rpc (torch.distributed.rpc), ray (Ray's actor PS; "
+                         "pip install 'pslab[bench]'), or none (default: rpc)")
+    ap.add_argument("--no-rpc", action="store_true", help="the same as --peers none")
     a = ap.parse_args(argv)
+    peers = [] if a.no_rpc else [x.strip() for x in a.peers.split(",") if x.strip() and x.strip() != "none"]
+    if any(x not in PEERS for x in peers):
+        raise SystemExit(f"pslab bench ps: --peers takes a comma-separated list of {', '.join(PEERS)} or none, "
+                         f"got {a.peers!r}")
+    if "ray" in peers:
+        import importlib.util
+        if importlib.util.find_spec("ray") is None:
+            raise SystemExit("pslab bench ps: the ray peer needs Ray: pip install 'pslab[bench]'")
     import torch
     torch.set_num_threads(1)
     shapes = model_shapes(a.params)
@@ -264,15 +302,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.updates} updates/worker x {a.reps} windows, median; transport {a.transport}")
     print(f"{'system':<22}{'workers':>8}{'updates/s':>12}{'MB/s':>10}{'min..max upd/s':>20}")
     results: dict[tuple[str, int], float] = {}
-    ratios: dict[tuple[int, int], float] = {}
+    ratios: dict[tuple[str, int, int], float] = {}
     shard_ratios: dict[tuple[int, int], float] = {}
     for w in workers:
         systems: list[Any] = []
         try:   # all systems of this worker count stay up; their windows alternate, so load drifts hit all alike
             for sh in shards:
                 systems.append(PslabSystem(w, sh, shapes, a.updates, a.reps, a.transport))
-            if not a.no_rpc:
-                systems.append(RpcSystem(w, shapes, a.updates, a.reps))
+            for peer in peers:
+                systems.append(PEERS[peer](w, shapes, a.updates, a.reps))
             rates: dict[str, list[float]] = {sys_.label: [] for sys_ in systems}
             for sys_ in systems:      # a system runs only during its own windows (idle torch-rpc processes spin)
                 _signal(sys_.pids(), signal.SIGSTOP)
@@ -289,21 +327,22 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(rr)
             results[(label, w)] = med
             print(f"{label:<22}{w:>8}{med:>12.1f}{med * mb:>10.0f}{min(rr):>12.1f}..{max(rr):<8.1f}", flush=True)
-        if not a.no_rpc:
+        for peer in peers:
             for sh in shards:
                 label = f"pslab ({sh} shard{'s' if sh > 1 else ''})"
-                per_round = [x / y for x, y in zip(rates[label], rates[RpcSystem.label])]
-                ratios[(w, sh)] = statistics.median(per_round)
+                per_round = [x / y for x, y in zip(rates[label], rates[PEERS[peer].label])]
+                ratios[(peer, w, sh)] = statistics.median(per_round)
         if len(shards) > 1:       # more shards against the first count, round by round (same load)
             first = rates[f"pslab ({shards[0]} shard{'s' if shards[0] > 1 else ''})"]
             for sh in shards[1:]:
                 per_round = [x / y for x, y in zip(rates[f"pslab ({sh} shard{'s' if sh > 1 else ''})"], first)]
                 shard_ratios[(w, sh)] = statistics.median(per_round)
-    if not a.no_rpc:
-        print("ratio pslab / torch-rpc updates/s (median over rounds of the per-round ratio; same model, same run):")
+    for peer in peers:
+        name = {"rpc": "torch-rpc", "ray": "ray"}[peer]
+        print(f"ratio pslab / {name} updates/s (median over rounds of the per-round ratio; same model, same run):")
         for w in workers:
             print(f"  {w} worker{'s' if w > 1 else ''}: " + ", ".join(
-                f"{sh} shard{'s' if sh > 1 else ''}: {ratios[(w, sh)]:.2f}x" for sh in shards))
+                f"{sh} shard{'s' if sh > 1 else ''}: {ratios[(peer, w, sh)]:.2f}x" for sh in shards))
     if shard_ratios:
         print(f"ratio pslab N shards / {shards[0]} shard{'s' if shards[0] > 1 else ''} updates/s (median over rounds "
               "of the per-round ratio; same run):")

@@ -111,3 +111,23 @@ def test_server_secret_file_is_created_checked_and_bad_ones_are_one_line(tmp_pat
         rc = cli_main(["server", "--workers", "1", "--secret-file", str(bad)])
         err = capsys.readouterr().err.strip()
         assert rc == 1 and err.count("\n") == 0 and fragment in err, err
+
+
+def test_bench_ps_peers_are_validated(capsys):
+    from experiments.bench.ps import main
+    with pytest.raises(SystemExit, match="--peers takes a comma-separated list of rpc, ray or none"):
+        main(["--peers", "rpc,mpi"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is None,
+                    reason="the Ray peer is an optional extra (pip install 'pslab[bench]')")
+def test_bench_ps_ray_peer(capfd):
+    """Ray's actor PS in the same run, its ratio printed, and no warnings from Ray on fd 2."""
+    from experiments.bench.ps import main
+    rc = main(["--params", "2000", "--workers", "1", "--shards", "1", "--updates", "3", "--reps", "1",
+               "--peers", "ray"])
+    out, err = capfd.readouterr()
+    assert rc == 0 and "ray (actor PS)" in out and "ratio pslab / ray" in out
+    assert "torch.distributed.rpc" not in out
+    assert "Warning" not in err, err
