@@ -21,6 +21,10 @@ Where each mechanism lives:
                      credential per role (HMAC), ZeroMQ PLAIN (or CURVE with role keys) via a per-context ZAP handler
     mailbox.py       early arrivals: routing keys type-checked, known groups, sequence window, byte budget
     shm.py           same-host payloads through shared-memory segments (ZeroMQ carries only the headers)
+    shm_channel.py   the same-host latency path: small all-reduce / broadcast / barrier through shared-memory slots
+                     with sequence-number flags (no ZeroMQ message), a bounded yielding spin then sleeps
+    shm_ring.py      the same-host ring with its per-segment headers as descriptors in shared-memory channels
+    shm_group.py     when a group takes that same-host path (group.local), and the direct exchanges over it
     curve.py         CURVE keys: generate, load, serve/connect encrypted + authenticated sockets; loopback test
     group.py         the ProcessGroup API (torch.distributed names and in-place semantics), chunk_bounds
     zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p;

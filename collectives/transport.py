@@ -264,12 +264,14 @@ class Transport:
 
     def recv(self, src: int, key: Sequence[Any], op: str, seq: int = 0, *,
              check: Callable[[int, dict], None] | None = None,
-             expect: Callable[[wire.Message], Any] | None = None) -> Any:
+             expect: Callable[[wire.Message], Any] | None = None,
+             idle: Callable[[], None] | None = None) -> Any:
         """Block until the message from `src` with routing key `key` arrives; other arrivals are filed for later.
 
         `check(sender, header)` is called on every accepted arrival (to spot ranks that run a different collective);
         `expect(message)` validates the awaited message against what the caller needs and returns what `recv`
-        returns (the message itself without it); a WireError from it drops the message and the wait goes on."""
+        returns (the message itself without it); a WireError from it drops the message and the wait goes on.
+        `idle()`, when given, is called at least every 50 ms of waiting (e.g. to spot a diverging peer elsewhere)."""
         want = (src, tuple(key))
         deadline = time.monotonic() + self.timeout
         dropped = self.dropped
@@ -287,6 +289,9 @@ class Transport:
             if self.interrupt is not None:
                 self.interrupt()
                 remaining = min(remaining, self.interrupt_every)
+            if idle is not None:
+                idle()
+                remaining = min(remaining, 0.05)
             if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
                 if time.monotonic() >= deadline:
                     detail = (f"{self.dropped - dropped} message(s) dropped meanwhile, the last: "
@@ -302,6 +307,19 @@ class Transport:
                     if self.links is not None:
                         self.links.hold(h)
                     return expect(msg) if expect is not None else msg
+                self.mailbox.file(got[0], got[1], msg, h, sum(len(f) for f in frames))
+            except WireError as e:
+                self.drop(str(e))
+
+    def poll_arrivals(self, check: Callable[[int, dict], None] | None = None) -> None:
+        """File whatever has arrived, without blocking, as `recv` does with arrivals it does not wait for (a rank
+        waiting elsewhere, e.g. on a shared-memory channel, still sees a diverging peer through `check`)."""
+        while self.pull.poll(0):
+            frames = self.pull.recv_multipart(copy=False)
+            try:
+                got, h, msg = self._admit(frames, (-1, ()))
+                if check is not None:
+                    check(got[0], h)
                 self.mailbox.file(got[0], got[1], msg, h, sum(len(f) for f in frames))
             except WireError as e:
                 self.drop(str(e))

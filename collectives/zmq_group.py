@@ -9,6 +9,10 @@ Algorithms (see ring.py for the ring and its byte count):
   all_to_all      direct sends;  barrier  direct exchange of one byte
 Payloads of the streamed ring and chain go through shared memory when the neighbour is on the same host (shm.py:
 one memcpy, no kernel copies; ZeroMQ carries only the header), else zero-copy over ipc:// or tcp://.
+When every member is on this host and no topology is emulated (`shm_channel=True`, the default), no ZeroMQ message
+is sent at all: the direct exchanges (small all-reduce, small broadcast, barrier) go through the shared-memory slots
+of shm_channel.py, and the ring's per-segment headers become descriptors in shared-memory channels (shm_ring.py;
+which group takes it: shm_group.py): the same algorithms, bytes counted and summation order.
 Every message is keyed by (group id, sequence number, step, segment), so early arrivals wait in a mailbox and a rank
 that runs another collective (or another size) at the same sequence number is reported by name
 (`CollectiveMismatchError`). The group's route (`_route`) tells the mailbox which keys it may file: members only,
@@ -36,10 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import hierarchical, ring
+from . import hierarchical, ring, shm_ring
 from .errors import CollectiveMismatchError, WireError
 from .group import ProcessGroup, check_op, chunk_bounds
 from .mailbox import Key, tensor_count
+from .shm_channel import close_job as shm_channel_close_job
+from .shm_group import SameHost
 from .topology import LinkEmulator, Topology
 from .traffic import TrafficCounter
 from .transport import Transport
@@ -95,12 +101,16 @@ class ZmqGroup(ProcessGroup):
     def __init__(self, transport: Transport, ranks: Sequence[int], gid: str = "w", *,
                  small_bytes: int = SMALL_BYTES, segment_bytes: int = 4 << 20,
                  traffic: TrafficCounter | None = None, owns_transport: bool = True,
-                 topology: Topology | None = None, hierarchical: bool = True) -> None:
+                 topology: Topology | None = None, hierarchical: bool = True, shm_channel: bool = True) -> None:
         """topology: emulate links of different speeds on this transport (topology.py; all its groups share it);
-        hierarchical: let all_reduce pick the hierarchical algorithm when the ranks span hosts (hierarchical.py)."""
+        hierarchical: let all_reduce pick the hierarchical algorithm when the ranks span hosts (hierarchical.py);
+        shm_channel: direct exchanges through shared-memory slots, and the ring's headers through shared-memory
+        descriptors, when all members share this host and no topology is set (shm_channel.py, shm_ring.py)."""
         if topology is not None:
             transport.links = LinkEmulator(topology, transport.rank, transport.world_size)
         self.hierarchical = hierarchical
+        self.use_channels = shm_channel
+        self.local = SameHost(self, shm_channel)      # the same-host latency path (shm_group.py), decided on first use
         self.tr = transport
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
@@ -141,7 +151,8 @@ class ZmqGroup(ProcessGroup):
                 raise WireError(f"{op} #{self._cur[1]}: rank {g} sent {t.numel()} x {t.dtype} under {key!r:.40}, "
                                 f"this rank expects {like.numel()} x {like.dtype}")
             return t
-        t = self.tr.recv(g, (self.gid, *key), op, self._cur[1], check=self._check, expect=fits)
+        t = self.tr.recv(g, (self.gid, *key), op, self._cur[1], check=self._check, expect=fits,
+                         idle=self.local.scan if self.local.active else None)
         self.traffic_counter.add_recv(g, op, t.numel() * t.element_size())
         return t
 
@@ -198,6 +209,8 @@ class ZmqGroup(ProcessGroup):
     def _ring(self, op: str, seq: int, buf: torch.Tensor, c0: int, combines: list[str]) -> None:
         seg = max(1, self.segment_bytes // max(1, buf.element_size()))
         right = (self.rank + 1) % self.world_size
+        if shm_ring.ring_pass(self, op, seq, buf, c0, combines):
+            return
         mode = "shm" if self.tr.shm_reserve(self.ranks[right], buf.numel() * buf.element_size()) else "zerocopy"
         ring.ring_pass(buf, self.rank, self.world_size, c0, combines, seg,
                        lambda d, k, t: self._send(d, op, (seq, *k), t, mode=mode if d == right else "copy", base=buf),
@@ -236,6 +249,8 @@ class ZmqGroup(ProcessGroup):
         return tensor
 
     def _direct_all_reduce(self, name: str, seq: int, buf: torch.Tensor, op: str) -> None:
+        if self.local.direct_all_reduce(name, seq, buf, op):
+            return
         for d in range(self.world_size):
             if d != self.rank:
                 self._send(d, name, (seq, "d"), buf)
@@ -296,7 +311,9 @@ class ZmqGroup(ProcessGroup):
         n, r = self.world_size, self.rank
         if n == 1:
             return tensor
-        if buf.numel() * buf.element_size() <= self.small_bytes:
+        if (nbytes := buf.numel() * buf.element_size()) <= self.small_bytes and self.local.broadcast(seq, buf, src):
+            pass
+        elif nbytes <= self.small_bytes:
             if r == src:
                 for d in range(n):
                     if d != r:
@@ -403,7 +420,8 @@ class ZmqGroup(ProcessGroup):
             self.tr.mailbox.routes.pop(gid, None)
             return None
         return ZmqGroup(self.tr, ranks, gid, small_bytes=self.small_bytes, segment_bytes=self.segment_bytes,
-                        traffic=TrafficCounter(), owns_transport=False, hierarchical=self.hierarchical)
+                        traffic=TrafficCounter(), owns_transport=False, hierarchical=self.hierarchical,
+                        shm_channel=self.use_channels)
 
     @property
     def interrupt(self) -> Callable[[], None] | None:
@@ -416,6 +434,8 @@ class ZmqGroup(ProcessGroup):
     def destroy(self, linger: float = 5.0, lingers: dict[int, float] | None = None) -> None:
         """Close the transport (if this group owns it); queued messages get `linger` s to reach live peers
         (`lingers`: per peer rank; 0 drops them, e.g. for a dead peer)."""
+        self.local.close(linger, lingers)
         if self._owns and self.tr is not None:
+            shm_channel_close_job(self.tr._job, linger, lingers)   # the sub-groups' channels on this transport
             self.tr.close(linger, lingers)
             self.tr = None  # type: ignore[assignment]

@@ -18,15 +18,30 @@ environment's bin). With mpi among the peers the N ranks are started by `mpiexec
 times MPI_Allreduce / Allgatherv / Reduce_scatter / Bcast / Alltoall on the same buffers (numpy views of the torch
 tensors, no copy), in the same alternation. Every ratio is `peer time / zmq time` (> 1: zmq is faster; for
 all_reduce = zmq busbw / peer busbw), median over repetitions, from the same run.
+
+Profile (`--profile`): after the timed repetitions of each (op, size), rank 0 runs `iters` more zmq calls under
+cProfile (the other ranks run them unprofiled) and splits one call's time by where it went:
+
+    wait    waiting for a peer: zmq poll, a shared-memory channel's spin and sleeps (shm_channel.Waiter)
+    zmq     ZeroMQ send / recv calls (encode and decode are Python, counted there)
+    copy    tensor copies (copy_, clone: into and out of shared memory, write-back)
+    reduce  the arithmetic (add / maximum / minimum / div)
+    python  everything else: validation, routing, bookkeeping, the interpreter
+
+cProfile slows rank 0's Python (so `python` reads high and the peers' `wait` low); `us/call` beside it is the
+unprofiled median. `--no-shm-channel` runs the zmq groups without the same-host latency path (shm_channel.py), the
+before-and-after switch.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import shutil
 import socket
+import pstats
 import statistics
 import subprocess
 import sys
@@ -94,8 +109,44 @@ def _call(group: Any, op: str, full: torch.Tensor, part: torch.Tensor, out: torc
         group.broadcast(full, src=0)
 
 
+PROFILE_KINDS = ("wait", "zmq", "copy", "reduce", "python")
+
+
+def _kind(func: tuple[str, int, str]) -> str:
+    """Which PROFILE_KINDS a cProfile entry (file, line, name) is."""
+    file, _, name = func
+    if "shm_channel" in file and (name in ("until", "_try_map") or name.startswith("<lambda>")) or any(
+            w in name for w in ("poll", "sleep", "sched_yield", "'wait'", "perf_counter", "monotonic")):
+        return "wait"
+    if f"{os.sep}zmq{os.sep}" in file or any(w in name for w in ("send_multipart", "recv_multipart", "zmq.")):
+        return "zmq"
+    if any(w in name for w in ("'copy_'", "'clone'", "'contiguous'")):
+        return "copy"
+    if any(w in name for w in ("'add_'", "method add ", "maximum", "minimum", "'div_'")):
+        return "reduce"
+    return "python"
+
+
+def profile_calls(group: Any, op: str, iters: int, full: torch.Tensor, part: torch.Tensor,
+                  out: torch.Tensor | None, profiled: bool) -> dict[str, float]:
+    """`iters` calls of `op` (under cProfile where `profiled`): microseconds per call in each of PROFILE_KINDS."""
+    if not profiled:
+        for _ in range(iters):
+            _call(group, op, full, part, out)
+        return {}
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        _call(group, op, full, part, out)
+    prof.disable()
+    us = dict.fromkeys(PROFILE_KINDS, 0.0)
+    for func, (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():   # type: ignore[attr-defined]
+        us[_kind(func)] += tottime / iters * 1e6
+    return us
+
+
 def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget: float,
-                peers: tuple[str, ...] = ("gloo",)) -> list[dict]:
+                peers: tuple[str, ...] = ("gloo",), profile: bool = False) -> list[dict]:
     """Runs in every rank: returns rows of median times (rank 0's view of the max over ranks)."""
     torch.set_num_threads(1)
     groups: list[tuple[str, Any]] = [("zmq", zgroup)]
@@ -113,13 +164,18 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
             a, b = chunk_bounds(elems, n)[zgroup.rank]
             full, part = torch.ones(elems), torch.ones(b - a)
             out = torch.empty(elems) if op == "all_to_all" else None
-            # warm-up (connections, allocator) and pick an iteration count that fills ~budget seconds per sample
+            # warm-up (connections, channels, allocator), then pick an iteration count that fills ~budget seconds
+            # per sample from a warm call (a cold first call would make µs-scale samples of 1 iteration)
+            for _ in range(2):
+                for _, g in groups:
+                    _call(g, op, full, part, out)
             t0 = time.perf_counter()
             for _, g in groups:
                 _call(g, op, full, part, out)
             probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             zgroup.all_reduce(probe, op="max")
-            iters = int(max(1, min(200, budget / max(float(probe[0]) / 2, 1e-6))))
+            lo = 10 if elems * 4 <= 64 << 10 else 1     # µs-scale calls: a sample of 1 call is mostly barrier skew
+            iters = int(max(lo, min(200, budget / max(float(probe[0]) / 2, 1e-6))))
             times: dict[str, list[float]] = {name: [] for name, _ in groups}
             for rep in range(reps):
                 k = rep % len(groups)       # rotate who goes first, so drift in load hits every backend alike
@@ -134,6 +190,9 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
             rows.append({"op": op, "bytes": elems * 4, "world": n, "iters": iters, "reps": reps,
                          **{f"{k}_s": statistics.median(v) for k, v in times.items()},
                          **{f"{k}_all_s": v for k, v in times.items()}})
+            if profile:
+                zgroup.barrier()
+                rows[-1]["profile_us"] = profile_calls(zgroup, op, iters, full, part, out, zgroup.rank == 0)
     return rows
 
 
@@ -171,7 +230,8 @@ def _fmt_size(b: int) -> str:
     return f"{b} B"
 
 
-def print_table(rows: list[dict], out: Any = sys.stdout) -> None:
+def print_table(rows: list[dict], out: Any = None) -> None:
+    out = out or sys.stdout                 # resolved per call (a captured or redirected stdout)
     peers = [k for k in PEERS if rows and f"{k}_s" in rows[0]]
     head = f"{'op':<15}{'N':>3}{'size':>10}  {'zmq time':>11}" + "".join(f"{k + ' time':>11}" for k in peers)
     head += f"  {'zmq busbw':>10}" + "".join(f"{k + ' busbw':>11}" for k in peers)
@@ -185,6 +245,22 @@ def print_table(rows: list[dict], out: Any = sys.stdout) -> None:
         line += "".join(f"{r[k + '_s'] * 1e6:>11.1f}" for k in peers)
         line += f"  {r['zmq_busbw_GBps']:>10.3f}" + "".join(f"{r[k + '_busbw_GBps']:>11.3f}" for k in peers)
         line += "".join(f"  {r['vs_' + k]:>7.2f}x" for k in peers)
+        print(line, file=out)
+
+
+def print_profile(rows: list[dict], out: Any = None) -> None:
+    """One line per (op, N, size): rank 0's microseconds per zmq call in each kind, and each kind's share."""
+    out = out or sys.stdout
+    print("\nwhere one zmq call's time goes on rank 0 (cProfile; us per call, share of the profiled call)", file=out)
+    print(f"{'op':<15}{'N':>3}{'size':>10}{'us/call':>10}{'profiled':>10}"
+          + "".join(f"{k:>15}" for k in PROFILE_KINDS), file=out)
+    for r in rows:
+        p = r.get("profile_us")
+        if not p:
+            continue
+        tot = sum(p.values()) or 1.0
+        line = f"{r['op']:<15}{r['world']:>3}{_fmt_size(r['bytes']):>10}{r['zmq_s'] * 1e6:>10.1f}{tot:>10.1f}"
+        line += "".join(f"{p[k]:>9.1f} {p[k] / tot:>4.0%}" for k in PROFILE_KINDS)
         print(line, file=out)
 
 
@@ -211,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="gloo",
                    help="comma-separated peers timed beside zmq in the same processes: gloo, mpi (MPICH via mpi4py; "
                         f"needs {EXTRA}) (default: gloo)")
+    p.add_argument("--profile", action="store_true",
+                   help="also split one zmq call's time on rank 0 into wait / zmq / copy / reduce / python")
+    p.add_argument("--no-shm-channel", action="store_true",
+                   help="zmq groups without the same-host latency path (collectives/shm_channel.py): 'before'")
     return p
 
 
@@ -247,7 +327,8 @@ def _launch_mpi(n: int, args: argparse.Namespace, peers: tuple[str, ...]) -> lis
     with tempfile.TemporaryDirectory(prefix="pslab-mpi-") as tmp:
         out = Path(tmp) / "rows.json"
         spec = {"ops": args.ops, "sizes": args.sizes, "reps": args.reps, "budget": args.budget, "peers": peers,
-                "port": _free_port(), "out": str(out), "timeout": min(args.timeout, 300.0)}
+                "port": _free_port(), "out": str(out), "timeout": min(args.timeout, 300.0), "profile": args.profile,
+                "shm_channel": not args.no_shm_channel}
         env = dict(os.environ, PSLAB_JOB_SECRET=os.environ.get("PSLAB_JOB_SECRET") or os.urandom(16).hex(),
                    OMP_NUM_THREADS="1")
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "experiments.bench.collectives", "--mpi-rank",
@@ -271,9 +352,11 @@ def _mpi_rank(spec: dict) -> int:
     from mpi4py import MPI
     rank, n = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
     zgroup = collectives.init_process_group("zmq", rank=rank, world_size=n, master_addr="127.0.0.1",
-                                            master_port=spec["port"], timeout=spec["timeout"])
+                                            master_port=spec["port"], timeout=spec["timeout"],
+                                            shm_channel=spec.get("shm_channel", True))
     try:
-        rows = _bench_rank(zgroup, spec["ops"], spec["sizes"], spec["reps"], spec["budget"], tuple(spec["peers"]))
+        rows = _bench_rank(zgroup, spec["ops"], spec["sizes"], spec["reps"], spec["budget"], tuple(spec["peers"]),
+                           spec.get("profile", False))
         if rank == 0:
             Path(spec["out"]).write_text(json.dumps(rows))
         MPI.COMM_WORLD.Barrier()
@@ -299,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             res0 = _launch_mpi(n, args, peers)
         else:
             res0 = collectives.launch(_bench_rank, n, "zmq", args=(args.ops, args.sizes, args.reps, args.budget,
-                                                                   peers), timeout=args.timeout)[0]
+                                                                   peers, args.profile), timeout=args.timeout,
+                                      shm_channel=not args.no_shm_channel)[0]
         rows.extend(_with_bandwidth(r) for r in res0)
     add_bw = add_memory_bandwidth()
     if args.json == "-":
@@ -307,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print_table(rows)
+    if args.profile:
+        print_profile(rows)
     print(f"\nin-memory add bandwidth (a += b, 64 MiB float32, 3 x 64 MiB touched): {add_bw:.2f} GB/s")
     for r in rows:
         if r["op"] == "all_reduce" and r["bytes"] >= 64 << 20:
