@@ -4,7 +4,9 @@
             intra_bandwidth_Bps, intra_latency_s, inter_bandwidth_Bps, inter_latency_s, step_overhead_s)
 
 Compute: a GPU runs the model's matmuls at `efficiency · peak_flops` (dense, at the training precision; the
-efficiency is what `pslab plan --calibrate` measures here, and a stated assumption for the presets).
+efficiency is what `pslab plan --calibrate` measures here, and a stated assumption for the presets). Overlap:
+gradient communication (dp, ZeRO) can hide behind `overlap_fraction` of the compute — backward's 2/3 where a copy
+engine runs it beside the kernels; here, where ranks share the CPU cores, calibration measures it (often 0).
 
 Links (the article's point: an order of magnitude between them): a collective inside a node runs over the intra
 link (NVLink / NVSwitch), one whose group spans nodes is limited by the inter link (InfiniBand / Ethernet: one NIC
@@ -54,6 +56,8 @@ class Cluster:
     inter_bandwidth_Bps: float = math.inf
     inter_latency_s: float = 0.0
     step_overhead_s: float = 0.0     # a fixed cost per step (framework, optimizer): calibrated; 0 in the presets
+    overlap_fraction: float = 2 / 3  # share of compute that overlappable (dp/ZeRO) communication hides behind:
+    #                                  backward's 2/3 on a GPU with a free copy engine; calibrated here
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -70,6 +74,9 @@ class Cluster:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ClusterError(f"cluster {k} must be a finite number >= 0, got {v!r}")
+        f = self.overlap_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 <= f <= 1):
+            raise ClusterError(f"cluster overlap_fraction must be in [0, 1], got {f!r}")
         e = self.efficiency
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not (0 < e <= 1):
             raise ClusterError(f"cluster efficiency must be in (0, 1], got {e!r}")

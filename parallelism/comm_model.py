@@ -230,7 +230,12 @@ def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str) -> Cos
 
 
 def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
-    """Every member sends its whole tensor to every other member: one latency, (N−1)·S through its link."""
+    """Every member sends its whole tensor to every other member (pslab's direct exchange, S <= 32 KiB).
+
+    Time: the N−1 sends go to N−1 different peers, each over its own link (the emulation has one link per ordered
+    pair, as a switch gives each pair its own path), so they travel side by side: one α + S/β on the slowest link
+    the group spans, plus the software cost of each further send — taken as the intra link's α, which calibration
+    measures as the per-message cost of one send + receive."""
     c, n = Cost(), len(group)
     if n == 1:
         return c
@@ -240,7 +245,8 @@ def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
     inside = sum(k * (k - 1) for k in per_node.values())
     c.bytes["intra"] += inside * nbytes
     c.bytes["inter"] += (n * (n - 1) - inside) * nbytes
-    c.wait(pl, "inter" if len(per_node) > 1 else "intra", 1, (n - 1) * nbytes)
+    c.wait(pl, "inter" if len(per_node) > 1 else "intra", 1, nbytes)
+    c.secs["intra"] += (n - 2) * pl.cluster.intra_latency_s
     return c
 
 

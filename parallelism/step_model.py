@@ -24,8 +24,9 @@ B/(D·b) when not given):
     bubble_s    (p − 1)/m · stage_s     (GPipe and 1F1B alike: p − 1 idle micro-batch slots of stage_s/m each, so
                 the bubble is (p − 1)/(m + p − 1) of the pipeline's time; Narayanan et al. §2.2)
     exposed_comm_s  tp_s + pp_s + cp/ep seconds (not hidden) + the overlappable dp/zero gradient terms' dp_s:
-                max(0, dp_s − 2/3·compute_s) with overlap (they run during backward, ≈ 2/3 of the compute; a
-                pipeline's last backward is shorter: optimistic there), dp_s without
+                max(0, dp_s − f·compute_s) with overlap, f = cluster.overlap_fraction (2/3 in the presets: they
+                run during backward, ≈ 2/3 of the compute; a pipeline's last backward is shorter: optimistic
+                there; calibrated here, where ranks share cores), dp_s without
     step_s      compute_s + bubble_s + exposed_comm_s + cluster.step_overhead_s
                 = stage_s · (m + p − 1)/m + cp/ep + exposed dp + overhead
     memory      memory_model.estimate(layout, precision, shape=, stage=k), the max over the stages k; fits when
@@ -41,7 +42,7 @@ from .cluster import Cluster
 from .comm_model import CommTerm, stage_blocks, step_comm
 from .memory_model import PRECISIONS, Layout, MemoryModelError, Shape, estimate
 
-OVERLAP_FRACTION = 2 / 3       # backward's share of compute: what dp gradient sync can hide behind
+OVERLAP_FRACTION = 2 / 3       # backward's share of compute: the presets' Cluster.overlap_fraction
 CRITICAL_KINDS = ("tp activations", "pp boundaries")
 
 
@@ -139,7 +140,7 @@ def predict(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int, *
     critical = sum(t.seconds for t in comm if t.kind in CRITICAL_KINDS)
     hideable = sum(t.seconds for t in comm if t.overlappable)
     rest = sum(t.seconds for t in comm if t.kind not in CRITICAL_KINDS and not t.overlappable)
-    dp_exposed = max(0.0, hideable - OVERLAP_FRACTION * compute) if overlap else hideable
+    dp_exposed = max(0.0, hideable - cluster.overlap_fraction * compute) if overlap else hideable
     m, p = lay.micro_batches or 1, lay.pp
     stage = compute + critical
     bubble = (p - 1) / m * stage

@@ -1,0 +1,83 @@
+"""`pslab plan --calibrate` and `--check` as functions: experiments/bench/calibrate.py, experiments/studies/plan_check.py.
+
+Calibration recovers an emulated link (the emulation only ever adds time: a 2 ms latency must measure >= 2 ms, a
+bandwidth must not measure faster than emulated, beyond noise) and returns a Cluster that survives its JSON file.
+The check's rows carry both figures and the planner's bytes equal the run's measured bytes, per kind and per link
+(never an assertion on how well the times agree: that is the study's result, not a property of the code)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from collectives.topology import Topology
+from experiments.bench.calibrate import CalibrationError, fit_line, model_flops, workload_shape
+from parallelism.cluster import Cluster
+
+LAT, BW = 2e-3, 20e6
+
+
+def test_fit_line_recovers_a_line_and_refuses_one_point():
+    a, b = fit_line([1.0, 2.0, 4.0], [3.0 + 2 * 1, 3.0 + 2 * 2, 3.0 + 2 * 4])
+    assert a == pytest.approx(3.0) and b == pytest.approx(2.0)
+    with pytest.raises(CalibrationError):
+        fit_line([2.0, 2.0], [1.0, 3.0])
+
+
+def test_workload_shape_is_the_text_transformer_and_flops_follow_narayanan():
+    """Shape off the workload (2 blocks, width 32, 4 heads, 32 tokens, the corpus' characters); FLOPs of a step:
+    72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)), linear in the batch."""
+    from experiments.workloads import get_workload
+    wl = get_workload("text-transformer", 1, 8, 0)
+    sh = workload_shape(8)
+    assert (sh.layers, sh.hidden, sh.heads, sh.micro_batch) == (2, 32, 4, 8)
+    assert sh.seq == wl.data.x_train.shape[1] and sh.vocab == wl.data.num_classes
+    B, s, L, h, V = 8, sh.seq, 2, 32, sh.vocab
+    assert model_flops(sh, 8) == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+    assert model_flops(sh, 16) == pytest.approx(2 * model_flops(sh, 8))
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    from experiments.bench.calibrate import calibrate
+    topo = Topology(2, 1, inter_latency_s=LAT, inter_bandwidth_Bps=BW)
+    details: dict = {}
+    return topo, calibrate(topo, progress=False, reps=2, sizes=(4, 16), details=details), details
+
+
+def test_calibrate_recovers_the_emulated_link_and_round_trips(calibrated):
+    topo, c, details = calibrated
+    assert c.name == "here" and (c.nodes, c.gpus_per_node) == (2, 1) and c.efficiency == 1.0
+    assert c.peak_flops > 1e6 and c.step_overhead_s >= 0 and c.gpu_memory_bytes > 0
+    assert Cluster.from_json(c.to_json()) == c
+    assert LAT <= c.inter_latency_s < 10 * LAT                       # emulation is a lower bound
+    assert BW / 4 < c.inter_bandwidth_Bps < 1.5 * BW
+    (s1, t1), (s2, t2) = details["links"]["inter"]["points"]        # the raw points: one way >= latency + S/bw
+    assert t1 >= LAT + s1 / BW and t2 >= LAT + s2 / BW
+    assert set(details["compute"]["all"]) == {4, 16}
+
+
+def test_check_one_config_has_both_figures_and_equal_bytes(calibrated, tmp_path):
+    from experiments.studies.plan_check import check, format_table
+    topo, c, _ = calibrated
+    rows = check(c, topo, [{"label": "dp=2", "dp": 2}], repeats=1, steps=6, progress=False, root=tmp_path)
+    (r,) = rows
+    assert r["label"] == "dp=2" and r["predicted_s"] > 0 and r["measured_s"] > 0
+    assert math.isclose(r["ratio"], r["predicted_s"] / r["measured_s"])
+    assert r["measured_bytes_by_kind"]["dp gradient sync"] > 0
+    assert r["planner_bytes_by_kind"] == r["measured_bytes_by_kind"]
+    assert r["measured_bytes_by_link"]["inter"] > 0 and r["measured_bytes_by_link"]["intra"] == 0
+    assert r["planner_bytes_by_link"]["inter"] == r["measured_bytes_by_link"]["inter"]
+    assert r["bytes_equal"]
+    text = format_table(rows)
+    assert "dp=2" in text and "= measured" in text
+
+
+def test_check_refuses_a_config_that_does_not_fill_the_topology(calibrated):
+    from experiments.studies.plan_check import CheckError, check
+    topo, c, _ = calibrated
+    with pytest.raises(CheckError, match="ranks"):
+        check(c, topo, [{"dp": 4}], progress=False)
+    with pytest.raises(CheckError, match="unknown"):
+        check(c, topo, [{"dp": 2, "tpp": 2}], progress=False)
