@@ -147,12 +147,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _map(name: str, size: int) -> mmap.mmap:
-    """Map segment `name` read-only and unlink its name; WireError for anything but a regular file of this account
-    holding at least `size` bytes, and for any error on the way."""
+def map_segment(name: str, size: int, writable: bool = False) -> mmap.mmap:
+    """Map segment `name` (read-only unless `writable`) and unlink its name; WireError for anything but a regular
+    file of this account holding at least `size` bytes, and for any error on the way."""
     path = os.path.join(SHM_DIR, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise WireError(f"shm segment {name} cannot be opened ({e.strerror})") from None
     try:
@@ -161,7 +161,7 @@ def _map(name: str, size: int) -> mmap.mmap:
             raise WireError(f"shm segment {name} is not a regular file of this account")
         if st.st_size < size:
             raise WireError(f"shm segment {name} holds {st.st_size} bytes, less than the {size} announced")
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, size) if writable else mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except (OSError, ValueError, OverflowError) as e:
         raise WireError(f"shm segment {name} cannot be mapped ({type(e).__name__}: {e})") from None
     finally:
@@ -171,3 +171,6 @@ def _map(name: str, size: int) -> mmap.mmap:
     except OSError:
         pass
     return mm
+
+
+_map = map_segment

@@ -33,7 +33,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -209,27 +208,7 @@ def map_writable(name: str, size: int, worker: int, shard: int) -> mmap.mmap:
     m = _NAME.match(name) if isinstance(name, str) else None
     if m is None or int(m["src"]) != worker or int(m["dst"]) != shard:
         raise WireError(f"shm segment name {name!r:.60} is not one worker {worker} may offer shard {shard}")
-    path = os.path.join(shm.SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise WireError(f"shm segment {name} cannot be opened ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise WireError(f"shm segment {name} is not a regular file of this account")
-        if st.st_size < size:
-            raise WireError(f"shm segment {name} holds {st.st_size} bytes, less than the {size} announced")
-        mm = mmap.mmap(fd, size)
-    except (OSError, ValueError, OverflowError) as e:
-        raise WireError(f"shm segment {name} cannot be mapped ({type(e).__name__}: {e})") from None
-    finally:
-        os.close(fd)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    return mm
+    return shm.map_segment(name, size, writable=True)
 
 
 __all__ = ["ALIGN", "Arena", "Into", "PullArena", "PushArena", "map_writable", "places"]
