@@ -12,7 +12,7 @@ We report medians over repetitions and the nccl-tests bandwidths:
 busbw is comparable across N: it is the bandwidth each rank's link actually sustains under the ring algorithm.
 
 Peers (`--peers`, default gloo): `gloo` is torch.distributed's CPU backend; `mpi` is MPICH through mpi4py, the CPU
-collectives HPC users trust (`pip install 'pslab[bench]'`: mpi4py + the mpich wheel, whose `mpiexec` lands in the
+collectives HPC users trust (`pip install -e '.[bench]'`: mpi4py + the mpich wheel, whose `mpiexec` lands in the
 environment's bin). With mpi among the peers the N ranks are started by `mpiexec -n N` instead of
 `collectives.launch`; each MPI rank joins the same zmq and gloo groups (rank 0 of COMM_WORLD hosts the TCPStore) and
 times MPI_Allreduce / Allgatherv / Reduce_scatter / Bcast / Alltoall on the same buffers (numpy views of the torch
@@ -59,7 +59,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 PEERS = ("gloo", "mpi")
-EXTRA = "pip install 'pslab[bench]'  (mpi4py and the mpich wheel)"
+EXTRA = "pip install -e '.[bench]'  (mpi4py and the mpich wheel)"
 
 
 class MpiGroup:

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="pslab transport (default: tcp)")
     ap.add_argument("--peers", default="rpc",
                     help="comma-separated peers in the same run: rpc (torch.distributed.rpc), ray (Ray's actor PS; "
-                         "pip install 'pslab[bench]'), or none (default: rpc)")
+                         "pip install -e '.[bench]'), or none (default: rpc)")
     ap.add_argument("--no-rpc", action="store_true", help="the same as --peers none")
     a = ap.parse_args(argv)
     peers = [] if a.no_rpc else [x.strip() for x in a.peers.split(",") if x.strip() and x.strip() != "none"]
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ray" in peers:
         import importlib.util
         if importlib.util.find_spec("ray") is None:
-            raise SystemExit("pslab bench ps: the ray peer needs Ray: pip install 'pslab[bench]'")
+            raise SystemExit("pslab bench ps: the ray peer needs Ray: pip install -e '.[bench]'")
     import torch
     torch.set_num_threads(1)
     shapes = model_shapes(a.params)

@@ -14,7 +14,7 @@ store, read-only views on the receiving side). The PS actor is single-threaded (
 around the update, which is what the torch-rpc peer does too. updates/s of a window = K · n / (max end − min start).
 
 Ray runs on this host only (`ray.init(address="local")`, 127.0.0.1, no dashboard, a small object store); its log
-lines are kept off the terminal. Optional extra: `pip install 'pslab[bench]'`.
+lines are kept off the terminal. Optional extra: `pip install -e '.[bench]'`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-EXTRA = "pip install 'pslab[bench]'  (ray)"
+EXTRA = "pip install -e '.[bench]'  (ray)"
 
 
 class RayMissing(RuntimeError):

@@ -29,13 +29,13 @@ def test_peers_are_validated_and_a_missing_mpi_names_the_extra(monkeypatch):
         bench.main(["--peers", "gloo,nccl"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a))
-    with pytest.raises(SystemExit, match=r"needs mpi4py and MPICH: pip install 'pslab\[bench\]'"):
+    with pytest.raises(SystemExit, match=r"needs mpi4py and MPICH: pip install -e '\.\[bench\]'"):
         bench.main(["--world", "2", "--peers", "gloo,mpi"])
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(__import__("importlib").util.find_spec("mpi4py") is None,
-                    reason="the MPI peer is an optional extra (pip install 'pslab[bench]')")
+                    reason="the MPI peer is an optional extra (pip install -e '.[bench]')")
 def test_mpi_peer_runs_in_the_same_processes(capfd):
     from experiments.bench.collectives import main
     rc = main(["--world", "2", "--ops", "all_reduce", "reduce_scatter", "--sizes", "4K", "40004", "--reps", "2",

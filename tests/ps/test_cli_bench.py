@@ -121,7 +121,7 @@ def test_bench_ps_peers_are_validated(capsys):
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is None,
-                    reason="the Ray peer is an optional extra (pip install 'pslab[bench]')")
+                    reason="the Ray peer is an optional extra (pip install -e '.[bench]')")
 def test_bench_ps_ray_peer(capfd):
     """Ray's actor PS in the same run, its ratio printed, and no warnings from Ray on fd 2."""
     from experiments.bench.ps import main
