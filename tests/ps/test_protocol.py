@@ -3,6 +3,8 @@ problem and changes nothing; a push is all-or-nothing; a valid request still wor
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -161,6 +163,9 @@ def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
             assert c.pull().result(10).versions == [1]
         with _pytest.raises(AuthenticationError, match="refused this client's credential"):
             connect([addr], 1, shapes, timeout=1.5)
+        deadline = time.monotonic() + 5          # the unregister is sent without waiting: let the shard count it
+        while server.counters["messages"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert server.counters["messages"] == 5          # register, init, push, pull, unregister: the stranger's
         # register never reached the shard
     finally:
