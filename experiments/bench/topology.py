@@ -100,10 +100,10 @@ def print_table(rows: list[dict], topo: Topology, out: Any = sys.stdout) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pslab bench topology", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--per-host", type=int, default=2)
-    p.add_argument("--intra-bw", type=float, default=2e9, help="bytes/s (default 2e9)")
-    p.add_argument("--intra-lat", type=float, default=10e-6, help="seconds (default 10e-6)")
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts (default 2)")
+    p.add_argument("--per-host", type=int, default=2, help="ranks per host (default 2); world = hosts x per-host")
+    p.add_argument("--intra-bw", type=float, default=2e9, help="bytes/s (default 2e9; note: [topology] in a run config takes GB/s)")
+    p.add_argument("--intra-lat", type=float, default=10e-6, help="seconds (default 10e-6; [topology] takes µs)")
     p.add_argument("--inter-bw", type=float, default=100e6, help="bytes/s (default 100e6)")
     p.add_argument("--inter-lat", type=float, default=200e-6, help="seconds (default 200e-6)")
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[4 << 20, 16 << 20], help="default: 4M 16M")
