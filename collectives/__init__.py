@@ -42,6 +42,7 @@ Where each mechanism lives:
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
                      (PSLAB_CLEANUP_DIR)
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
+    jsonfields.py    a dataclass of numbers as JSON (inf as null, unknown fields refused): Topology, Cluster
     topology.py      emulated hosts: Topology (rank r on host r // per_host, or r % hosts with placement "spread";
                      intra/inter latency + bandwidth), a serialising link per rank pair (sender stamps the due
                      time, receiver holds), bytes per link class;

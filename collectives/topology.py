@@ -34,12 +34,13 @@ emulated host): only the time a message becomes visible moves. With no topology,
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+from . import jsonfields
 
 ENV = "PSLAB_TOPOLOGY"
 LINKS = ("intra", "inter")
@@ -118,24 +119,15 @@ class Topology:
 
     # ---- JSON (the PSLAB_TOPOLOGY variable; inf is written as null) -------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({k: (None if v == math.inf else v) for k, v in asdict(self).items()})
+        return jsonfields.dumps(self)
 
     @classmethod
     def from_json(cls, text: str) -> "Topology":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise TopologyError(f"topology JSON does not parse ({e}): {text!r:.80}") from None
-        if not isinstance(d, dict):
-            raise TopologyError(f"topology JSON must be an object, got {text!r:.80}")
-        fields = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise TopologyError(f"unknown topology field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        d = jsonfields.loads(cls, text, "topology", TopologyError)
         missing = [k for k in ("hosts", "per_host") if k not in d]
         if missing:
             raise TopologyError(f"topology JSON needs {' and '.join(missing)}")
-        return cls(**{k: (math.inf if v is None and k.endswith("_Bps") else v) for k, v in d.items()})
+        return cls(**d)
 
 
 def from_env() -> Topology | None:

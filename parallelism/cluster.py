@@ -29,10 +29,11 @@ one of these).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+from collectives import jsonfields
 
 LINKS = ("intra", "inter")
 
@@ -101,24 +102,11 @@ class Cluster:
         return replace(self, **changes)
 
     def to_json(self) -> str:
-        d = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
-        return json.dumps(d, indent=1)
+        return jsonfields.dumps(self, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Cluster":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise ClusterError(f"cluster file is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ClusterError("cluster file must hold a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ClusterError(f"cluster file has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        for k in ("intra_bandwidth_Bps", "inter_bandwidth_Bps"):
-            if k in d and d[k] is None:
-                d[k] = math.inf
+        d = jsonfields.loads(cls, text, "cluster", ClusterError)
         try:
             return cls(**d)
         except TypeError as e:
