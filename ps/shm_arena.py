@@ -38,9 +38,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from collectives import shm
+from collectives.shm import _is_int
 from collectives.errors import WireError
 
-ALIGN = 64
+ALIGN = 64                      # every tensor starts on a cache line (shm_path.py lays out with it too)
 TOKEN = 16                       # bytes of a probe token; a slot holds the client's token, then the shard's
 _NAME = re.compile(r"^pslab-[0-9a-f]{12}-(?P<src>\d+)-(?P<dst>\d+)-\d+$")
 
@@ -84,7 +85,6 @@ class Arena(shm.Outbox):
                 self.names[s] = name
         except OSError:
             self.close()
-            self.size, self.name = 0, ""
             raise
 
     def reserve_all(self) -> None:
@@ -104,7 +104,7 @@ class Arena(shm.Outbox):
 
     def token(self, shard: int, token: bytes, at: int = 0) -> list[Any]:
         """Write a probe token into `shard`'s slot (reserving the header first); its descriptor."""
-        self.reserve(max(ALIGN * len(self.shards), 1))
+        self.reserve(ALIGN * len(self.shards))
         return self.put(shard, self.slot[shard] + at, torch.frombuffer(bytearray(token), dtype=torch.uint8))
 
     def read(self, offset: int, n: int) -> bytes:
@@ -196,10 +196,6 @@ class Into:
             self.mm.close()
         except BufferError:                   # a view is alive; the mapping goes with the process
             pass
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def map_writable(name: str, size: int, worker: int, shard: int) -> mmap.mmap:

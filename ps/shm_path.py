@@ -54,9 +54,8 @@ from collectives.cleanup import note_shm_job
 from collectives.errors import WireError
 from collectives.wire import wire_dtype
 
-from .shm_arena import Into, PullArena, PushArena
+from .shm_arena import ALIGN, Into, PullArena, PushArena
 
-ALIGN = 64                      # every tensor starts on a cache line
 MAX_TENSORS = 4096
 
 
@@ -385,7 +384,7 @@ class ServerLink:
         plan = self._plan
         if plan is not None and plan[0] == sig and plan[1] == self.outbox.name:
             for dst, t in zip(plan[2], tensors.values()):     # the same layout as last time: one copy_ each
-                dst.copy_(t if t.dim() == 1 else t.reshape(-1))
+                dst.copy_(t)                                   # parking.py hands 1-D tensors
             return plan[3], plan[4]
         into, rest = [], {}
         for k, t in tensors.items():

@@ -165,11 +165,6 @@ def part_bench(group, cuda: bool, sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def _size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
-    return int(float(s[:-1] if mult > 1 else s) * mult)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=None, help="ranks, one per GPU (default: every visible GPU, <= 8)")
@@ -180,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the same checks on CPU tensors over gloo: tests this script (no GPU verdict); default 2 ranks")
     a = ap.parse_args(argv)
     from collectives import launch
+    from experiments.bench.collectives import parse_size
     if a.cpu:
         n, names, backend = a.ranks or 2, ["cpu (gloo: this script's self-test, not a GPU check)"], "gloo"
     else:
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = not a.cpu
     parts = [("1 NCCL collectives vs numpy", part_collectives, (cuda, 4099)),
              ("2 DP engine on CUDA vs DDP", part_dp, (cuda, 5)),
-             ("3 all_reduce: pslab TorchGroup vs raw NCCL", part_bench, (cuda, [_size(s) for s in a.sizes], a.reps))]
+             ("3 all_reduce: pslab TorchGroup vs raw NCCL", part_bench, (cuda, [parse_size(s) for s in a.sizes], a.reps))]
     for label, fn, args in parts:
         t0 = time.perf_counter()
         try:

@@ -28,28 +28,11 @@ from typing import Any
 
 import numpy as np
 
-EXTRA = "pip install -e '.[bench]'  (ray)"
-
-
-class RayMissing(RuntimeError):
-    """Ray is not installed: the message names the extra."""
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise RayMissing(f"the ray peer needs Ray: {EXTRA}") from None
-    return ray
-
-
 class RayPS:
     """One Ray session: a PS actor and K worker actors for a model of `shapes`, kept for several windows."""
 
-    label = "ray (actor PS)"
-
     def __init__(self, shapes: dict[str, tuple[int, ...]], workers: int, lr: float = 0.01) -> None:
-        ray = _ray()
+        import ray          # the optional extra: `pslab bench ps` checks it is there before it builds one
         self.ray = ray
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         # Ray's session directory (sockets, logs) in a short private path we remove at close

@@ -18,6 +18,7 @@ worker's pushes: `assign_staleness` gives the k-th applied τ of worker w to w's
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -109,9 +110,7 @@ def step_time(updates: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> floa
             slowest[k] = max(slowest.get(k, 0.0), d)
     if not slowest:
         return None
-    v = sorted(slowest.values())
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+    return statistics.median(slowest.values())
 
 
 def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wall_s: float,

@@ -172,7 +172,8 @@ class _Worker(ElasticMember):
                             pre, lpre = _traffic(self.mesh), link_bytes(self.group)   # rank's start to the last
                             start, compute = _span_over(self.mesh.group("mp"), tc, time.perf_counter())   # one's end
                             before = _shift(before, pre, _traffic(self.mesh))   # those 16 bytes are not the step's
-                            links0 = {c: v + link_bytes(self.group)[c] - lpre[c] for c, v in links0.items()}
+                            now = link_bytes(self.group)
+                            links0 = {c: v + now[c] - lpre[c] for c, v in links0.items()}
                             tc = start
                         target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in self.workers)
                         left = target - (time.perf_counter() - tc)
