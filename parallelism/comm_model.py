@@ -70,7 +70,7 @@ dp/zero gradient terms are `overlappable` (they may hide behind backward compute
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from collectives.group import chunk_bounds
@@ -102,8 +102,7 @@ class CommTerm:
     formula: str
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "link": self.link, "bytes": self.bytes, "seconds": self.seconds,
-                "overlappable": self.overlappable, "formula": self.formula}
+        return asdict(self)
 
 
 # ---- where ranks sit -----------------------------------------------------------------------------------------
@@ -135,11 +134,6 @@ class Placement:
 
     def coord(self, r: int, axis: str) -> int:
         return (r // self.stride[axis]) % self.sizes[axis]
-
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis` (global ranks in coordinate order), as MeshLayout.groups."""
-        st, n = self.stride[axis], self.sizes[axis]
-        return [[r + i * st for i in range(n)] for r in range(self.world) if (r // st) % n == 0]
 
     def group_classes(self, axis: str) -> list[tuple[list[int], int]]:
         """One representative of each class of equivalent groups along `axis`, and how many there are: groups of

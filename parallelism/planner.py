@@ -259,7 +259,7 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
 
-def _s(x: float) -> str:
+def fmt_seconds(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
@@ -290,7 +290,7 @@ def explain(ranked: list, cluster: Cluster) -> str:
     lay, step = best.layout, best.step_s
     bd = breakdown(best)
     g = cluster.gpus_per_node
-    lines = [f"Best of {len(ranked)} layouts that fit: {describe(best)} — {_s(step)} per step, "
+    lines = [f"Best of {len(ranked)} layouts that fit: {describe(best)} — {fmt_seconds(step)} per step, "
              f"{best.tflops_per_gpu:.0f} TFLOP/s per GPU ({best.tflops_per_gpu * 1e12 / cluster.peak_flops:.0%} "
              f"of peak), {_gb(best.memory_bytes)} of {_gb(cluster.gpu_memory_bytes)} per GPU."]
     lines.append("Its step: " + ", ".join(f"{k} {_pct(v, step)}" for k, v in bd.items() if v > 0.0005 * step) + ".")
@@ -298,7 +298,7 @@ def explain(ranked: list, cluster: Cluster) -> str:
     crossing = [p for p in ranked if p.layout.tp > g]
     if lay.tp > g:
         lines.append(f"Its tp={lay.tp} crosses nodes ({g} GPUs per node): no layout with tp <= {g} is faster "
-                     f"(TP costs {_s(bd['TP'])} per step here).")
+                     f"(TP costs {fmt_seconds(bd['TP'])} per step here).")
     elif cluster.nodes == 1 or best.layout.gpus() <= g:
         lines.append(f"All {best.layout.gpus()} GPUs sit in one node: every TP all-reduce rides the intra link.")
     elif crossing:
@@ -306,17 +306,17 @@ def explain(ranked: list, cluster: Cluster) -> str:
         rank = ranked.index(x) + 1
         inter = link_seconds(x)
         head = (f"TP stays inside the node: tp={lay.tp} <= {g} GPUs per node, so its all-reduces ride the intra "
-                f"link ({_s(bd['TP'])} per step)." if lay.tp > 1 else
+                f"link ({fmt_seconds(bd['TP'])} per step)." if lay.tp > 1 else
                 "No tensor parallelism (tp=1): the model fits without splitting its layers, and TP's per-layer "
                 "all-reduces would only add time.")
         text = (f"{head} The fastest layout whose tp group crosses nodes, {describe(x)} (#{rank}), takes "
-                f"{_s(x.step_s)} ({x.step_s / step:.2f}x): its TP spends {_s(inter['inter'])} on the inter link"
-                + (f" (+{_s(inter['intra'])} intra)" if inter["intra"] > 0 else ""))
+                f"{fmt_seconds(x.step_s)} ({x.step_s / step:.2f}x): its TP spends {fmt_seconds(inter['inter'])} on the inter link"
+                + (f" (+{fmt_seconds(inter['intra'])} intra)" if inter["intra"] > 0 else ""))
         shape = getattr(ranked, "shape", None)
         if shape is not None:
             fast = link_seconds(tp_on_intra(x, cluster, shape, getattr(ranked, "precision", "mixed"),
                                             **getattr(ranked, "options", {})))
-            text += f", where the same bytes would take {_s(fast['intra'] + fast['inter'])} on the intra link"
+            text += f", where the same bytes would take {fmt_seconds(fast['intra'] + fast['inter'])} on the intra link"
         ratio = cluster.intra_bandwidth_Bps / cluster.inter_bandwidth_Bps
         lines.append(text + f" (the links' bandwidths differ {ratio:.0f}x).")
     else:
@@ -337,7 +337,7 @@ def explain(ranked: list, cluster: Cluster) -> str:
                          f"{lay.micro_batches}.")
         else:
             s = shallower[0]
-            lines.append(f"pp={lay.pp}: the fastest shallower pipeline, {describe(s)}, takes {_s(s.step_s)} "
+            lines.append(f"pp={lay.pp}: the fastest shallower pipeline, {describe(s)}, takes {fmt_seconds(s.step_s)} "
                          f"({s.step_s / step:.2f}x).")
     # -- what limits it
     limits = []
@@ -360,11 +360,11 @@ def explain(ranked: list, cluster: Cluster) -> str:
         rb = breakdown(r)
         diff = max(PARTS, key=lambda k: rb[k] - bd[k])
         if r.step_s - step <= 1e-6 * step:
-            lines.append(f"Runner-up: {describe(r)}, the same {_s(r.step_s)}, ranked lower for its memory "
+            lines.append(f"Runner-up: {describe(r)}, the same {fmt_seconds(r.step_s)}, ranked lower for its memory "
                          f"({_gb(r.memory_bytes)} per GPU).")
         else:
-            lines.append(f"Runner-up: {describe(r)}, {_s(r.step_s)} (+{(r.step_s / step - 1) * 100:.1f}%), mostly "
-                         f"{diff} (+{_s(rb[diff] - bd[diff])}).")
+            lines.append(f"Runner-up: {describe(r)}, {fmt_seconds(r.step_s)} (+{(r.step_s / step - 1) * 100:.1f}%), mostly "
+                         f"{diff} (+{fmt_seconds(rb[diff] - bd[diff])}).")
     return "\n".join(lines)
 
 

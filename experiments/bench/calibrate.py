@@ -52,6 +52,8 @@ import torch
 import collectives
 from collectives.topology import Topology
 from parallelism.cluster import Cluster
+from parallelism.step_model import OVERLAP_FRACTION
+from parallelism.step_model import model_flops as step_model_flops
 
 SIZES = (4, 8, 16, 32)      # micro-batch sizes of the bare compute fit (the check's runs use 2..8 per rank)
 RUN_SIZES = (2, 8, 32)      # per-worker batches of the real-loop compute fit (the check: 2..8 per rank)
@@ -77,14 +79,9 @@ def workload_shape(micro_batch: int = 1) -> Any:
 
 
 def model_flops(shape: Any, batch: int) -> float:
-    """FLOPs of one training step on `batch` sequences: step_model's formula where it exists, else Narayanan et al.
-    2021 eq. (3) without recompute: 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))."""
-    try:
-        from parallelism.step_model import model_flops as mf
-        return float(mf(shape, batch))
-    except ImportError:
-        B, s, L, h, V = batch, shape.seq, shape.layers, shape.hidden, shape.vocab
-        return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    """FLOPs of one training step on `batch` sequences: step_model.model_flops (Narayanan et al. 2021 eq. (3),
+    without recompute)."""
+    return float(step_model_flops(shape, batch))
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -222,7 +219,7 @@ def measure_overlap(topology: Topology, rate: float, *, batch: int = 8, reps: in
                     progress()
     plain, over = statistics.median(times[False]), statistics.median(times[True])
     compute_s = model_flops(workload_shape(), batch) / rate
-    f = min(2 / 3, max(0.0, (plain - over) / compute_s))
+    f = min(OVERLAP_FRACTION, max(0.0, (plain - over) / compute_s))
     return {"fraction": f, "plain_s": plain, "overlap_s": over, "compute_s": compute_s, "all": times}
 
 

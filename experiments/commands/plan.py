@@ -237,7 +237,7 @@ def _json_default(o: Any) -> Any:
 
 
 def table(preds: list) -> str:
-    from parallelism.planner import PARTS, breakdown, describe
+    from parallelism.planner import PARTS, breakdown, describe, fmt_seconds
     short = {"compute": "comp", "bubble": "bubble", "TP": "TP", "PP": "PP", "DP exposed": "DP", "other comm": "cp/ep",
              "overhead": "ovh"}
     names = [describe(p) for p in preds]
@@ -249,12 +249,8 @@ def table(preds: list) -> str:
         bd = breakdown(p)
         step = p.step_s
         cells = "".join(f"{100 * bd[k] / step:>6.1f}%" for k in PARTS)
-        lines.append(f"{i:>3} {n:<{w}}{p.memory_bytes / 1e9:>7.1f}GB{_sec(step):>10}{p.tflops_per_gpu:>9.0f}  {cells}")
+        lines.append(f"{i:>3} {n:<{w}}{p.memory_bytes / 1e9:>7.1f}GB{fmt_seconds(step):>10}{p.tflops_per_gpu:>9.0f}  {cells}")
     return "\n".join(lines)
-
-
-def _sec(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
 def plot(preds: list, path: str, title: str) -> None:
@@ -335,13 +331,8 @@ def _topology(args: argparse.Namespace) -> Any:
     from collectives.topology import Topology, TopologyError
     text = args.topology
     if text is None:
-        try:
-            from experiments.studies import plan_check
-            default = getattr(plan_check, "DEFAULT_TOPOLOGY", None)
-        except ImportError:
-            default = None
-        return default or Topology(hosts=2, per_host=2, intra_latency_s=20e-6, inter_latency_s=500e-6,
-                                   inter_bandwidth_Bps=50e6)
+        from experiments.studies.plan_check import DEFAULT_TOPOLOGY
+        return DEFAULT_TOPOLOGY
     if not text.lstrip().startswith("{"):
         path = Path(text)
         if not path.is_file():
@@ -359,10 +350,7 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     cluster = None
     if args.calibrate is not None:
-        try:
-            from experiments.bench.calibrate import calibrate
-        except ImportError as e:
-            raise ConfigError(f"--calibrate is not available in this checkout ({e})") from None
+        from experiments.bench.calibrate import calibrate
         cluster = calibrate(topo, progress=progress)
         Path(args.calibrate).write_text(cluster.to_json() + "\n")
         out["calibration"] = json.loads(cluster.to_json())
@@ -372,12 +360,10 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
                   f"per rank, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step; intra {_link(cluster, 'intra')}; "
                   f"inter {_link(cluster, 'inter')} -> {args.calibrate}")
     if args.check:
-        try:
-            from experiments.studies.plan_check import check, format_table
-        except ImportError as e:
-            raise ConfigError(f"--check is not available in this checkout ({e})") from None
+        from experiments.studies.plan_check import check, format_table
+        from parallelism.cluster import PRESETS
         if cluster is None:
-            if not args.cluster or args.cluster in _presets():
+            if not args.cluster or args.cluster in PRESETS:
                 raise ConfigError("--check needs a calibration of this machine: add --calibrate [FILE], or give "
                                   "--cluster FILE.json written by it")
             cluster = _cluster(args)
@@ -390,11 +376,6 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, default=_json_default))
     return 0
-
-
-def _presets() -> tuple[str, ...]:
-    from parallelism.cluster import PRESETS
-    return tuple(PRESETS)
 
 
 def _link(c: Any, kind: str) -> str:

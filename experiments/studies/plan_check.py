@@ -113,15 +113,12 @@ def predict_row(c: dict[str, Any], cluster: Cluster, batch: int = BATCH, steps: 
     """The planner's view of one config: the Prediction (as a dict) and its bytes per kind and per link (one-off
     bytes spread over `steps`, as a run's summary reports them)."""
     from parallelism import step_model
+    from parallelism.comm_model import bytes_by_kind, bytes_by_link
     c = _norm(c)
     shape, layout = shape_of(batch, c["micro_batches"]), layout_of(c)
     p = step_model.predict(shape, layout, cluster, c["dp"] * batch, precision="fp32", placement=c["placement"],
                            algorithm="pslab", overlap=c["overlap"], steps=steps)
-    kinds: dict[str, float] = {}
-    links = {"intra": 0.0, "inter": 0.0}
-    for t in p.comm:
-        kinds[t.kind] = kinds.get(t.kind, 0.0) + t.bytes
-        links[t.link] = links.get(t.link, 0.0) + t.bytes
+    kinds, links = bytes_by_kind(p.comm), bytes_by_link(p.comm)
     return {"prediction": p.as_dict(), "step_s": p.step_s, "bytes_by_kind": kinds, "bytes_by_link": links}
 
 
