@@ -130,7 +130,7 @@ class Inbox:
             raise WireError(f"shm payload [{offset}, {offset + nbytes}) lies outside the {size}-byte segment")
         cur = self.maps.get(src)
         if cur is None or cur[0] != name or len(cur[1]) < size:
-            cur = self.maps[src] = (name, _map(name, size))
+            cur = self.maps[src] = (name, map_segment(name, size))
         if nbytes == 0:
             return torch.empty(shape, dtype=wire._DTYPES[dtype][1])
         with warnings.catch_warnings():
@@ -172,5 +172,3 @@ def map_segment(name: str, size: int, writable: bool = False) -> mmap.mmap:
         pass
     return mm
 
-
-_map = map_segment

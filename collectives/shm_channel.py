@@ -454,20 +454,14 @@ def _unlink_all(names: list[str]) -> None:
             pass          # the receiver unlinked it after mapping
 
 
+_FUSED = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}   # avg: a sum here
+
+
 def reduce_into(buf: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
     """buf <- parts[0] (op) parts[1] (op) ... left to right: the zmq direct exchange's order, first step fused."""
     if len(parts) == 1:
         buf.copy_(parts[0])
         return
-    how = "sum" if op == "avg" else op
-    if how == "sum":
-        torch.add(parts[0], parts[1], out=buf)
-    elif how == "max":
-        torch.maximum(parts[0], parts[1], out=buf)
-    elif how == "min":
-        torch.minimum(parts[0], parts[1], out=buf)
-    else:
-        buf.copy_(parts[0])
-        combine(buf, parts[1], how)
+    _FUSED[op](parts[0], parts[1], out=buf)           # check_op allows only these four
     for p in parts[2:]:
-        combine(buf, p, how)
+        combine(buf, p, op)

@@ -271,7 +271,8 @@ class Transport:
         `check(sender, header)` is called on every accepted arrival (to spot ranks that run a different collective);
         `expect(message)` validates the awaited message against what the caller needs and returns what `recv`
         returns (the message itself without it); a WireError from it drops the message and the wait goes on.
-        `idle()`, when given, is called at least every 50 ms of waiting (e.g. to spot a diverging peer elsewhere)."""
+        `idle()`, when given, is called every 50 ms of waiting, the first time 50 ms in (e.g. to spot a diverging
+        peer elsewhere; not on every pass, since it may scan)."""
         want = (src, tuple(key))
         deadline = time.monotonic() + self.timeout
         dropped = self.dropped
@@ -284,14 +285,18 @@ class Transport:
                 return expect(hit[0]) if expect is not None else hit[0]
             except WireError as e:
                 self.drop(str(e))
+        next_idle = time.monotonic() + 0.05      # idle() is a scan: not on every pass of a busy receive
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if self.interrupt is not None:
                 self.interrupt()
                 remaining = min(remaining, self.interrupt_every)
             if idle is not None:
-                idle()
-                remaining = min(remaining, 0.05)
+                if now >= next_idle:
+                    idle()
+                    next_idle = now + 0.05
+                remaining = min(remaining, next_idle - now)
             if remaining <= 0 or not self.pull.poll(int(remaining * 1000) + 1):
                 if time.monotonic() >= deadline:
                     detail = (f"{self.dropped - dropped} message(s) dropped meanwhile, the last: "
