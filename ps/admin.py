@@ -18,7 +18,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 from .admission import ADMIN
 from .client import PSClient
 from .errors import ConfigError, PSError
-from .futures import metas
+from .futures import reply_metas
 
 _NO_MODEL = {"(no model)": (1,)}        # an admin client made without params only needs some partition
 
@@ -45,7 +45,7 @@ class AdminClient(PSClient):
 
     def checkpoint(self) -> Future:
         """Ask every shard to write a checkpoint now; Future[list of {path, version}]."""
-        return metas(self._all("checkpoint"))
+        return self._all("checkpoint", finish=reply_metas)
 
     def set_members(self, alive: Sequence[int], version: int) -> Future:
         """Make `alive` the workers every shard waits for, as membership `version` (> the last one; repeating the
@@ -53,7 +53,8 @@ class AdminClient(PSClient):
         waited only for them go on; a re-admitted worker starts at the committed clock (aggregating policies) or the
         slowest live clock, after its resync(). Future[list of per shard {members, version, committed, clocks,
         shard_version}]."""
-        return metas(self._all("members", {"alive": [int(w) for w in alive], "version": int(version)}))
+        return self._all("members", {"alive": [int(w) for w in alive], "version": int(version)},
+                         finish=reply_metas)
 
     def shutdown_servers(self, timeout: float = 10.0) -> None:
         """Ask every shard to checkpoint (if configured) and exit."""

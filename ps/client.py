@@ -57,11 +57,11 @@ from collectives.wire import decode, encode
 from .admission import ADMIN, secret_for, worker_user
 from .errors import (CheckpointWarning, ConfigError, PSError, RequestTimeoutError, ShardLostError,
                      error_from_reply)
-from .futures import LazyFuture, gather, mapped, metas
+from .futures import Fanout, reply_metas
 from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
 from . import shm_arena, shm_path
-from .protocol import CLIENT_LIMITS
+from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
 
@@ -75,7 +75,7 @@ class PullResult:
 
 @dataclass
 class _Pending:
-    future: Future
+    future: Fanout                     # the call's one future; this request fills its slot `shard`
     deadline: float
     shard: int
     keep: Any = None                   # tensors that must outlive a zero-copy send
@@ -108,6 +108,7 @@ class PSClient:
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
         self.dtypes = {n: _np_dtype(v) for n, v in params.items()}   # None where numpy has no such dtype
         self._scratch: dict[str, np.ndarray] = {}                   # reassembly buffers of copy=False reads
+        self._split_memo: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}   # _split's last answer
         self._keys_of = [self.partition.keys_of(i) for i in range(len(self.addresses))]
         self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
@@ -222,17 +223,15 @@ class PSClient:
         """Per shard: whether pushes and pulls travel through shared memory (negotiated at register)."""
         return [link.push_ok and link.pull_ok for link in self._links]
 
-    def _request(self, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
-                 timeout: float | None = None) -> Future:
-        if self._closed:
-            raise PSError("this client is closed; call ps.connect again")
-        fut = LazyFuture(self._drive)
+    def _request(self, fut: Fanout, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
+                 timeout: float | None = None) -> None:
+        """Send one request to `shard`; its reply (or error) goes to `fut`'s slot `shard`."""
         if shard in self._refused:           # the handshake failed, maybe before anything was sent: say so at once
-            fut.set_exception(self._refused[shard])
-            return fut
+            fut.fail(self._refused[shard])
+            return
         if shard in self._lost and op != "register" and self.user != ADMIN:
-            fut.set_exception(self._lost_error(shard, op))
-            return fut
+            fut.fail(self._lost_error(shard, op))
+            return
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             seq = next(self._seq)
@@ -255,28 +254,30 @@ class PSClient:
             except zmq.ZMQError as e:
                 self._pending.pop((shard, seq))
                 link.on_timeout(seq)
-                fut.set_exception(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
-        return fut
+                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
-             timeout: float | None = None) -> Future:
-        """Send to every shard in parallel; a Future of the list of replies (shard order), first error wins."""
+             timeout: float | None = None, finish: Any = None) -> Fanout:
+        """Send to every shard in parallel; one future of finish(list of replies in shard order) (the list itself
+        without `finish`), first error wins."""
+        if self._closed:
+            raise PSError("this client is closed; call ps.connect again")
+        fut = Fanout(self._drive, len(self.addresses), finish)
         with self._lock:
             self._watch()                 # a shard that dropped meanwhile fails fast instead of never answering
             if self._lost and op != "register" and self.user != ADMIN:   # and nothing goes to the others either:
-                fut = LazyFuture(self._drive)                              # no clock moves on a surviving shard
-                fut.set_exception(self._lost_error(min(self._lost), op))
+                fut.fail(self._lost_error(min(self._lost), op))          # no clock moves on a surviving shard
                 return fut
-        futs = [self._request(i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
-                              None if per_shard is None else per_shard[i][1], timeout)
-                for i in range(len(self.addresses))]
-        return gather(futs)
+        for i in range(len(self.addresses)):
+            self._request(fut, i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
+                          None if per_shard is None else per_shard[i][1], timeout)
+        return fut
 
     def init(self, params: Mapping[str, Any]) -> Future:
         """Initialise every shard with this worker's values: only the owner (worker 0, or an admin client) may,
         and only once (a shard already holding parameters answers AlreadyInitializedError)."""
         per = [({"worker": self.worker}, self._split(params, i)) for i in range(len(self.addresses))]
-        return metas(self._all("init", per_shard=per))
+        return self._all("init", per_shard=per, finish=reply_metas)
 
     def pull(self, timeout: float | None = None, copy: bool = True) -> Future:
         """Future[PullResult]: the current parameters at this worker's clock (may wait on the consistency gate).
@@ -286,21 +287,21 @@ class PSClient:
         tensor; this client's NEXT pull or push_pull overwrites both kinds: copy what you keep beyond that, e.g.
         straight into the model's parameters."""
         per = [({"clock": self.clocks[i], "_copy": copy}, None) for i in range(len(self.addresses))]
-        fut = self._all("pull", per_shard=per, timeout=timeout)
-        return mapped(fut, lambda replies: self._adopt_read([m for m, _ in replies], replies, copy))
+        return self._all("pull", per_shard=per, timeout=timeout,
+                         finish=lambda replies: self._adopt_read([m for m, _ in replies], replies, copy))
 
     def push(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
         """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock.
         The gradient tensors are sent zero-copy: do not modify them until the future is done. If a push fails,
         call `resync()` to adopt the shards' clocks again."""
-        return metas(self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout))
+        return self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout, finish=reply_metas)
 
     def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None, copy: bool = True) -> Future:
         """Push, then read at the new clock, in one round trip per shard (the shard answers once its gate lets
         the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull(copy=copy)`."""
-        fut = self._all("push", per_shard=self._stamp(grads, {"pull": True, "_copy": copy}), timeout=timeout)
-        return mapped(fut, lambda replies: ([m for m, _ in replies],
-                                             self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
+        return self._all("push", per_shard=self._stamp(grads, {"pull": True, "_copy": copy}), timeout=timeout,
+                         finish=lambda replies: ([m for m, _ in replies],
+                                                 self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
 
     def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         """Per-shard push requests stamped with this worker's clock and read version; advances the clocks."""
@@ -349,7 +350,7 @@ class PSClient:
     def stats(self, series: bool = False) -> Future:
         """Future[list of per-shard stats dicts: version, clocks, staleness summary, wait seconds, counters];
         `series=True` adds the per-update time series [[now, worker, tau, version], ...]."""
-        return metas(self._all("stats", {"series": bool(series)}))
+        return self._all("stats", {"series": bool(series)}, finish=reply_metas)
 
     def resync(self) -> list[int]:
         """Re-register and adopt each shard's clock and version for this worker (after an error or a shard
@@ -361,10 +362,25 @@ class PSClient:
         return list(self.clocks)
 
     def ping(self) -> Future:
-        return metas(self._all("ping"))
+        return self._all("ping", finish=reply_metas)
 
     # ------------------------------------------------------------------ slicing
     def _split(self, tensors: Mapping[str, Any], shard: int) -> dict[str, np.ndarray]:
+        """Shard `shard`'s flat pieces of `tensors` (views). The same numpy arrays (same objects, shapes and
+        strides: the same memory) as last time, e.g. a training loop's `grad_buffers()`, get the same pieces back
+        without re-slicing; anything else (torch tensors, whose storage `.data =` can swap) is sliced afresh."""
+        memo = self._split_memo.get(shard)
+        if memo is not None and len(tensors) == len(memo[0]) and all(
+                tensors.get(n) is a and a.shape == sh and a.strides == st for n, (a, sh, st) in memo[0].items()):
+            return memo[1]
+        out = self._slice(tensors, shard)
+        if all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in tensors.values()):
+            self._split_memo[shard] = ({n: (a, a.shape, a.strides) for n, a in tensors.items()}, out)
+        else:
+            self._split_memo.pop(shard, None)
+        return out
+
+    def _slice(self, tensors: Mapping[str, Any], shard: int) -> dict[str, np.ndarray]:
         out = {}
         for s in self._keys_of[shard]:
             if s.name not in tensors:
@@ -444,9 +460,9 @@ class PSClient:
     def _drain(self, shard: int) -> None:
         """Dispatch every reply waiting on shard's socket."""
         sock = self._socks[shard]
-        while True:
+        while sock.getsockopt(EVENTS) & POLLIN:      # ~1 µs; a recv that fails with Again: ~10 µs
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._on_reply(shard, frames)
@@ -480,14 +496,13 @@ class PSClient:
         for key in [k for k in self._pending if k[0] == shard]:
             p = self._pending.pop(key)
             self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
-            if not p.future.done():
-                p.future.set_exception(exc if exc is not None else self._lost_error(shard, "request", key[1]))
+            p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
             p = self._pending.pop(key)
             self._links[key[0]].on_timeout(key[1])
-            p.future.set_exception(RequestTimeoutError(
+            p.future.fail(RequestTimeoutError(
                 f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
                 f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
 
@@ -503,14 +518,12 @@ class PSClient:
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
             if msg.op == "error":
-                pend.future.set_exception(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")),
-                                                           shard))
+                pend.future.fail(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard))
             else:
-                pend.future.set_result((msg.meta, msg.tensors if copied is None else copied))
+                pend.future.settle(pend.shard, (msg.meta, msg.tensors if copied is None else copied))
         except Exception as e:                 # never leave the popped future waiting forever
-            if not pend.future.done():
-                pend.future.set_exception(PSError(f"shard {shard} sent a reply this client cannot use: "
-                                                  f"{type(e).__name__}: {e} (shared-memory replies are now off)"))
+            pend.future.fail(PSError(f"shard {shard} sent a reply this client cannot use: "
+                                     f"{type(e).__name__}: {e} (shared-memory replies are now off)"))
 
     def _note(self, shard: int, meta: Any) -> None:
         """Remember the highest version a reply named, and a push ack's checkpoint_error (warned once per shard)."""
@@ -531,8 +544,7 @@ class PSClient:
 
     def _fail_all(self, exc: Exception) -> None:
         for p in self._pending.values():
-            if not p.future.done():
-                p.future.set_exception(exc)
+            p.future.fail(exc)
         self._pending.clear()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from collectives.curve import load_keys
 
 from .admission import curve_client, plain_client
 from .errors import AuthenticationError
+from .protocol import EVENTS, POLLIN
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -53,7 +54,7 @@ def open_sockets(ctx: zmq.Context, addresses: Sequence[str], user: str, secret: 
 def read_events(monitor: zmq.Socket) -> list[int]:
     """Every event waiting on a socket monitor (non-blocking)."""
     out = []
-    while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:     # ~1 us; a poll(0) costs ~25 us (a Poller per call)
+    while monitor.getsockopt(EVENTS) & POLLIN:     # ~1 us; a poll(0) costs ~25 us (a Poller per call)
         out.append(int(recv_monitor_message(monitor)["event"]))
     return out
 

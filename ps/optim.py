@@ -131,6 +131,7 @@ class Contribution:
     grads: Mapping[str, Any]
     tau: int = 0
     backup: Mapping[str, torch.Tensor] | None = None
+    runs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None   # the same, as (param, grad) runs (ps.flat)
 
 
 def _np(t: Any) -> np.ndarray:
@@ -175,8 +176,15 @@ class ServerOptimizer:
         if not contributions:
             raise ValueError("an optimizer step needs at least one contribution")
         n = len(contributions)
+        if n == 1 and self._plain and contributions[0].runs is not None:
+            lr = self.learning_rate([contributions[0].tau])    # fastest path: bitwise torch.optim.SGD's step,
+            with torch.no_grad():                              # one add_ per run of adjacent tensors
+                for p, g in contributions[0].runs:
+                    p.add_(g, alpha=-lr)
+            self.steps += 1
+            return lr
         if n == 1 and self._plain and all(isinstance(contributions[0].grads[k], torch.Tensor) for k in self.keys):
-            lr = self.learning_rate([contributions[0].tau])    # fastest path: bitwise torch.optim.SGD's step
+            lr = self.learning_rate([contributions[0].tau])    # fast path: bitwise torch.optim.SGD's step
             with torch.no_grad():
                 for k in self.keys:
                     p = self.params[k]

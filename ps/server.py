@@ -40,7 +40,7 @@ from .config import ServerConfig
 from .errors import (AccessDeniedError, AlreadyInitializedError, ConfigError, DuplicateRequestError,
                      NotInitializedError, ProtocolError, PSError, ShmLimitError)
 from .parking import Parked, Parking
-from .protocol import meta_int, meta_list, server_limits, wire_safe
+from .protocol import EVENTS, NOBLOCK, POLLIN, meta_int, meta_list, server_limits, wire_safe
 from .restore import restore
 from .shard import ShardState, _all_finite
 from .shm_path import ServerLink
@@ -157,8 +157,10 @@ class ShardServer(Parking):
                 now = time.monotonic()
                 if self.sock in events:
                     for _ in range(64):   # drain a burst, then check timeouts
+                        if not self.sock.getsockopt(EVENTS) & POLLIN:   # ~1 µs; a failing recv ~10 µs
+                            break
                         try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = self.sock.recv_multipart(NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         last_msg = now = time.monotonic()
@@ -184,7 +186,7 @@ class ShardServer(Parking):
         assert self.sock is not None
         frames = encode(op, tensors, seq=seq, src=self.config.shard_id, meta=meta or {})
         try:
-            tracker = self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK, track=track)
+            tracker = self.sock.send_multipart([identity, *frames], copy=False, flags=NOBLOCK, track=track)
         except zmq.ZMQError as e:  # peer gone (freed at the next sweep) or its queue full: drop the reply
             if e.errno == zmq.EHOSTUNREACH:
                 self._gone.add(identity)

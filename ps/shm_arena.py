@@ -6,11 +6,14 @@ piece by piece into the segments, and a pulled tensor reassembled from the shard
 8 MB of memcpy per update of a 4 MB tensor on 2 shards. An arena is one segment per client and direction in which
 every tensor has its own place,
 
-    offset(t) = H + sum_{u before t} ceil(bytes(u) / 64) * 64          H = 64 * shards  (one probe slot each)
-    piece [start, stop) of t on shard s:   bytes [offset(t) + start * itemsize, offset(t) + stop * itemsize)
+    [ H = 64 * shards (one probe slot each) | shard 0's whole tensors | shard 1's ... | split tensors ]
+    whole tensors of one shard: by name, back to back (each at a multiple of its itemsize); every group and every
+    split tensor starts on a 64-byte line
+    piece [start, stop) of split t on shard s:   bytes [offset(t) + start * itemsize, offset(t) + stop * itemsize)
 
-so a split tensor is one contiguous array whose pieces are ranges of it, and the pieces of different shards never
-overlap. The segment gets one name per shard, `pslab-<job>-<worker>-<shard>-<gen>` (hard links of one tmpfs file):
+so a split tensor is one contiguous array whose pieces are ranges of it, the pieces of different shards never
+overlap, and a shard's whole tensors lie back to back in the order of the shard's own parameter buffer (ps.flat):
+the shard checks, steps and answers all of them with one torch call each. The segment gets one name per shard, `pslab-<job>-<worker>-<shard>-<gen>` (hard links of one tmpfs file):
 each shard maps and unlinks only its own name (collectives.shm rules: name form, source, own account, size), and
 the client unlinks whatever names are left when it closes or replaces the segment (a new generation).
 
@@ -52,13 +55,19 @@ def places(slices: Sequence[Any], num_shards: int, only: set[str] | None = None)
     over the partition's slices, restricted to the tensors named in `only` if given."""
     pos = ALIGN * num_shards
     start: dict[str, int] = {}
-    for s in sorted(slices, key=lambda s: (s.name, s.start)):
-        if only is not None and s.name not in only:
-            continue
+    chosen = [s for s in sorted(slices, key=lambda s: (s.name, s.start)) if only is None or s.name in only]
+    whole = {s.name: s for s in chosen if s.start == 0 and s.stop == math.prod(s.shape)}
+    for shard in range(num_shards):                  # each shard's whole tensors, back to back
+        for name, s in whole.items():
+            if s.shard == shard:
+                pos = -(-pos // s.itemsize) * s.itemsize
+                start[name] = pos
+                pos += s.nbytes
+        pos = -(-pos // ALIGN) * ALIGN
+    for s in chosen:                                 # then every split tensor, whole
         if s.name not in start:
             start[s.name] = pos
-            full = math.prod(s.shape) * s.itemsize
-            pos += -(-full // ALIGN) * ALIGN
+            pos += -(-math.prod(s.shape) * s.itemsize // ALIGN) * ALIGN
     out = {s.key: (start[s.name] + s.start * s.itemsize, s.nbytes) for s in slices if s.name in start}
     return out, start, pos
 

@@ -54,6 +54,7 @@ from collectives.cleanup import note_shm_job
 from collectives.errors import WireError
 from collectives.wire import wire_dtype
 
+from . import flat
 from .shm_arena import ALIGN, Into, PullArena, PushArena
 
 MAX_TENSORS = 4096
@@ -65,13 +66,20 @@ def wanted(address: str) -> bool:
     return local and shm.available()
 
 
-def _layout(nbytes: Mapping[str, int]) -> tuple[list[tuple[str, int]], int]:
-    """(key, offset) for tensors of these sizes laid out in order, each on a cache line; and the total."""
+def _layout(sizes: Mapping[str, tuple[int, int]]) -> tuple[list[tuple[str, int]], int]:
+    """(key, offset) for tensors of these (nbytes, itemsize) laid out in order, back to back (each at a multiple
+    of its itemsize: tensors of one dtype stay adjacent, so the other side can treat a run of them as one, ps.flat);
+    and the total."""
     offs, pos = [], 0
-    for k, n in nbytes.items():
+    for k, (n, item) in sizes.items():
+        pos = -(-pos // item) * item
         offs.append((k, pos))
-        pos += -(-int(n) // ALIGN) * ALIGN
+        pos += int(n)
     return offs, pos
+
+
+def _sizes(tensors: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    return {k: (int(t.nbytes), int(t.itemsize) or 1) for k, t in tensors.items()}
 
 
 def _as_torch(a: Any) -> torch.Tensor:
@@ -87,7 +95,7 @@ def _as_torch(a: Any) -> torch.Tensor:
 def write(box: shm.Outbox, tensors: Mapping[str, Any]) -> list[list[Any]]:
     """Copy `tensors` into `box` (growing it if needed) and return their [key, descriptor] list for the header.
     A tensor that already lies at its place in the segment (a `ClientLink.buffers` view) is not copied."""
-    offs, total = _layout({k: t.nbytes for k, t in tensors.items()})
+    offs, total = _layout(_sizes(tensors))
     box.reserve(max(total, 1))
     base = box.bytes.data_ptr() if box.bytes is not None else -1
     out = []
@@ -151,7 +159,11 @@ class ClientLink:
         self._token = b""
         self._desc: dict[tuple[str, str], list[Any]] = {}
         self._desc_for = ""
+        self._last: tuple[Mapping[str, Any], list[list[Any]]] | None = None   # _write's last all-in-place answer
         self._views: dict[str, Any] = {}           # read()'s cache of reply-segment views
+        self._np: dict[str, tuple[Any, np.ndarray]] = {}        # their numpy views
+        self._into_cache: dict[str, np.ndarray] = {}            # views of our pull arena, per generation
+        self._into_for = ""
 
     @property
     def outbox(self) -> PushArena | None:
@@ -219,7 +231,7 @@ class ClientLink:
         assert box is not None
         head = ALIGN * len(box.shards)
         if self.places is None:                             # a private arena: laid out in push order
-            offs, total = _layout({k: t.nbytes for k, t in tensors.items()})
+            offs, total = _layout(_sizes(tensors))
             box.reserve(head + max(total, 1))
             where = {k: (head + off, int(tensors[k].nbytes)) for k, off in offs}
         else:
@@ -227,8 +239,11 @@ class ClientLink:
             where = self.places
         base = box.bytes.data_ptr() if box.bytes is not None else -1
         if self._desc_for != box.name:                      # descriptors of in-place tensors, per generation
-            self._desc, self._desc_for = {}, box.name
-        out = []
+            self._desc, self._desc_for, self._last = {}, box.name, None
+        last = self._last                                   # the same pieces (the client's _split memo: the
+        if last is not None and last[0] is tensors:         # same arrays), all in place last time: same header
+            return last[1]
+        out, in_place = [], True
         for k, a in tensors.items():
             place = where.get(k)
             if place is None:
@@ -238,6 +253,7 @@ class ClientLink:
                 if d is not None and a.__array_interface__["data"][0] == base + place[0]:
                     out.append([k, d])
                     continue
+            in_place = in_place and isinstance(a, np.ndarray)
             t = _as_torch(a).reshape(-1)
             if t.numel() * t.element_size() != place[1]:
                 return None                                 # not this client's layout (another dtype): frames
@@ -247,7 +263,9 @@ class ClientLink:
                     self._desc[(k, a.dtype.str)] = d
                 out.append([k, d])
             else:
+                in_place = False
                 out.append([k, box.put(self.shard, place[0], t)])
+        self._last = (tensors, out) if in_place else None
         return out
 
     def take_pull(self, seq: int, copy: bool = True) -> bool:
@@ -278,7 +296,7 @@ class ClientLink:
         if copy is None or (entries is None and into is None):   # not a read that asked for shm, or frames
             return None
         try:
-            views = {k: v.numpy() for k, v in read(self.inbox, self.peer, entries or [], self._views).items()}
+            views = {k: self._numpy(k, v) for k, v in read(self.inbox, self.peer, entries or [], self._views).items()}
             if into is not None:
                 views.update(self._into_views(into, views))
         except WireError:
@@ -286,22 +304,35 @@ class ClientLink:
             raise
         if copy:
             return {k: v.copy() for k, v in views.items()}
-        for v in views.values():
-            v.flags.writeable = False
         return views
+
+    def _numpy(self, key: str, t: torch.Tensor) -> np.ndarray:
+        """A read-only numpy view of a reply-segment view, the same array again for the same (cached) view."""
+        hit = self._np.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        a = t.numpy()
+        a.flags.writeable = False
+        self._np[key] = (t, a)
+        return a
 
     def _into_views(self, keys: Any, seen: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The pieces the shard says it wrote into our pull arena: views at their places."""
         if not (self.into_ok and self.into is not None and self.into.bytes is not None and isinstance(keys, list)
                 and len(keys) <= MAX_TENSORS):
             raise WireError("shm_into names pieces this link did not offer a pull arena for")
-        raw = self.into.bytes.numpy()
+        if self._into_for != self.into.name:             # views of one generation of the pull arena
+            self._into_cache, self._into_for = {}, self.into.name
         out = {}
         for k in keys:
             if not isinstance(k, str) or k not in self.into_places or k in seen or k in out:
                 raise WireError(f"shm_into names {k!r:.60}: not a piece this link offered, or named twice")
-            off, n = self.into_places[k]
-            out[k] = raw[off:off + n].view(self.into_dtypes[k])
+            a = self._into_cache.get(k)
+            if a is None:
+                off, n = self.into_places[k]
+                a = self._into_cache[k] = self.into.bytes.numpy()[off:off + n].view(self.into_dtypes[k])
+                a.flags.writeable = False
+            out[k] = a
         return out
 
     def on_timeout(self, seq: int) -> None:
@@ -317,8 +348,8 @@ class ClientLink:
         shared arenas)."""
         if self._own and self.arena is not None:
             self.arena.close()
+        self._views, self._np, self._into_cache, self._into_for = {}, {}, {}, ""
         self.inbox.close()
-        self._views = {}
 
 
 class ServerLink:
@@ -383,11 +414,16 @@ class ServerLink:
         sig = tuple((k, t.dtype, t.numel()) for k, t in tensors.items())
         plan = self._plan
         if plan is not None and plan[0] == sig and plan[1] == self.outbox.name:
-            for dst, t in zip(plan[2], tensors.values()):     # the same layout as last time: one copy_ each
-                dst.copy_(t)                                   # parking.py hands 1-D tensors
+            srcs = list(tensors.values())                      # the same layout as last time: one copy_ per run
+            ptrs = tuple(t.data_ptr() for t in srcs)           # of tensors adjacent on both sides (ps.flat)
+            if plan[5] != ptrs:
+                plan = self._plan = (*plan[:5], ptrs, flat.runs(plan[2], srcs))
+            for dst, t in plan[6]:
+                dst.copy_(t)
             return plan[3], plan[4]
         into, rest = [], {}
-        for k, t in tensors.items():
+        for k in flat.order(tensors):                          # the shard's buffer order: whole tensors adjacent
+            t = tensors[k]
             if self.into is not None and self.into.put(k, t):
                 into.append(k)
             else:
@@ -402,7 +438,7 @@ class ServerLink:
             buf, off = where[k]
             n = t.numel() * t.element_size()
             dsts.append(buf[off:off + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype))
-        self._plan = (sig, self.outbox.name, dsts, entries, into)
+        self._plan = (sig, self.outbox.name, dsts, entries, into, None, [])
         return entries, into
 
     def release_reply(self) -> bool:
