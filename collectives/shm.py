@@ -110,6 +110,8 @@ class Inbox:
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
         self.maps: dict[int, tuple[str, mmap.mmap]] = {}
+        self._bytes: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}   # one uint8 tensor per mapping: every view
+                                                                       # shares its storage (ps.flat merges them)
 
     def view(self, src: int, desc: object, job: str | None = None) -> torch.Tensor:
         """Validate a header's shm descriptor and return a read-only tensor view of the payload. With `job` (the
@@ -133,14 +135,16 @@ class Inbox:
             cur = self.maps[src] = (name, map_segment(name, size))
         if nbytes == 0:
             return torch.empty(shape, dtype=wire._DTYPES[dtype][1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(cur[1], dtype=wire._DTYPES[dtype][1], count=math.prod(shape),
-                                 offset=offset)
-        return t.view(shape)
+        whole = self._bytes.get(src)
+        if whole is None or whole[0] is not cur[1]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                whole = self._bytes[src] = (cur[1], torch.frombuffer(cur[1], dtype=torch.uint8))
+        return whole[1][offset:offset + nbytes].view(wire._DTYPES[dtype][1]).view(shape)
 
     def close(self) -> None:
         self.maps.clear()
+        self._bytes.clear()
 
 
 def _is_int(x: object) -> bool:
