@@ -25,7 +25,8 @@ Where each mechanism lives:
     handshake.py    a client's authenticated sockets; a refused handshake is an AuthenticationError at once
     futures.py      the futures the client returns (driven by the waiting thread)
     shm_path.py     the same-host shared-memory payload path, negotiated and proven at register
-    shm_arena.py    one push (and pull) segment per client laid out tensor by tensor: split tensors copy-free
+    shm_arena.py    one push (and pull) segment per client laid out shard by shard: split tensors copy-free
+    flat.py         a shard's parameters in one buffer per dtype; runs of adjacent tensors take one torch call
     checkpoint.py   atomic checksummed checkpoints, every descriptor checked; restore_latest falls back
     restore.py      checkpoint -> ShardState: every meta field checked against the state_dict schema
     secret_file.py  `pslab server`'s job secret: --secret-file, the environment, or a new 0600 file

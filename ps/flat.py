@@ -13,7 +13,8 @@ is more time than the arithmetic on its 4 MB, and it is paid again on every shar
 The client lays its push arena out the same way (ps.shm_arena.places: per shard, that shard's whole tensors by
 name, back to back), and the shard lays out its reply segment in its buffer's order, so in the steady state all of
 a shard's whole tensors are ONE run on both sides: one finite check, one add_, one reply copy for all of them (and
-one per split piece). Elementwise operations on a run give the same bits as on its pieces; a merged view never
+one per split piece; every view of one shared-memory mapping shares its storage, collectives.shm.Inbox).
+Elementwise operations on a run give the same bits as on its pieces; a merged view never
 reaches beyond the tensors it merges (same storage, adjacent ranges). `RunCache` keeps the plan for the last few
 address lists, so the steady state costs one address read per tensor.
 """
