@@ -45,6 +45,7 @@ Where is X? (paths from here)
         staleness_search.py         exact steps-to-target, the bracketing lr search, censored medians
         staleness_report.py         its tables, the four claims checked with a seed bootstrap, the plot
         momentum.py, coherence.py   `--preset momentum` (asynchrony begets momentum), `--preset coherence`
+        ssp_straggler.py            `--preset ssp-straggler`: Ho's SSP, time to target vs s, persistent straggler
 
     results/                        what runs leave behind
         rundir.py                   run directories, JSON-lines writers, environment capture

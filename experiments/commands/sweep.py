@@ -6,10 +6,14 @@ of the staleness emulator (`experiments.sim.dai`):
                                   and DC-ASGD (Zheng et al. 2017)                     studies/staleness.py
     --preset momentum     mean stale trajectory vs momentum 1 - 1/M        studies/momentum.py (Mitliagkas et al. 2016)
     --preset coherence    gradient coherence per model depth               studies/coherence.py (Dai et al. 2019)
+    --preset ssp-straggler  time to target vs s for Ho's ps-ssp:s under a persistent 4x straggler, simulated
+                            (not the emulator: the PS simulator)              studies/ssp_straggler.py
 
 The presets share the emulator's options: --workers K (gradients averaged per step, each with its own delay),
 --delay uniform|constant|geometric|exponential, --models [label=]workload,..., and the study-specific --lags, --runs,
-and for the staleness presets --target, --max-steps, --worker-counts and --jobs.
+and for the staleness presets --target, --max-steps, --worker-counts and --jobs. ssp-straggler takes --seeds
+(default 0..399; --quick: 0..29 and s = 0, 1, 4), --target (0.9), --jobs, --tune-lr and --set (the compare
+default's keys, e.g. train.workers=8).
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ from pathlib import Path
 
 from experiments.commands.common import add_config_args
 
-PRESETS = ("staleness", "staleness-remedies", "momentum", "coherence")
+PRESETS = ("staleness", "staleness-remedies", "momentum", "coherence", "ssp-straggler")
 _STALENESS = ("staleness", "staleness-remedies")
 _DELAYS = ("uniform", "constant", "geometric", "exponential")   # = experiments.sim.delays.DELAYS (a test checks)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="sweep one config knob over values and seeds, or --preset staleness|"
-                                     "staleness-remedies|momentum|coherence")
+                                     "staleness-remedies|momentum|coherence|ssp-straggler")
     add_config_args(p)
     p.add_argument("--preset", choices=PRESETS,
                    help="staleness: steps-to-target vs s per model, optimizer and worker count, lr bracketed "
@@ -35,10 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "deep model with plain SGD/momentum next to the staleness-aware lr (Zhang et al. 2016) and "
                         "DC-ASGD (Zheng et al. 2017); momentum: the mean trajectory under "
                         "geometric delays next to momentum SGD with mu = 1 - 1/M, with z scores (Mitliagkas et al. "
-                        "2016); coherence: cos(grad F(x_k), grad F(x_k-m)) per model depth (Dai et al. 2019)")
+                        "2016); coherence: cos(grad F(x_k), grad F(x_k-m)) per model depth (Dai et al. 2019); "
+                        "ssp-straggler: simulated time to target vs s for Ho's ps-ssp:0,1,2,4 and ps-asp under a "
+                        "persistent 4x straggler, medians over seeds, with the fast workers' lead (K-1) s T_slow / K")
     p.add_argument("--knob", default=None, help="config key to vary, e.g. train.strategy")
     p.add_argument("--values", default="", help="comma-separated values of the knob")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0; staleness presets: 0..8, "
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0; staleness: 0..24, "
+                                                 "staleness-remedies: 0..8, ssp-straggler: 0..399, "
                                                  "--quick 0,1,2; not for --preset momentum, which uses --runs seeds)")
     p.add_argument("--quick", action="store_true",
                    help="preset only: a small version for a smoke test (staleness: digits-mlr and digits-mlp3, "
@@ -69,6 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cores available); the numbers do not depend on N")
     p.add_argument("--lags", default=None, metavar="M,...",
                    help="coherence preset: the lags m of cos(grad F(x_k), grad F(x_k-m)) (default 1,2,4,8)")
+    p.add_argument("--tune-lr", action="store_true",
+                   help="ssp-straggler preset: each strategy at its own lr (lr x 2^(k/2), k = -2..2, widened past "
+                        "a winning edge; smallest median time to target on the first half of the seeds), reported "
+                        "on the held-out other half")
     p.add_argument("--runs", type=int, default=None, metavar="N",
                    help="momentum preset: seeded emulator runs per M whose mean trajectory is tested (default 200)")
     p.add_argument("--out", default=None, help="output directory (default: runs/sweep-<UTC time>)")
@@ -107,7 +118,7 @@ def _check_preset_options(args: argparse.Namespace) -> None:
     given = [f"--{k.replace('_', '-')}" for k in ("workers", "delay", "models", "lags", "runs", "target", "max_steps",
                                                    "worker_counts", "jobs") if getattr(args, k) is not None]
     if p is None:
-        opts = (["--quick"] if args.quick else []) + given
+        opts = (["--quick"] if args.quick else []) + (["--tune-lr"] if args.tune_lr else []) + given
         if opts:
             raise ConfigError(f"{' '.join(opts)} appl{'ies' if len(opts) == 1 else 'y'} to a preset "
                               f"(--preset {'|'.join(PRESETS)}) only; a knob sweep takes --set, e.g. "
@@ -125,7 +136,17 @@ def _check_preset_options(args: argparse.Namespace) -> None:
         raise ConfigError("--lags applies to --preset coherence only")
     own = [f"--{k.replace('_', '-')}" for k in ("target", "max_steps", "worker_counts", "jobs")
            if getattr(args, k) is not None]
-    if own and p not in _STALENESS:
+    if getattr(args, "tune_lr", False) and p != "ssp-straggler":
+        raise ConfigError("--tune-lr applies to --preset ssp-straggler only")
+    if p == "ssp-straggler":
+        bad = [g for g in given if g not in ("--target", "--jobs")]
+        if bad:
+            raise ConfigError(f"{bad[0]} does not apply to --preset ssp-straggler (it simulates the compare "
+                              "default; change it with --set, e.g. --set train.workers=8)")
+        if any(o.split("=", 1)[0].strip() == "train.strategy" for o in args.overrides):
+            raise ConfigError("--preset ssp-straggler runs ps-ssp:0,1,2,4 and ps-asp itself: drop --set "
+                              "train.strategy")
+    elif own and p not in _STALENESS:
         raise ConfigError(f"{own[0]} applies to --preset staleness|staleness-remedies only")
     if args.target is not None and not 0 < args.target <= 1:
         raise ConfigError(f"--target must be a test accuracy in (0, 1], e.g. 0.95; got {args.target}")
@@ -159,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         return _momentum(args, out, t0)
     if args.preset == "coherence":
         return _coherence(args, out, seeds, t0)
+    if args.preset == "ssp-straggler":
+        return _ssp(args, out, seeds if args.seeds is not None else None, t0)
     if not args.knob:
         raise ConfigError("pslab sweep needs --knob SECTION.KEY --values A,B,... or --preset "
                           f"{'|'.join(PRESETS)}")
@@ -278,4 +301,29 @@ def _coherence(args: argparse.Namespace, out: Path, seeds: list[int], t0: float)
         f"![coherence]({png.name})\n\n{text}\n\nData: `{data.name}`.\n")
     print(text)
     print(f"\nreport: {out / 'report.md'}   data: {data}   ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def _ssp(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0: float) -> int:
+    from experiments.studies.staleness import default_jobs
+    from experiments.studies.ssp_straggler import SSPSpec, report, run_ssp_study, save
+    spec = SSPSpec(tune=args.tune_lr, overrides=tuple(args.overrides))
+    if args.quick:
+        spec.strategies, spec.seeds = ("ps-ssp:0", "ps-ssp:1", "ps-ssp:4"), tuple(range(30))
+    if seeds is not None:
+        spec.seeds = tuple(seeds)
+    if args.target is not None:
+        spec.target_acc = args.target
+    say = None if args.quiet else (lambda m: print(f"  {m}", flush=True))
+    data = run_ssp_study(spec, jobs=args.jobs or default_jobs(), progress=say)
+    wall = time.perf_counter() - t0
+    data["wall_s"] = round(wall, 1)
+    path = save(data, out)
+    text = report(data)
+    (out / "report.md").write_text(
+        "# Ho et al.'s SSP under a persistent straggler (simulated)\n\n" + text +
+        f"\n\nData: `{path.name}`. Wall time {wall:.0f} s. The setting, the lr rule and the mechanism: "
+        "experiments/studies/ssp_straggler.py.\n")
+    print(text)
+    print(f"\nreport: {out / 'report.md'}   data: {path}   ({wall:.0f} s)")
     return 0

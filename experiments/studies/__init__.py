@@ -2,4 +2,5 @@
 grid, the seed-noise band), `sweep.py` (pslab sweep --knob), `staleness.py` (pslab sweep --preset staleness |
 staleness-remedies) with `staleness_search.py` (exact steps-to-target, bracketing lr search, censored medians) and
 `staleness_report.py` (tables, the four claims with a seed bootstrap, the plot), `momentum.py` (--preset momentum: asynchrony begets momentum, with z scores),
-`coherence.py` (--preset coherence: gradient coherence per model depth)."""
+`coherence.py` (--preset coherence: gradient coherence per model depth), `ssp_straggler.py` (--preset ssp-straggler:
+Ho's SSP under a persistent straggler, time to target vs s, with the fast workers' lead)."""

@@ -126,7 +126,8 @@ def test_all_censored_cell_reports_more_than_max_steps(monkeypatch):
 def test_default_preset_is_the_literature_study():
     spec = preset_spec("staleness")
     assert spec.models == {"mlr": "digits-mlr", "mlp1": "digits-mlp1", "mlp3": "digits-mlp3"}
-    assert spec.seeds == tuple(range(9)) and spec.target_acc == 0.95 and spec.max_steps == 1000
+    assert spec.seeds == tuple(range(25)) and spec.target_acc == 0.95 and spec.max_steps == 1000
+    assert preset_spec("staleness-remedies").seeds == tuple(range(9))
     assert preset_spec("staleness", quick=True).seeds == (0, 1, 2)
     assert set(spec.optimizers) == {"sgd", "momentum", "adam"} and spec.staleness == (0, 1, 2, 4, 8, 16)
     ks = [(r.label, r.optimizer, r.workers) for r in rows(spec) if r.workers != 1]

@@ -15,7 +15,7 @@ def test_sweep_help_documents_every_preset_option(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sweep", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for fragment in ("{staleness,staleness-remedies,momentum,coherence}", "--workers K",
+    for fragment in ("{staleness,staleness-remedies,momentum,coherence,ssp-straggler}", "--workers K", "--tune-lr",
                      "{uniform,constant,geometric,exponential}", "--models [LABEL=]WORKLOAD", "--lags M", "--runs N",
                      "mu = 1 - 1/M"):
         assert fragment in text, fragment
