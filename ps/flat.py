@@ -14,7 +14,8 @@ The client lays its push arena out the same way (ps.shm_arena.places: per shard,
 name, back to back), and the shard lays out its reply segment in its buffer's order, so in the steady state all of
 a shard's whole tensors are ONE run on both sides: one finite check, one add_, one reply copy for all of them (and
 one per split piece; every view of one shared-memory mapping shares its storage, collectives.shm.Inbox).
-Elementwise operations on a run give the same bits as on its pieces; a merged view never
+Elementwise operations on a float32/float64 run give the same bits as on its pieces (tested against torch.optim.SGD;
+float16/bfloat16 tensors are never merged: torch rounds their vector body and scalar tail differently); a merged view never
 reaches beyond the tensors it merges (same storage, adjacent ranges). `RunCache` keeps the plan for the last few
 address lists, so the steady state costs one address read per tensor.
 """
@@ -48,7 +49,7 @@ def pack(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dt, off = place[k]
         view = bufs[dt][off:off + t.numel()].view(t.shape)
         view.copy_(t)
-        out[k] = view
+        out[k] = view.detach()         # shares the buffer without holding it as `_base`: a repack frees it
     return out
 
 
@@ -60,8 +61,12 @@ def repack(params: dict[str, torch.Tensor]) -> None:
         p.data = fresh[k]
 
 
+MERGED_DTYPES = (torch.float32, torch.float64)   # float16/bfloat16: torch's vector body and scalar tail round
+                                                # differently, so merging would move bits (per-tensor is kept)
+
+
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
+    return (a.dtype == b.dtype and a.dtype in MERGED_DTYPES and a.is_contiguous() and b.is_contiguous()
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr())
 

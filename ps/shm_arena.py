@@ -44,7 +44,8 @@ from collectives import shm
 from collectives.shm import _is_int
 from collectives.errors import WireError
 
-ALIGN = 64                      # every tensor starts on a cache line (shm_path.py lays out with it too)
+ALIGN = 64                      # probe slots, each shard's group of whole tensors and each split tensor start
+                                # on a cache line
 TOKEN = 16                       # bytes of a probe token; a slot holds the client's token, then the shard's
 _NAME = re.compile(r"^pslab-[0-9a-f]{12}-(?P<src>\d+)-(?P<dst>\d+)-\d+$")
 

@@ -366,6 +366,7 @@ class ServerLink:
         self.into: Into | None = None               # the client's pull arena, where split pieces go
         self._plan: Any = None                      # the last reply's layout: (signature, segment, views, ...)
         self._views: dict[str, Any] = {}           # read()'s cache of push-segment views
+        self._runs = flat.RunCache()                # the reply's copy runs (ps.flat; indices only, no views)
         self.last_reply = 0.0                       # monotonic time of the last shm reply (0: none yet)
         self._probe: tuple[str, mmap.mmap] | None = None
 
@@ -414,12 +415,8 @@ class ServerLink:
         sig = tuple((k, t.dtype, t.numel()) for k, t in tensors.items())
         plan = self._plan
         if plan is not None and plan[0] == sig and plan[1] == self.outbox.name:
-            srcs = list(tensors.values())                      # the same layout as last time: one copy_ per run
-            ptrs = tuple(t.data_ptr() for t in srcs)           # of tensors adjacent on both sides (ps.flat)
-            if plan[5] != ptrs:
-                plan = self._plan = (*plan[:5], ptrs, flat.runs(plan[2], srcs))
-            for dst, t in plan[6]:
-                dst.copy_(t)
+            for dst, t in self._runs.get(plan[2], list(tensors.values())):   # the same layout as last time: one
+                dst.copy_(t)                                   # copy_ per run of tensors adjacent on both sides
             return plan[3], plan[4]
         into, rest = [], {}
         for k in flat.order(tensors):                          # the shard's buffer order: whole tensors adjacent
@@ -438,7 +435,7 @@ class ServerLink:
             buf, off = where[k]
             n = t.numel() * t.element_size()
             dsts.append(buf[off:off + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype))
-        self._plan = (sig, self.outbox.name, dsts, entries, into, None, [])
+        self._plan = (sig, self.outbox.name, dsts, entries, into)
         return entries, into
 
     def release_reply(self) -> bool:

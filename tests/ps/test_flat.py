@@ -11,7 +11,6 @@ import torch
 
 from ps import flat, shm_path
 from ps.client import connect
-from ps.optim import Contribution, OptimizerSpec, ServerOptimizer
 from ps.shard import ShardState
 
 PARAMS = {"w[0:700]": torch.randn(700), "b": torch.randn(30), "a": torch.randn(10, 3), "h": torch.randn(5).half(),
@@ -30,6 +29,37 @@ def test_pack_keeps_values_and_lays_whole_tensors_first_by_name_then_pieces():
     assert offs == [0, 30 * 4, 60 * 4, 760 * 4]                               # back to back, one storage
     assert len({packed[k].untyped_storage().data_ptr() for k in f32}) == 1
     assert packed["h"].untyped_storage().data_ptr() != packed["a"].untyped_storage().data_ptr()
+
+
+def test_pack_holds_no_base_so_a_repack_frees_the_old_buffer():
+    packed = flat.pack(PARAMS)
+    assert all(t._base is None for t in packed.values())
+    first = packed["a"].untyped_storage().data_ptr()
+    flat.repack(packed)
+    assert packed["a"]._base is None and packed["a"].untyped_storage().data_ptr() != first
+
+
+def test_half_precision_is_never_merged_and_steps_like_torch_sgd():
+    """torch rounds the vector body and the scalar tail of float16/bfloat16 add_ differently, so merging would move
+    bits: those dtypes stay one tensor per pair, and the shard's step equals torch.optim.SGD's bitwise."""
+    g = torch.Generator().manual_seed(3)
+    for dt in (torch.float16, torch.bfloat16):
+        sizes = {"a": 7, "b": 13, "c": 1001, "d": 5}
+        init = {k: torch.randn(n, generator=g).to(dt) for k, n in sizes.items()}
+        st = ShardState(init, "sgd:lr=0.1")
+        ref = [torch.nn.Parameter(t.clone()) for t in init.values()]
+        opt = torch.optim.SGD(ref, lr=0.1, foreach=False)
+        for t in range(4):
+            seg = torch.randn(sum(sizes.values()), generator=g).to(dt)        # back to back, as in a push arena
+            offs = np.cumsum([0, *sizes.values()])
+            grads = {k: seg[offs[i]:offs[i + 1]] for i, k in enumerate(sizes)}
+            assert len(st.fused(grads)) == len(grads)                          # adjacent, yet nothing merged
+            st.push(0, t, t, grads)
+            for p, gr in zip(ref, grads.values()):
+                p.grad = gr.clone()
+            opt.step()
+            for k, p in zip(sizes, ref):
+                assert torch.equal(st.params[k], p.detach()), (dt, t, k)
 
 
 def test_runs_merge_only_what_is_adjacent_on_both_sides_and_give_the_per_tensor_bits():
@@ -97,19 +127,27 @@ def test_unshare_gives_fresh_storage_in_the_same_layout_and_the_optimizer_keeps_
     assert torch.allclose(st.params["a"], old["a"] - 0.5)
 
 
-def test_the_fused_step_equals_the_per_tensor_step_of_torch_sgd():
-    rng = np.random.default_rng(0)
-    init = {"a": rng.standard_normal(33).astype(np.float32), "b": rng.standard_normal((7, 5)).astype(np.float32)}
-    grads = [{k: torch.from_numpy(rng.standard_normal(v.shape).astype(np.float32)) for k, v in init.items()}
-             for _ in range(5)]
-    st = ShardState(init, "sgd:lr=0.1")
-    ref = {k: torch.from_numpy(v.copy()) for k, v in init.items()}
-    opt = ServerOptimizer(OptimizerSpec("sgd", lr=0.1), ref)                  # per-tensor path (no runs)
-    for t, g in enumerate(grads):
-        st.push(0, t, t, g)
-        opt.step([Contribution(g)])
-        for k in init:
-            assert torch.equal(st.params[k], ref[k]), (t, k)
+def test_the_fused_step_equals_torch_sgd_bitwise():
+    """float32 and float64 gradients lying back to back (as in a push arena) merge into one run; the step equals
+    torch.optim.SGD's per-tensor step bit for bit (odd sizes: vector body and scalar tail both exercised)."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.float64):
+        sizes = {"a": 33, "b": 35, "c": 1003, "d": 1}
+        init = {k: torch.randn(n, generator=g).to(dt) for k, n in sizes.items()}
+        st = ShardState(init, "sgd:lr=0.1")
+        ref = [torch.nn.Parameter(t.clone()) for t in init.values()]
+        opt = torch.optim.SGD(ref, lr=0.1, foreach=False)
+        offs = np.cumsum([0, *sizes.values()])
+        for t in range(5):
+            seg = torch.randn(int(offs[-1]), generator=g).to(dt)
+            grads = {k: seg[offs[i]:offs[i + 1]] for i, k in enumerate(sizes)}
+            assert len(st.fused(grads)) == 1                                   # one run for all four
+            st.push(0, t, t, grads)
+            for p, gr in zip(ref, grads.values()):
+                p.grad = gr.clone()
+            opt.step()
+            for k, p in zip(sizes, ref):
+                assert torch.equal(st.params[k], p.detach()), (dt, t, k)
 
 
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
