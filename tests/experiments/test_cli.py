@@ -119,6 +119,13 @@ def test_compare_and_report_write_every_plot(tmp_path, capsys):
     assert (rep / "report.md").read_text().count("| ps-") == 4
 
 
+def _as_from_a_terminal() -> None:
+    """The child's SIGINT as a terminal's foreground job has it (default). A test runner started in the background
+    of a non-interactive shell inherits SIGINT ignored, and so would the `pslab run` under test: Ctrl-C would then
+    never reach it, by the shell's rule, not pslab's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _session_processes(sid: int) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():
@@ -153,7 +160,8 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
     cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
-                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=_as_from_a_terminal, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, TMPDIR=str(private)))
     try:
         deadline = time.monotonic() + 60
@@ -193,7 +201,8 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
     cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         start_new_session=True, preexec_fn=_as_from_a_terminal, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
