@@ -176,19 +176,15 @@ class ServerOptimizer:
         if not contributions:
             raise ValueError("an optimizer step needs at least one contribution")
         n = len(contributions)
-        if n == 1 and self._plain and contributions[0].runs is not None:
-            lr = self.learning_rate([contributions[0].tau])    # fastest path: bitwise torch.optim.SGD's step,
-            with torch.no_grad():                              # one add_ per run of adjacent tensors
-                for p, g in contributions[0].runs:
-                    p.add_(g, alpha=-lr)
-            self.steps += 1
-            return lr
-        if n == 1 and self._plain and all(isinstance(contributions[0].grads[k], torch.Tensor) for k in self.keys):
-            lr = self.learning_rate([contributions[0].tau])    # fast path: bitwise torch.optim.SGD's step
+        c = contributions[0]
+        pairs = c.runs if n == 1 and self._plain else None          # one add_ per run of adjacent tensors (ps.flat)
+        if pairs is None and n == 1 and self._plain and all(isinstance(c.grads[k], torch.Tensor) for k in self.keys):
+            pairs = [(self.params[k], c.grads[k].reshape(self.params[k].shape)) for k in self.keys]
+        if pairs is not None:                                        # fastest path: bitwise torch.optim.SGD's step
+            lr = self.learning_rate([c.tau])
             with torch.no_grad():
-                for k in self.keys:
-                    p = self.params[k]
-                    p.add_(contributions[0].grads[k].reshape(p.shape), alpha=-lr)
+                for p, g in pairs:
+                    p.add_(g, alpha=-lr)
             self.steps += 1
             return lr
         if n == 1 and not self.spec.delay_compensated:   # fast path: the optimizer reads the gradient in place

@@ -39,27 +39,34 @@ def test_pack_holds_no_base_so_a_repack_frees_the_old_buffer():
     assert packed["a"]._base is None and packed["a"].untyped_storage().data_ptr() != first
 
 
-def test_half_precision_is_never_merged_and_steps_like_torch_sgd():
-    """torch rounds the vector body and the scalar tail of float16/bfloat16 add_ differently, so merging would move
-    bits: those dtypes stay one tensor per pair, and the shard's step equals torch.optim.SGD's bitwise."""
-    g = torch.Generator().manual_seed(3)
-    for dt in (torch.float16, torch.bfloat16):
-        sizes = {"a": 7, "b": 13, "c": 1001, "d": 5}
+def _steps_like_torch_sgd(dtypes, sizes: dict[str, int], seed: int, steps: int, runs) -> None:
+    """Gradients lying back to back (as in a push arena) make `runs(sizes)` runs, and the shard's step equals
+    torch.optim.SGD's per-tensor step bit for bit at every step."""
+    g = torch.Generator().manual_seed(seed)
+    for dt in dtypes:
         init = {k: torch.randn(n, generator=g).to(dt) for k, n in sizes.items()}
         st = ShardState(init, "sgd:lr=0.1")
         ref = [torch.nn.Parameter(t.clone()) for t in init.values()]
         opt = torch.optim.SGD(ref, lr=0.1, foreach=False)
-        for t in range(4):
-            seg = torch.randn(sum(sizes.values()), generator=g).to(dt)        # back to back, as in a push arena
-            offs = np.cumsum([0, *sizes.values()])
+        offs = np.cumsum([0, *sizes.values()])
+        for t in range(steps):
+            seg = torch.randn(int(offs[-1]), generator=g).to(dt)
             grads = {k: seg[offs[i]:offs[i + 1]] for i, k in enumerate(sizes)}
-            assert len(st.fused(grads)) == len(grads)                          # adjacent, yet nothing merged
+            assert len(st.fused(grads)) == runs(sizes)
             st.push(0, t, t, grads)
             for p, gr in zip(ref, grads.values()):
                 p.grad = gr.clone()
             opt.step()
             for k, p in zip(sizes, ref):
                 assert torch.equal(st.params[k], p.detach()), (dt, t, k)
+
+
+def test_half_precision_is_never_merged_and_steps_like_torch_sgd():
+    """torch rounds the vector body and the scalar tail of float16/bfloat16 add_ differently, so merging would move
+    bits: those dtypes stay one tensor per pair (adjacent, yet nothing merged), and the shard's step equals
+    torch.optim.SGD's bitwise."""
+    _steps_like_torch_sgd((torch.float16, torch.bfloat16), {"a": 7, "b": 13, "c": 1001, "d": 5}, seed=3, steps=4,
+                          runs=len)
 
 
 def test_runs_merge_only_what_is_adjacent_on_both_sides_and_give_the_per_tensor_bits():
@@ -130,24 +137,8 @@ def test_unshare_gives_fresh_storage_in_the_same_layout_and_the_optimizer_keeps_
 def test_the_fused_step_equals_torch_sgd_bitwise():
     """float32 and float64 gradients lying back to back (as in a push arena) merge into one run; the step equals
     torch.optim.SGD's per-tensor step bit for bit (odd sizes: vector body and scalar tail both exercised)."""
-    g = torch.Generator().manual_seed(0)
-    for dt in (torch.float32, torch.float64):
-        sizes = {"a": 33, "b": 35, "c": 1003, "d": 1}
-        init = {k: torch.randn(n, generator=g).to(dt) for k, n in sizes.items()}
-        st = ShardState(init, "sgd:lr=0.1")
-        ref = [torch.nn.Parameter(t.clone()) for t in init.values()]
-        opt = torch.optim.SGD(ref, lr=0.1, foreach=False)
-        offs = np.cumsum([0, *sizes.values()])
-        for t in range(5):
-            seg = torch.randn(int(offs[-1]), generator=g).to(dt)
-            grads = {k: seg[offs[i]:offs[i + 1]] for i, k in enumerate(sizes)}
-            assert len(st.fused(grads)) == 1                                   # one run for all four
-            st.push(0, t, t, grads)
-            for p, gr in zip(ref, grads.values()):
-                p.grad = gr.clone()
-            opt.step()
-            for k, p in zip(sizes, ref):
-                assert torch.equal(st.params[k], p.detach()), (dt, t, k)
+    _steps_like_torch_sgd((torch.float32, torch.float64), {"a": 33, "b": 35, "c": 1003, "d": 1}, seed=0, steps=5,
+                          runs=lambda sizes: 1)
 
 
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
