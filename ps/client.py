@@ -64,6 +64,9 @@ from . import shm_arena, shm_path
 from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
+from .lane import Bell, ClientLane, enabled as lane_enabled
+
+LANE_OPS = frozenset({"push", "pull"})          # the hot requests; the rest always go through ZeroMQ
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Pending:
     deadline: float
     shard: int
     keep: Any = None                   # tensors that must outlive a zero-copy send
+    lane: bool = False                 # sent through the shard's lane (ps.lane), not ZeroMQ
 
 
 def _np(t: Any) -> np.ndarray:
@@ -92,7 +96,8 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
                  timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None,
-                 curve_keys_dir: str | None = None, secret: str | None = None, user: str | None = None) -> None:
+                 curve_keys_dir: str | None = None, secret: str | None = None, user: str | None = None,
+                 lane: bool | None = None) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
         self.addresses = list(addresses)
@@ -135,6 +140,14 @@ class PSClient:
         self._monitor_of = {m: i for i, m in enumerate(self._monitors)}
         self._arena, self._into = self._arenas([shm_path.wanted(a) if shm is None else bool(shm)
                                                 for a in self.addresses])
+        self._lanes: list[ClientLane | None] = [None] * n      # per shard, renewed at every register
+        self._bell: Bell | None = None                          # the shards ring it when a lane reply is there
+        if lane is not False and lane_enabled() and any(link.enabled for link in self._links):
+            try:
+                self._bell = Bell(f"w{self.worker}")
+                self._poller.register(self._bell.fd, zmq.POLLIN)
+            except OSError:
+                self._bell = None
         try:
             self.registration = self._register()
         except BaseException:
@@ -193,10 +206,16 @@ class PSClient:
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
         self._renew_arenas()
-        per = [(dict({"worker": self.worker, "token": self._token}, **link.probe()), None) for link in self._links]
+        per = [(dict({"worker": self.worker, "token": self._token}, **link.probe(), **self._new_lane(i)), None)
+               for i, link in enumerate(self._links)]
         regs = self._all("register", per_shard=per).result(self.timeout + 1)
         for i, (r, _) in enumerate(regs):
             self._links[i].accept(r)
+            lane = self._lanes[i]
+            if lane is not None:
+                lane.accept(r if self._links[i].push_ok else {}, self._links[i].peer)
+                if not lane.on:
+                    self._lanes[i] = None
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             inc = r.get("incarnation")
             if self.incarnations[i] is not None and inc != self.incarnations[i]:
@@ -223,6 +242,19 @@ class PSClient:
         """Per shard: whether pushes and pulls travel through shared memory (negotiated at register)."""
         return [link.push_ok and link.pull_ok for link in self._links]
 
+    def _new_lane(self, shard: int) -> dict[str, Any]:
+        """A fresh lane segment for this registration with `shard` (the old one is closed): its register offer."""
+        old, self._lanes[shard] = self._lanes[shard], None
+        if old is not None:
+            old.close()
+        if self._bell is None or not self._links[shard].enabled:
+            return {}
+        try:
+            lane = self._lanes[shard] = ClientLane(self.worker, shard)
+        except OSError:                           # /dev/shm full: headers go through ZeroMQ
+            return {}
+        return lane.offer(self._bell)
+
     def _request(self, fut: Fanout, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
                  timeout: float | None = None) -> None:
         """Send one request to `shard`; its reply (or error) goes to `fut`'s slot `shard`."""
@@ -248,7 +280,15 @@ class PSClient:
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
-            self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
+            lane = self._lanes[shard]
+            if (lane is not None and lane.on and lane.inflight is None and op in LANE_OPS and len(frames) == 1
+                    and not any(p.shard == shard and not p.lane for p in self._pending.values())):
+                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, True)
+                if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
+                    return
+                self._pending[(shard, seq)].lane = False
+            else:
+                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
             try:
                 self._socks[shard].send_multipart(frames, copy=False)
             except zmq.ZMQError as e:
@@ -453,9 +493,21 @@ class PSClient:
                 if any(sock in self._monitor_of for sock, _ in ready):
                     self._watch()         # first: a drop is noted before any reply of the new incarnation
                 for sock, _ in ready:
-                    if sock not in self._monitor_of:
+                    if isinstance(sock, int):              # the lanes' bell
+                        self._bell.drain()                 # (before looking: a later ring wakes the next poll)
+                    elif sock not in self._monitor_of:
                         self._drain(self._socks.index(sock))
+                if self._bell is not None:
+                    self._lane_replies()
                 self._expire(time.monotonic())
+
+    def _lane_replies(self) -> None:
+        """Dispatch the replies the shards wrote into their lanes."""
+        for i, lane in enumerate(self._lanes):
+            if lane is not None and lane.inflight is not None:
+                frame = lane.take_reply()
+                if frame is not None:
+                    self._on_reply(i, [frame])
 
     def _drain(self, shard: int) -> None:
         """Dispatch every reply waiting on shard's socket."""
@@ -496,12 +548,16 @@ class PSClient:
         for key in [k for k in self._pending if k[0] == shard]:
             p = self._pending.pop(key)
             self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
+            if p.lane and self._lanes[shard] is not None:
+                self._lanes[shard].done(key[1])
             p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
             p = self._pending.pop(key)
             self._links[key[0]].on_timeout(key[1])
+            if p.lane and self._lanes[key[0]] is not None:
+                self._lanes[key[0]].off()              # (a late answer would land in the slot)
             p.future.fail(RequestTimeoutError(
                 f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
                 f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
@@ -514,6 +570,8 @@ class PSClient:
         pend = self._pending.pop((shard, msg.seq), None)
         if pend is None:
             return
+        if pend.lane and self._lanes[shard] is not None:
+            self._lanes[shard].done(msg.seq)         # (answered through ZeroMQ: the slot was too small)
         self._note(shard, msg.meta)
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
@@ -564,6 +622,11 @@ class PSClient:
                     sock.close(0)
             for link in getattr(self, "_links", []):
                 link.close()
+            for lane in getattr(self, "_lanes", []):
+                if lane is not None:
+                    lane.close()
+            if getattr(self, "_bell", None) is not None:
+                self._bell.close()
             for arena in (getattr(self, "_arena", None), getattr(self, "_into", None)):
                 if arena is not None:
                     arena.close()
@@ -591,13 +654,16 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
-            shm: bool | None = None, curve_keys_dir: str | None = None, secret: str | None = None) -> PSClient:
+            shm: bool | None = None, curve_keys_dir: str | None = None, secret: str | None = None,
+            lane: bool | None = None) -> PSClient:
     """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
 
     `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
     loopback or ipc:// and the shard accepts; see `ps.shm_path`). `curve_keys_dir`: the cluster's CURVE keys, for
-    shards started with them (encrypted, authenticated; required for shards bound beyond loopback). `secret`: the
+    shards started with them (encrypted, authenticated; required for shards bound beyond loopback). `lane`: with
+    shared memory, carry push/pull headers through the doorbell lane too (None: where both sides can, ps.lane;
+    False: always ZeroMQ). `secret`: the
     job secret (ServerGroup.secret); None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE. Admin operations (checkpoint,
     shutdown) need `ps.connect_admin` instead."""
     return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir,
-                    secret=secret)
+                    secret=secret, lane=lane)

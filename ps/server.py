@@ -37,6 +37,7 @@ from collectives.wire import decode, encode
 from .admission import Admission, curve_server, plain_server, shard_users
 from .checkpoint import save_checkpoint
 from .config import ServerConfig
+from .lane import Bell, ServerLane, enabled as lane_enabled
 from .errors import (AccessDeniedError, AlreadyInitializedError, ConfigError, DuplicateRequestError,
                      NotInitializedError, ProtocolError, PSError, ShmLimitError)
 from .parking import Parked, Parking
@@ -62,8 +63,10 @@ class ShardServer(Parking):
         self.admission = Admission(config.num_workers)
         self.parked: list[Parked] = []
         self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
+        self.lanes: dict[bytes, ServerLane] = {}   # ... and the doorbell lane (ps.lane) for their headers
+        self.bell: Bell | None = None               # the lanes' doorbell (made at bind, same-host shards only)
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
-                         "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0,
+                         "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0, "lane": 0,
                          "peers_gone": 0, "replies_released": 0, "checkpoint_failures": 0,
                          "membership_changes": 0}
         self.address = ""
@@ -123,6 +126,11 @@ class ShardServer(Parking):
             else:
                 self.sock.bind(b)
                 self.address = b
+            if self.config.shm and lane_enabled():
+                try:
+                    self.bell = Bell(f"s{self.config.shard_id}")
+                except OSError:                   # no FIFO in /dev/shm: headers go through ZeroMQ only
+                    self.bell = None
         except BaseException as e:             # e.g. address in use: leave no socket or ZAP thread behind
             self._close()
             if isinstance(e, zmq.ZMQError):
@@ -134,6 +142,12 @@ class ShardServer(Parking):
         for link in self.links.values():
             link.close()
         self.links.clear()
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         if self.sock is not None:
             self.sock.close(0)
         if self._auth is not None:
@@ -149,13 +163,24 @@ class ShardServer(Parking):
         assert self.sock is not None
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        bell = self.bell.fd if self.bell is not None else None
+        if bell is not None:
+            poller.register(bell, zmq.POLLIN)
         last_msg = time.monotonic()
         try:
             while not self._stop:
                 self._beat(time.monotonic())
                 events = dict(poller.poll(50))      # <= the heartbeat interval
                 now = time.monotonic()
-                if self.sock in events:
+                if bell in events:
+                    self.bell.drain()               # first: a ring after this wakes the next poll
+                if self.lanes:                      # every pass (a few words to read): no ring can be missed
+                    for identity in list(self.lanes):
+                        if self._serve_lane(identity, now):
+                            last_msg = now
+                        if self._stop:
+                            break
+                if self.sock in events and not self._stop:
                     for _ in range(64):   # drain a burst, then check timeouts
                         if not self.sock.getsockopt(EVENTS) & POLLIN:   # ~1 µs; a failing recv ~10 µs
                             break
@@ -164,7 +189,10 @@ class ShardServer(Parking):
                         except zmq.Again:
                             break
                         last_msg = now = time.monotonic()
-                        self.handle(frames[0].bytes, frames[1:], now, _user_id(frames[0]))
+                        identity = frames[0].bytes
+                        if self.lanes and identity in self.lanes:   # its lane first: order per connection
+                            self._serve_lane(identity, now)
+                        self.handle(identity, frames[1:], now, _user_id(frames[0]))
                         if self._stop:
                             break
                 self._expire_parked(now)
@@ -181,10 +209,32 @@ class ShardServer(Parking):
                     self.checkpoint_error = f"final checkpoint failed: {e}"
             self._close()
 
+    def _serve_lane(self, identity: bytes, now: float) -> bool:
+        """Handle the request waiting in `identity`'s lane, if any; whether there was one."""
+        lane = self.lanes.get(identity)
+        if lane is None:
+            return False
+        try:
+            frame = lane.take()
+        except WireError as e:                     # a torn or impossible slot: dropped, like an unreadable frame
+            self.counters["malformed"] += 1
+            log.debug("lane of %r: %s", identity, e)
+            return False
+        if frame is None:
+            return False
+        self.counters["lane"] += 1
+        self.handle(identity, [frame], now, lane.user)
+        return True
+
     def _send(self, identity: bytes, op: str, seq: int, meta: dict[str, Any] | None = None,
               tensors: Any = None, track: bool = False) -> None:
         assert self.sock is not None
         frames = encode(op, tensors, seq=seq, src=self.config.shard_id, meta=meta or {})
+        lane = self.lanes.get(identity) if self.lanes else None
+        if lane is not None and lane.inflight == seq:  # the request came by the lane: so does its answer
+            if len(frames) == 1 and not track and lane.answer(seq, frames[0]):
+                return
+            lane.inflight = None                       # (too large, or tensor frames: through ZeroMQ)
         try:
             tracker = self.sock.send_multipart([identity, *frames], copy=False, flags=NOBLOCK, track=track)
         except zmq.ZMQError as e:  # peer gone (freed at the next sweep) or its queue full: drop the reply
@@ -219,12 +269,18 @@ class ShardServer(Parking):
             return e.errno != zmq.EHOSTUNREACH     # EAGAIN: alive, only slow to read
         return True
 
-    def _forget(self, identity: bytes) -> None:
-        """Free everything a connection holds: registration, parked reads (nobody to answer), shm link."""
+    def _forget(self, identity: bytes, keep_lane: bool = False) -> None:
+        """Free everything a connection holds: registration, parked reads (nobody to answer), shm link, and its
+        lane unless `keep_lane` (a live connection removed from the membership: its next request, which may already
+        be in the lane, is still read and answered, with NotRegisteredError, until it registers again)."""
         self.parked = [p for p in self.parked if p.identity != identity]
         link = self.links.pop(identity, None)
         if link is not None:
             link.close()
+        if not keep_lane:
+            lane = self.lanes.pop(identity, None)
+            if lane is not None:
+                lane.close()
         self.admission.forget(identity)
 
     def _sweep(self, now: float) -> None:
@@ -233,6 +289,8 @@ class ShardServer(Parking):
         if now - self._last_sweep >= self.config.sweep_interval:
             self._last_sweep = now
             gone |= {i for i in self.admission.quiet(now, self.config.sweep_interval) if not self._alive(i)}
+            for identity in [i for i in self.lanes if i not in self.admission.peers and not self._alive(i)]:
+                self.lanes.pop(identity).close()    # a lane kept past a membership removal, its client gone
             idle = self.config.shm_idle_timeout
             for link in self.links.values():
                 if idle and link.last_reply and now - link.last_reply > idle and link.release_reply():
@@ -290,6 +348,9 @@ class ShardServer(Parking):
         for other in evict:                  # the same client's old connection, or a vanished one
             self._forget(other)
         self.admission.bind(identity, worker, token)
+        lane = self.lanes.pop(identity, None)       # every registration brings a new lane segment (and the
+        if lane is not None:                        # cancelled reads below are answered through ZeroMQ)
+            lane.close()
         self._cancel_parked(identity, "this connection registered again (resync); read again")
         old = self.links.pop(identity, None)
         if old is not None:
@@ -297,8 +358,14 @@ class ShardServer(Parking):
         link = ServerLink.accept_probe(self.config.shard_id, worker, msg.meta) if wants_shm else None
         if link is not None:
             self.links[identity] = link
+        offer: dict[str, Any] = dict(link.reply_probe) if link is not None else {}
+        if link is not None and self.bell is not None and "lane" in msg.meta:   # (so lanes <= max_shm_links)
+            lane = ServerLane.accept(self.config.shard_id, worker, msg.meta, self.admission.peers[identity].user)
+            if lane is not None:
+                self.lanes[identity] = lane
+                offer.update(lane=True, lane_bell=self.bell.name)
         st = self.state
-        self._send(identity, "ok", msg.seq, {"shm": link is not None, **(link.reply_probe if link else {}),
+        self._send(identity, "ok", msg.seq, {"shm": link is not None, **offer,
             "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
             "initialized": st is not None, "version": st.version if st else 0, "incarnation": self.incarnation,
             "restored_from": self.restored_from, "member": st is None or worker in st.members,
@@ -435,7 +502,7 @@ class ShardServer(Parking):
             self.counters["membership_changes"] += 1
             gone = [i for i, w in self.admission.registered.items() if w not in self.state.members]
             for identity_ in gone:                 # their shm links and parked reads go with them
-                self._forget(identity_)
+                self._forget(identity_, keep_lane=True)
         self._send(identity, "ok", msg.seq, wire_safe({
             "members": list(self.state.members), "version": self.state.membership_version,
             "committed": self.state.committed_clock, "clocks": list(self.state.clocks),

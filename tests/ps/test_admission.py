@@ -190,9 +190,9 @@ def test_vanished_shm_registrations_leave_dev_shm_as_it_was(thread_servers):
     """300 connections register with a shared-memory probe and vanish without unregistering: the shard frees
     their links (and the reply segments) within a sweep, /dev/shm holds what it held before, and a worker's
     client still gets the shm path."""
-    base = shm_path.segment_count()
     servers = thread_servers(1, num_workers=2, sweep_interval=0.1)
     shard = servers.servers[0]
+    base = shm_path.segment_count()      # (the shard's own lane bell, ps.lane, lives as long as the shard)
     accepted = 0
     for i in range(300):
         worker = i % 2
