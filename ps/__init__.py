@@ -25,6 +25,8 @@ Where each mechanism lives:
     handshake.py    a client's authenticated sockets; a refused handshake is an AuthenticationError at once
     futures.py      the futures the client returns (driven by the waiting thread)
     shm_path.py     the same-host shared-memory payload path, negotiated and proven at register
+    lane.py         ... and its headers: push/pull requests and replies in a shared-memory slot pair per
+                    registration, woken through FIFO doorbells, instead of ZeroMQ messages
     shm_arena.py    one push (and pull) segment per client laid out shard by shard: split tensors copy-free
     flat.py         a shard's parameters in one buffer per dtype; runs of adjacent tensors take one torch call
     checkpoint.py   atomic checksummed checkpoints, every descriptor checked; restore_latest falls back

@@ -64,7 +64,7 @@ from . import shm_arena, shm_path
 from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
-from .lane import Bell, ClientLane, enabled as lane_enabled
+from .lane import Bell, ClientLane, Spin, enabled as lane_enabled
 
 LANE_OPS = frozenset({"push", "pull"})          # the hot requests; the rest always go through ZeroMQ
 
@@ -142,6 +142,7 @@ class PSClient:
                                                 for a in self.addresses])
         self._lanes: list[ClientLane | None] = [None] * n      # per shard, renewed at every register
         self._bell: Bell | None = None                          # the shards ring it when a lane reply is there
+        self._spin = Spin()                                     # ... and before sleeping we look a few µs
         if lane is not False and lane_enabled() and any(link.enabled for link in self._links):
             try:
                 self._bell = Bell(f"w{self.worker}")
@@ -489,6 +490,9 @@ class PSClient:
                 if fut.done() or self._closed:
                     break
                 wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
+                if self._bell is not None and self._spin.until(self._lane_answered):
+                    self._lane_replies()               # (the bell's byte is swallowed at the next poll)
+                    continue
                 ready = self._poller.poll(wait_ms)
                 if any(sock in self._monitor_of for sock, _ in ready):
                     self._watch()         # first: a drop is noted before any reply of the new incarnation
@@ -500,6 +504,10 @@ class PSClient:
                 if self._bell is not None:
                     self._lane_replies()
                 self._expire(time.monotonic())
+
+    def _lane_answered(self) -> bool:
+        return any(lane is not None and lane.inflight is not None and lane.reply.seq() == lane.inflight
+                   for lane in self._lanes)
 
     def _lane_replies(self) -> None:
         """Dispatch the replies the shards wrote into their lanes."""

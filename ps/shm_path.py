@@ -366,7 +366,7 @@ class ServerLink:
         self.into: Into | None = None               # the client's pull arena, where split pieces go
         self._plan: Any = None                      # the last reply's layout: (signature, segment, views, ...)
         self._views: dict[str, Any] = {}           # read()'s cache of push-segment views
-        self._runs = flat.RunCache()                # the reply's copy runs (ps.flat; indices only, no views)
+        self._runs = flat.RunCache()                # the reply's copy runs (ps.flat)
         self.last_reply = 0.0                       # monotonic time of the last shm reply (0: none yet)
         self._probe: tuple[str, mmap.mmap] | None = None
 
@@ -442,6 +442,7 @@ class ServerLink:
         """Free the reply segment (the next reply makes a new one, which the client maps by its new name)."""
         self._drop_probe()
         self._plan = None                          # its views would pin the segment
+        self._runs.forget_last()                   # (and so would the last run's)
         if self.outbox.mm is None:
             return False
         gen = self.outbox.gen
@@ -463,6 +464,7 @@ class ServerLink:
     def close(self) -> None:
         self._drop_probe()
         self._plan = None
+        self._runs.clear()
         if self.into is not None:
             self.into.close()
             self.into = None
