@@ -40,7 +40,6 @@ import cProfile
 import json
 import os
 import shutil
-import socket
 import pstats
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ import torch
 
 import collectives
 from collectives.group import chunk_bounds
+from experiments.bench import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
@@ -316,18 +316,12 @@ def mpiexec() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch_mpi(n: int, args: argparse.Namespace, peers: tuple[str, ...]) -> list[dict]:
     """Start N ranks with mpiexec (each runs `_mpi_rank`); rank 0 writes the rows to a file we read back."""
     with tempfile.TemporaryDirectory(prefix="pslab-mpi-") as tmp:
         out = Path(tmp) / "rows.json"
         spec = {"ops": args.ops, "sizes": args.sizes, "reps": args.reps, "budget": args.budget, "peers": peers,
-                "port": _free_port(), "out": str(out), "timeout": min(args.timeout, 300.0), "profile": args.profile,
+                "port": free_port(), "out": str(out), "timeout": min(args.timeout, 300.0), "profile": args.profile,
                 "shm_channel": not args.no_shm_channel}
         env = dict(os.environ, PSLAB_JOB_SECRET=os.environ.get("PSLAB_JOB_SECRET") or os.urandom(16).hex(),
                    OMP_NUM_THREADS="1")

@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from experiments.bench import free_port
 
 
 def _model():
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import collectives
     out = collectives.launch(_worker, args.ranks, backend="zmq",
-                             args=(_free_port(), args.batch, args.steps, args.warmup, args.reps, args.bucket_mb),
+                             args=(free_port(), args.batch, args.steps, args.warmup, args.reps, args.bucket_mb),
                              timeout=600)
     r0 = out[0]
     med = {k: statistics.median(v) for k, v in r0.items()}

@@ -29,7 +29,6 @@ import argparse
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,8 @@ import warnings
 from typing import Any
 
 import numpy as np
+
+from experiments.bench import free_port
 
 
 def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
@@ -48,12 +49,6 @@ def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
 def _tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {k: rng.standard_normal(s).astype(np.float32) * 0.01 for k, s in shapes.items()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------- pslab
@@ -206,7 +201,7 @@ class RpcSystem(_Processes):
 
     def __init__(self, workers: int, shapes: dict, updates: int, reps: int) -> None:
         super().__init__(workers, updates, 2)
-        port = _free_port()
+        port = free_port()
         self._start(_rpc_proc, [(r, workers + 1, port, shapes, updates, reps, self.barrier, self.out)
                                 for r in range(workers + 1)])
 
