@@ -82,7 +82,7 @@ class _Pending:
     deadline: float
     shard: int
     keep: Any = None                   # tensors that must outlive a zero-copy send
-    lane: bool = False                 # sent through the shard's lane (ps.lane), not ZeroMQ
+    lane: ClientLane | None = None     # the shard's lane (ps.lane) it was sent through, or None: ZeroMQ
 
 
 def _np(t: Any) -> np.ndarray:
@@ -141,11 +141,13 @@ class PSClient:
         self._arena, self._into = self._arenas([shm_path.wanted(a) if shm is None else bool(shm)
                                                 for a in self.addresses])
         self._lanes: list[ClientLane | None] = [None] * n      # per shard, renewed at every register
+        self._old_lanes: list[tuple[int, ClientLane]] = []      # replaced ones with a request still in flight
+        self._lane_job, self._lane_gen = secrets.token_hex(6), 0
         self._bell: Bell | None = None                          # the shards ring it when a lane reply is there
         self._spin = Spin()                                     # ... and before sleeping we look a few µs
         if lane is not False and lane_enabled() and any(link.enabled for link in self._links):
             try:
-                self._bell = Bell(f"w{self.worker}")
+                self._bell = Bell(f"w{self.worker}", self._lane_job)
                 self._poller.register(self._bell.fd, zmq.POLLIN)
             except OSError:
                 self._bell = None
@@ -207,16 +209,22 @@ class PSClient:
     def _register(self) -> list[tuple[dict[str, Any], Any]]:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
         self._renew_arenas()
-        per = [(dict({"worker": self.worker, "token": self._token}, **link.probe(), **self._new_lane(i)), None)
+        with self._lock:                     # (other threads may be sending or receiving through the lanes)
+            self._lane_gen += 1
+            offers = [self._new_lane(i) for i in range(len(self._links))]
+        per = [(dict({"worker": self.worker, "token": self._token}, **link.probe(), **offers[i]), None)
                for i, link in enumerate(self._links)]
         regs = self._all("register", per_shard=per).result(self.timeout + 1)
+        with self._lock:
+            self._lane_replies()             # answers the shards wrote into the old lanes before the register
+            for i, (r, _) in enumerate(regs):
+                self._links[i].accept(r)
+                lane = self._lanes[i]
+                if lane is not None:
+                    lane.accept(r if self._links[i].push_ok else {}, self._links[i].peer)
+                    if not lane.on:
+                        self._lanes[i] = None
         for i, (r, _) in enumerate(regs):
-            self._links[i].accept(r)
-            lane = self._lanes[i]
-            if lane is not None:
-                lane.accept(r if self._links[i].push_ok else {}, self._links[i].peer)
-                if not lane.on:
-                    self._lanes[i] = None
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             inc = r.get("incarnation")
             if self.incarnations[i] is not None and inc != self.incarnations[i]:
@@ -244,14 +252,19 @@ class PSClient:
         return [link.push_ok and link.pull_ok for link in self._links]
 
     def _new_lane(self, shard: int) -> dict[str, Any]:
-        """A fresh lane segment for this registration with `shard` (the old one is closed): its register offer."""
+        """A fresh lane segment for this registration with `shard`: its register offer. The old lane is closed, or,
+        with a request in flight, kept until that is answered (the shard may have written the answer there)."""
         old, self._lanes[shard] = self._lanes[shard], None
         if old is not None:
-            old.close()
+            if old.inflight is not None:
+                old.on = False                    # nothing new goes in
+                self._old_lanes.append((shard, old))
+            else:
+                old.close()
         if self._bell is None or not self._links[shard].enabled:
             return {}
         try:
-            lane = self._lanes[shard] = ClientLane(self.worker, shard)
+            lane = self._lanes[shard] = ClientLane(self.worker, shard, self._lane_job, self._lane_gen)
         except OSError:                           # /dev/shm full: headers go through ZeroMQ
             return {}
         return lane.offer(self._bell)
@@ -283,11 +296,11 @@ class PSClient:
                 raise
             lane = self._lanes[shard]
             if (lane is not None and lane.on and lane.inflight is None and op in LANE_OPS and len(frames) == 1
-                    and not any(p.shard == shard and not p.lane for p in self._pending.values())):
-                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, True)
+                    and not any(p.shard == shard and p.lane is None for p in self._pending.values())):
+                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane)
                 if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
                     return
-                self._pending[(shard, seq)].lane = False
+                self._pending[(shard, seq)].lane = None
             else:
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
             try:
@@ -490,7 +503,7 @@ class PSClient:
                 if fut.done() or self._closed:
                     break
                 wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
-                if self._bell is not None and self._spin.until(self._lane_answered):
+                if self._bell is not None and self._lane_busy() and self._spin.until(self._lane_answered):
                     self._lane_replies()               # (the bell's byte is swallowed at the next poll)
                     continue
                 ready = self._poller.poll(wait_ms)
@@ -505,17 +518,25 @@ class PSClient:
                     self._lane_replies()
                 self._expire(time.monotonic())
 
+    def _lane_busy(self) -> bool:
+        return any(lane is not None and lane.inflight is not None for lane in self._lanes) or bool(self._old_lanes)
+
     def _lane_answered(self) -> bool:
         return any(lane is not None and lane.inflight is not None and lane.reply.seq() == lane.inflight
-                   for lane in self._lanes)
+                   for lane in self._lanes) or any(lane.reply.seq() == lane.inflight for _, lane in self._old_lanes)
 
-    def _lane_replies(self) -> None:
-        """Dispatch the replies the shards wrote into their lanes."""
-        for i, lane in enumerate(self._lanes):
-            if lane is not None and lane.inflight is not None:
+    def _lane_replies(self, only: int | None = None) -> None:
+        """Dispatch the replies the shards wrote into their lanes (those of shard `only`); close old lanes that
+        have nothing in flight any more."""
+        for i, lane in [*enumerate(self._lanes), *self._old_lanes]:
+            if lane is not None and lane.inflight is not None and (only is None or i == only):
                 frame = lane.take_reply()
                 if frame is not None:
                     self._on_reply(i, [frame])
+        if self._old_lanes:
+            for _, lane in [x for x in self._old_lanes if x[1].inflight is None]:
+                lane.close()
+            self._old_lanes = [x for x in self._old_lanes if x[1].inflight is not None]
 
     def _drain(self, shard: int) -> None:
         """Dispatch every reply waiting on shard's socket."""
@@ -543,6 +564,7 @@ class PSClient:
                 elif event == zmq.EVENT_DISCONNECTED and self._handshaken[i]:
                     self._handshaken[i] = False
                     self._drain(i)                     # answers that came before the drop are good answers
+                    self._lane_replies(i)              # (through the lane too)
                     self._lost.add(i)
                     self.disconnects[i] += 1
                     self._fail_shard(i, None)
@@ -556,16 +578,17 @@ class PSClient:
         for key in [k for k in self._pending if k[0] == shard]:
             p = self._pending.pop(key)
             self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
-            if p.lane and self._lanes[shard] is not None:
-                self._lanes[shard].done(key[1])
+            if p.lane is not None:
+                p.lane.done(key[1])
             p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
             p = self._pending.pop(key)
             self._links[key[0]].on_timeout(key[1])
-            if p.lane and self._lanes[key[0]] is not None:
-                self._lanes[key[0]].off()              # (a late answer would land in the slot)
+            lane = p.lane if p.lane is not None else self._lanes[key[0]]
+            if lane is not None:                       # a late answer would land in the slot; or a ZeroMQ request
+                lane.off()                             # still unread at the shard would be overtaken by the lane
             p.future.fail(RequestTimeoutError(
                 f"shard {key[0]} ({self.addresses[key[0]]}) did not answer request #{key[1]} within the "
                 f"timeout; is the server alive? (a pull may also wait for slow workers under BSP/SSP)"))
@@ -578,8 +601,8 @@ class PSClient:
         pend = self._pending.pop((shard, msg.seq), None)
         if pend is None:
             return
-        if pend.lane and self._lanes[shard] is not None:
-            self._lanes[shard].done(msg.seq)         # (answered through ZeroMQ: the slot was too small)
+        if pend.lane is not None:
+            pend.lane.done(msg.seq)                  # (maybe answered through ZeroMQ: the slot was too small)
         self._note(shard, msg.meta)
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
@@ -630,7 +653,7 @@ class PSClient:
                     sock.close(0)
             for link in getattr(self, "_links", []):
                 link.close()
-            for lane in getattr(self, "_lanes", []):
+            for lane in [*getattr(self, "_lanes", []), *(x[1] for x in getattr(self, "_old_lanes", []))]:
                 if lane is not None:
                     lane.close()
             if getattr(self, "_bell", None) is not None:

@@ -16,8 +16,9 @@ whether a second shard on the same cores helps.
                                 every client with a request, each client's by the shards with a reply; both sides
                                 poll it together with their ZeroMQ sockets (zmq.Poller takes a file descriptor)
 
-    send:  copy the header bytes, store nbytes, then seq (x86-64 keeps stores in order: TSO); ring the peer's bell
-    take:  seq changed -> copy nbytes (<= C) out, re-read seq (changed meanwhile: torn, dropped) -> decode
+    send:  seq = -1 (being written); copy the header bytes, store nbytes, then seq (x86-64 keeps stores in order:
+           TSO); ring the peer's bell
+    take:  seq >= 0 and changed -> copy nbytes (<= C) out, re-read seq (changed meanwhile: torn, dropped) -> decode
 
 Protocol. The bytes are exactly the header frame ZeroMQ would carry (collectives.wire: same limits, same handlers,
 same replies), so the lane changes where a header travels, not what it says. A request takes the lane only if it is
@@ -32,14 +33,21 @@ Negotiation, at register over the authenticated connection: the client offers {"
 "lane_bell": its bell}; a shard that maps the segment (collectives.shm's rules: the name carries the registered worker
 and this shard, a regular file of this account; then the header must match) and opens the bell answers {"lane":
 true, "lane_bell": its own}; the client uses the lane once it has opened that one. Every registration (resync, a
-restarted shard) gets a new segment. A request that times out turns the lane off until the next registration (a late
-answer would land in the slot); a dropped connection fails the lane's request like any other.
+restarted shard) gets a new segment; the old one stays open until the register replies are in, so that an answer the
+shard wrote there before it handled the register is still read. A request that times out turns the lane off until
+the next registration (a late answer would land in the slot; a ZeroMQ request that timed out could still be unread at
+the shard, and a lane request would overtake it); a dropped connection fails the lane's request like any other (an
+answer already in the slot is dispatched first, as ZeroMQ answers that came before the drop are).
 
 Security, as the shm path: same account only (files 0600, opened O_NOFOLLOW, type and owner checked after the open),
 so another local account can open neither file. Slot bytes are copied out before they are parsed, then validated
 like any ZeroMQ frame; a bell carries no data (a byte means "look"). Both sides open bells O_RDWR | O_NONBLOCK, so
 ringing never blocks (a full FIFO already holds a wake-up) and never raises SIGPIPE (a FIFO with the ringer's own
 read side always has a reader). x86-64 only (the ordering argument), as collectives.shm_channel.
+What the lane does not defend against, like the shm payload path: a process of the job's own account (the client
+that made the segment) can truncate it and so crash the shard with SIGBUS at its next look, as it could kill it with
+a signal; processes of one account are one trust domain here, the worker credentials separate roles within it.
+A shard serves every lane once per pass and then looks at ZeroMQ (a busy lane cannot starve remote peers).
 """
 
 from __future__ import annotations
@@ -80,8 +88,8 @@ def enabled() -> bool:
 class Bell:
     """This process's doorbell: a FIFO it reads (to poll) and its peers ring. `who` is "w<worker>" or "s<shard>"."""
 
-    def __init__(self, who: str) -> None:
-        self.job = secrets.token_hex(6)
+    def __init__(self, who: str, job: str | None = None) -> None:
+        self.job = job or secrets.token_hex(6)
         note_shm_job(self.job)                 # swept by whoever started this process, even if it is killed
         self.name = f"pslab-{self.job}-{who}-bell"
         path = os.path.join(shm.SHM_DIR, self.name)
@@ -177,6 +185,7 @@ class _Slot:
         n = len(frame)
         if not 0 < n <= CAPACITY:
             return False
+        self.words[0] = -1                     # being written: a reader that looks now waits for the next pass
         self.mm[self.data:self.data + n] = frame
         self.words[1] = n
         self.words[0] = seq                    # last: a reader that sees it sees the bytes (TSO)
@@ -204,10 +213,9 @@ def _header(mm: mmap.mmap) -> np.ndarray:
 class ClientLane:
     """A client's lane to one shard, for one registration: it makes the segment; the shard maps it."""
 
-    def __init__(self, worker: int, shard: int) -> None:
-        self.job = secrets.token_hex(6)
-        note_shm_job(self.job)
-        self.name = f"pslab-{self.job}-{worker}-{shard}-1"          # collectives.shm's form: src worker, dst shard
+    def __init__(self, worker: int, shard: int, job: str, gen: int) -> None:
+        note_shm_job(job)
+        self.name = f"pslab-{job}-{worker}-{shard}-{gen}"         # collectives.shm's form: src worker, dst shard
         path = os.path.join(shm.SHM_DIR, self.name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
@@ -323,7 +331,7 @@ class ServerLane:
     def take(self) -> bytes | None:
         """A new request's header bytes, if the client wrote one since the last take (WireError: unreadable)."""
         seq = self.request.seq()
-        if seq == self.last:
+        if seq == self.last or seq < 0:        # nothing new, or being written (looked at again next pass)
             return None
         self.last = seq
         data = self.request.take(seq)

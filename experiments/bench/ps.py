@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=int, default=1_000_000, help="model size in parameters (default: 1M)")
     ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts (default: 1,2,4)")
     ap.add_argument("--shards", default="1,2", help="comma-separated pslab shard counts (default: 1,2)")
-    ap.add_argument("--updates", type=int, default=40, help="updates per worker per timed window (default: 40)")
+    ap.add_argument("--updates", type=int, default=400,
+                    help="updates per worker per timed window (default: 400; shorter windows are noisier)")
     ap.add_argument("--reps", type=int, default=5, help="timed windows per configuration; median reported")
     ap.add_argument("--transport", choices=("tcp", "ipc"), default="tcp", help="pslab transport (default: tcp)")
     ap.add_argument("--peers", default="rpc",

@@ -128,7 +128,7 @@ def test_a_hostile_slot_is_dropped_and_the_shard_serves_on(thread_servers):
 def test_a_lane_offered_for_another_worker_or_a_wrong_file_is_refused(thread_servers, tmp_path):
     s = thread_servers(1, num_workers=2)
     shard = s.servers[0]
-    wrong = lanes.ClientLane(1, 0)                                  # made for worker 1 ...
+    wrong = lanes.ClientLane(1, 0, "ab" * 6, 1)                     # made for worker 1 ...
     bell = lanes.Bell("w0")
     raw = Raw(s.addresses[0], user="worker:0")                      # ... offered by worker 0
     link = shm_path.ClientLink(0, 0, True)
@@ -150,7 +150,7 @@ def test_a_lane_offered_for_another_worker_or_a_wrong_file_is_refused(thread_ser
             lanes.open_bell(os.path.basename(plain), "w3")
     finally:
         os.unlink(plain)
-    good = lanes.ClientLane(0, 0)
+    good = lanes.ClientLane(0, 0, "cd" * 6, 1)
     try:
         assert lanes.ServerLane.accept(0, 0, {"lane": [good.name, lanes.SIZE + 1], "lane_bell": "x"}, None) is None
         assert lanes.ServerLane.accept(1, 0, {"lane": [good.name, lanes.SIZE], "lane_bell": "x"}, None) is None
@@ -164,3 +164,50 @@ def test_nothing_is_left_in_dev_shm(thread_servers):
     train(s.addresses, lane=True, steps=3)
     s.stop()
     assert shm_path.segment_count() == base
+
+
+def wait_for(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_an_answer_in_the_lane_at_resync_is_still_delivered(thread_servers):
+    """A push in the lane that the shard has answered, then resync() before the push's result is read: the answer
+    (left in the old lane) reaches the push's future, and the new lane serves the next request."""
+    s = thread_servers(1, num_workers=1)
+    shard = s.servers[0]
+    with connect(s.addresses, 0, SHAPES, timeout=8) as c:
+        c.init(tensors(0)).result(8)
+        c.pull().result(8)
+        f = c.push(tensors(1))
+        old = c._lanes[0]
+        wait_for(lambda: shard.state.version == 1 and old.reply.seq() == old.inflight, "the shard answers")
+        c.resync()
+        assert f.result(8)[0]["version"] == 1
+        assert c._lanes[0] is not old and c._old_lanes == [] and old.mm is None     # delivered, then closed
+        acks, read = c.push_pull(tensors(2)).result(8)
+        assert acks[0]["version"] == 2 and read.versions == [2] and shard.counters["lane"] >= 3
+
+
+def test_an_answer_in_the_lane_before_a_drop_is_a_good_answer(thread_servers, monkeypatch):
+    """The shard answers a push through the lane and then goes away: the client sees the drop and the answer at
+    once; the answer counts (as ZeroMQ answers that came before a drop do), later requests fail as lost."""
+    monkeypatch.setenv("PSLAB_SHM_SPIN_US", "0")                   # no spin: the poll sees both at once
+    s = thread_servers(1, num_workers=1)
+    shard = s.servers[0]
+    c = connect(s.addresses, 0, SHAPES, timeout=8)
+    try:
+        c.init(tensors(0)).result(8)
+        c.pull().result(8)
+        f = c.push(tensors(1))
+        lane = c._lanes[0]
+        wait_for(lambda: shard.state.version == 1 and lane.reply.seq() == lane.inflight, "the shard answers")
+        s.stop()                                                    # the connection drops
+        time.sleep(0.5)                                             # the monitor has the event before we look
+        assert f.result(8)[0]["version"] == 1
+        wait_for(lambda: c.lost == [0] or (c.push(tensors(2)).exception(1) is not None and c.lost == [0]),
+                 "the drop is seen")
+    finally:
+        c.close()
