@@ -76,7 +76,7 @@ class Parking:
         meta = {"version": r.version, "clock": r.clock, "committed": r.committed_clock}
         if p.ack is not None:                              # push_pull: the ack, with the read under "read"
             meta = dict(p.ack, read=meta)
-        flat = {k: (t if t.dim() == 1 else t.reshape(-1)) for k, t in r.params.items()}
+        flat = st.flat_params()                            # (r.params as 1-D views, the same objects each time)
         link = self.links.get(p.identity) if p.shm else None
         entries, into = None, []
         if link is not None:                               # one memcpy into the client's view; nothing to track

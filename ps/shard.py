@@ -97,6 +97,7 @@ class ShardState:
                 raise ConfigError(f"parameter {k!r} has dtype {t.dtype}; the optimizers need floating point")
             self.params[str(k)] = t
         self.params = flat.pack(self.params)      # one buffer per dtype: runs of tensors take one torch call
+        self._flat: dict[str, torch.Tensor] | None = None   # flat_params()' views, until unshare_params
         self._runs = flat.RunCache()
         self._fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.shapes = {k: tuple(t.shape) for k, t in self.params.items()}
@@ -377,6 +378,14 @@ class ShardState:
         """Give every parameter fresh storage (copy-on-write): buffers handed out by `read(copy=False)` keep the
         old values while later pushes update the new ones. The optimizer state is unaffected."""
         flat.repack(self.params)
+        self._flat = None
+
+    def flat_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a 1-D view of its current storage: the same view objects read after read, until
+        `unshare_params` (so the reply's copy runs are found at once, ps.flat.RunCache)."""
+        if self._flat is None:
+            self._flat = {k: (p if p.dim() == 1 else p.view(-1)) for k, p in self.params.items()}
+        return self._flat
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
