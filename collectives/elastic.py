@@ -8,11 +8,15 @@ stable ids (the original ranks / data-parallel worker ids), and a member's rank 
     coordinator                                  member m (an ElasticGroup)
     publish(store, Membership(g, members))  ->   every wait of its generation-h group (h < g) calls check() at least
         key "elastic/membership":                every check_interval: one store read (rate-limited), and
-        JSON {"g", "m", "r"} + "#" + HMAC        g > h  ->  MembershipChanged(g)   (m in members: roll back, join)
+        JSON {"g", "m", "r"[, "i"]} + "#" + HMAC g > h  ->  MembershipChanged(g)   (m in members: roll back, join)
                                                         ->  Expelled              (m left out: stop, cleanly)
                                                  join(): wait for g, destroy generation h's group (never waits on
                                                  a dead or stopped peer), build generation g's over
                                                  PrefixStore("elastic/<g>/", store), rank = members.index(m)
+
+A member may be replaced by a new process with its id (a hung one, under on_failure = replace): the record's "i"
+names each member's incarnation (0 its first process, n its n-th replacement; ElasticGroup(incarnation=)), so the
+original, should it wake up, is Expelled like a left-out member instead of joining the replacement's generation.
 
 Records are signed with the job's secret (`auth.sign`, like the endpoint records), so a process without it cannot
 forge one: `current()` refuses a forged or unsigned record (AuthError), a member's `check()` ignores it (counted in
@@ -86,6 +90,8 @@ class Membership:
     generation: int
     members: tuple[int, ...]
     reason: str = ""
+    incarnations: tuple[int, ...] = ()   # per member: which of its processes (0 the first, n its n-th replacement);
+                                         # () = any. A replaced member's earlier process is then no member
 
     def __post_init__(self) -> None:
         if type(self.generation) is not int or self.generation < 0:
@@ -97,6 +103,16 @@ class Membership:
         object.__setattr__(self, "members", tuple(members))
         if not isinstance(self.reason, str) or len(self.reason) > MAX_REASON or not self.reason.isprintable():
             raise ValueError(f"reason must be printable text of at most {MAX_REASON} characters")
+        inc = self.incarnations
+        if not isinstance(inc, (tuple, list)) or (inc and len(inc) != len(self.members)) or \
+                any(type(x) is not int or x < 0 for x in inc):
+            raise ValueError(f"incarnations must be () or one integer >= 0 per member, got {inc!r:.80}")
+        object.__setattr__(self, "incarnations", tuple(inc))
+
+    def admits(self, member: int, incarnation: int = 0) -> bool:
+        """Whether process `incarnation` of `member` belongs to this generation."""
+        return member in self.members and (not self.incarnations or
+                                           self.incarnations[self.members.index(member)] == incarnation)
 
     @property
     def world_size(self) -> int:
@@ -115,7 +131,10 @@ def _secret(secret: str | None) -> str:
 
 
 def _encode(m: Membership, secret: str) -> str:
-    body = json.dumps({"g": m.generation, "m": list(m.members), "r": m.reason}, separators=(",", ":"))
+    d: dict[str, Any] = {"g": m.generation, "m": list(m.members), "r": m.reason}
+    if m.incarnations:
+        d["i"] = list(m.incarnations)
+    body = json.dumps(d, separators=(",", ":"))
     return body + "#" + auth.sign(secret, KEY, body)
 
 
@@ -130,9 +149,10 @@ def _decode(raw: bytes, secret: str) -> Membership:
                         "else wrote it (or the coordinator has another PSLAB_JOB_SECRET); refused")
     try:
         d = json.loads(body)
-        if type(d) is not dict or set(d) != {"g", "m", "r"} or type(d["m"]) is not list:
+        if type(d) is not dict or set(d) - {"i"} != {"g", "m", "r"} or type(d["m"]) is not list or \
+                type(d.get("i", [])) is not list:
             raise ValueError("fields")
-        return Membership(d["g"], tuple(d["m"]), d["r"])
+        return Membership(d["g"], tuple(d["m"]), d["r"], tuple(d.get("i", ())))
     except ValueError as e:
         raise RendezvousError(f"the membership record in the store is malformed ({e}); refused") from None
 
@@ -170,7 +190,7 @@ class ElasticGroup:
     seq_window) and ZmqGroup's (small_bytes, segment_bytes); for torch only torch_backend="gloo"."""
 
     def __init__(self, backend: str, member: int, store: Any, *, secret: str | None = None, timeout: float = 60.0,
-                 check_interval: float = 0.05, **group_options: Any) -> None:
+                 check_interval: float = 0.05, incarnation: int = 0, **group_options: Any) -> None:
         if backend not in ("zmq", "torch"):
             raise ValueError(f"unknown backend {backend!r}; an elastic group is 'zmq' or 'torch' (gloo)")
         if type(member) is not int or member < 0:
@@ -188,6 +208,7 @@ class ElasticGroup:
             raise RendezvousError(f"binding to {host} exposes the group beyond this host: pass curve_keys_dir= to "
                                   "encrypt and authenticate (see collectives.curve.generate_keys)")
         self.backend, self.member, self.store = backend, member, store
+        self.incarnation = int(incarnation)              # this process of the member (Membership.incarnations)
         self.timeout, self.check_interval = float(timeout), float(check_interval)
         self._secret = _secret(secret)
         self._options = group_options
@@ -223,7 +244,7 @@ class ElasticGroup:
         m = self._read()
         if m is None or m.generation <= self.generation:
             return
-        if self.member not in m.members:
+        if not m.admits(self.member, self.incarnation):     # left out, or replaced by a newer process
             self.expelled = True
             raise Expelled(self.member, m.generation, m.members)
         raise MembershipChanged(m.generation, m.members)
@@ -241,7 +262,7 @@ class ElasticGroup:
         while True:
             m = self._read()
             if m is not None and m.generation >= want:
-                if self.member in m.members:
+                if m.admits(self.member, self.incarnation):
                     self._leave(m.members)
                     try:
                         return self._enter(m)

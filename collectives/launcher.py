@@ -21,8 +21,9 @@ With `return_exceptions=True` a failed or killed rank yields a `RankFailure` ins
 Supervision (`supervisor=`, see `Supervisor`): every child beats a heartbeat (a shared-memory clock slot written by a
 daemon thread every `supervisor.heartbeat_s`; SIGSTOP freezes it), and the parent, between polls, names a rank that
 died (exit code) or hung (no beat for `supervisor.detect_s`) and asks the supervisor whether the job goes on without
-it. The supervisor can signal, stop and resume ranks, start a replacement for a member (`Job.spawn`) and hear what
-children `notify()` it. With `supervisor.elastic` the children are members of a `collectives.elastic.ElasticGroup`
+it. The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
+(`Job.spawn`; each generation then names every member's process, `Job.incarnation`) and hear what children
+`notify()` it. With `supervisor.elastic` the children are members of a `collectives.elastic.ElasticGroup`
 (generation 0 = every rank, published before they start): `fn` gets that ElasticGroup, not a plain group.
 `timeout=None` is no limit on the whole launch (each collective wait is still bounded by `group_timeout`).
 """
@@ -146,7 +147,8 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
         store.set_timeout(timedelta(seconds=gt))
         if elastic:            # a member of the job's elastic group: fn drives generations (collectives/elastic.py)
             from .elastic import ElasticGroup
-            group = ElasticGroup(backend, rank, store, secret=secret, timeout=gt, **options)
+            group = ElasticGroup(backend, rank, store, secret=secret, timeout=gt, incarnation=slot % MAX_PROCS,
+                                 **options)
             group.join()
         else:
             group = init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=gt,
@@ -250,16 +252,14 @@ class Job:
     def secret(self) -> str:
         return self.options["secret"]
 
-    def signal(self, rank: int, sig: int) -> bool:
-        """Send `sig` to rank's current process; False if it is not running."""
+    def incarnation(self, rank: int) -> int:
+        """Which process of `rank` is its current one: 0 the first, n its n-th replacement (`spawn`)."""
+        return max(self.spawned[rank] - 1, 0)
+
+    def pid(self, rank: int) -> int | None:
+        """The pid of rank's current process (a replacement's, once one is started); None if it is not running."""
         p = self.procs.get(rank)
-        if p is None or p.pid is None or p.exitcode is not None:
-            return False
-        try:
-            os.kill(p.pid, sig)
-        except OSError:
-            return False
-        return True
+        return None if p is None or p.pid is None or p.exitcode is not None else p.pid
 
     def _slot(self, rank: int) -> int:
         return rank * MAX_PROCS + self.spawned[rank] - 1

@@ -15,8 +15,9 @@
                { stop = "worker:1", at_step = 20, for_s = 4 },   # SIGSTOP, SIGCONT 4 s later
                { leave = "worker:3", at_step = 30 } ]            # a planned departure (elastic scale-down)
 
-One event: exactly one action key (kill | stop | leave) naming a target "worker:<w>" or "shard:<i>" (slot group 0),
-and exactly one trigger: at_step (workers only: when that worker begins the step) or at_s (seconds since the start
+One event: exactly one action key (kill | stop | leave) naming a target "worker:<w>" (data-parallel worker w; when
+tp/pp/cp/ep split the model, its first rank, w x model-parallel size) or "shard:<i>" (slot group 0), and exactly one
+trigger: at_step (workers only: when that worker begins the step) or at_s (seconds since the start
 barrier); `stop` needs for_s > 0. `leave` (workers, at_step) is the planned twin of a kill: every member knows it
 from the config, so the survivors change membership at that step boundary without a failure or a rollback -- the
 reference a failure run is compared with. The same spec drives real runs (the supervisor sends the signals) and the

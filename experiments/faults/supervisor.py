@@ -36,6 +36,7 @@ class RunSupervisor:
         self.cfg, self.servers = cfg, servers
         self.heartbeat_s, self.detect_s = f.heartbeat_s, f.detect_s
         self.policy = f.policy(cfg.strategy.kind, cfg.parallel.model_parallel > 1 or cfg.parallel.zero > 0)
+        self.mp = cfg.parallel.model_parallel     # ranks per worker: worker w is ranks w*mp .. w*mp + mp - 1
         self.elastic = self.policy != "abort"
         self.out = EventLog(rd.events_path)
         self.members = list(range(cfg.train.workers))
@@ -48,12 +49,14 @@ class RunSupervisor:
         self.cause: dict[int, str] = {}                                # generation -> the member it is about
 
     # ------------------------------------------------------------------ records
-    def now(self) -> float:
-        return time.time() - (self.t0 if self.t0 is not None else self.started_wall)
+    def now(self, wall: float | None = None) -> float:
+        """Seconds since the start barrier (of the wall-clock time `wall`, default now)."""
+        return (time.time() if wall is None else wall) - (self.t0 if self.t0 is not None else self.started_wall)
 
-    def record(self, event: str, who: str, **fields: Any) -> dict[str, Any]:
-        """One line of events.jsonl; fields outside the schema (a shard's extra details) are left out."""
-        return self.out.write(event, round(self.now(), 6), who,
+    def record(self, event: str, who: str, wall: float | None = None, **fields: Any) -> dict[str, Any]:
+        """One line of events.jsonl at wall-clock time `wall` (default now); fields outside the schema (a shard's
+        extra details) are left out."""
+        return self.out.write(event, round(self.now(wall), 6), who,
                               **{k: v for k, v in fields.items() if k in EVENT_FIELDS})
 
     def close(self) -> None:
@@ -70,7 +73,9 @@ class RunSupervisor:
         from collectives.elastic import Membership, publish
         reason = " ".join(reason.split())[:160]             # one printable line
         self.cause.setdefault(self.generation, reason.split(" ", 1)[0] if reason.startswith("worker:") else "group")
-        publish(job.store, Membership(self.generation, tuple(self.members), reason), job.secret)
+        # each member's current process (incarnation): a replaced member's earlier one, woken up, is no member
+        incarnations = tuple(job.incarnation(m) for m in self.members)
+        publish(job.store, Membership(self.generation, tuple(self.members), reason, incarnations), job.secret)
         if self.servers is not None and self.generation > 0:
             self.servers.set_members(list(self.members), self.generation)
 
@@ -80,10 +85,12 @@ class RunSupervisor:
             self._publish(job, "start")
 
     def failed(self, job: Any, rank: int, how: str, hung: bool) -> bool:
-        who = f"worker:{rank}"
-        inj = self.injected.pop(who, None)
-        self.record("detect", who, how=how, generation=self.generation,
-                    detect_s=None if inj is None else round(time.time() - inj, 6))
+        who = f"worker:{rank // self.mp}"                       # (a split model: one of the worker's ranks)
+        if self.mp > 1:
+            how = f"{how} (rank {rank})"
+        inj, wall = self.injected.pop(who, None), time.time()    # one clock reading: detect_s = time_s - inject's
+        self.record("detect", who, wall, how=how, generation=self.generation,
+                    detect_s=None if inj is None else round(wall - inj, 6))
         if not self.elastic or rank not in self.members or len(self.members) == 1:
             self.record("abort", who, how=how)
             return False
@@ -103,7 +110,7 @@ class RunSupervisor:
         if kind == "t0":
             self.t0 = float(payload["t0"])
         elif kind == "inject":
-            self._execute(job, payload["action"], f"worker:{rank}", float(payload.get("for_s") or 0.0),
+            self._execute(job, payload["action"], f"worker:{rank // self.mp}", float(payload.get("for_s") or 0.0),
                           step=payload.get("step"))
         elif kind in ("recover", "join"):
             gen = payload.get("generation")
@@ -133,33 +140,46 @@ class RunSupervisor:
                 self.pending.remove(e)
                 self._execute(job, e.action, e.who, e.for_s)
         if self.servers is not None:
-            for ev in self.servers.check(self.detect_s, restart=self.elastic):
-                ev = dict(ev)
-                name, who = ev.pop("event", "shard_restart"), ev.pop("who", "shard")
-                ev.pop("time_s", None)
-                inj = self.injected.pop(who, None)
-                if name == "detect" and inj is not None:
-                    ev.setdefault("detect_s", round(time.time() - inj, 6))
-                self.record(name, who, **ev)                 # (record keeps the schema's fields only)
-                if name == "abort" or (name == "detect" and not self.elastic):
-                    from collectives.errors import LaunchError
-                    self.record("abort", who, how=ev.get("how"))
-                    raise LaunchError(f"{who} failed: {ev.get('how')}")
+            # detect, record, then restart: `detect` is written when the failure is seen and `shard_restart` when
+            # the shard serves again, so time to recover is the restart's (one check(restart=True) would return
+            # both after the restart); an injected failure's detect_s is inject -> detect, like a worker's (the
+            # beat age check() reports is kept only when nothing was injected)
+            found = self.servers.check(self.detect_s, restart=False)
+            seen = {ev["who"] for ev in found if ev.get("event") == "detect"}
+            self._shard_events(found, set())
+            if seen and self.elastic:
+                self._shard_events(self.servers.check(self.detect_s), seen)
+
+    def _shard_events(self, events: list[dict[str, Any]], recorded: set[str]) -> None:
+        """Record ServerGroup.check's events (a detect of a shard in `recorded` was written already); a detect
+        without elastic recovery, or a failed restart, ends the run."""
+        for ev in events:
+            ev = dict(ev)
+            name, who = ev.pop("event", "shard_restart"), ev.pop("who", "shard")
+            ev.pop("time_s", None)
+            if name == "detect" and who in recorded:
+                continue
+            inj, wall = self.injected.pop(who, None), time.time()
+            if name == "detect" and inj is not None:
+                ev["detect_s"] = round(wall - inj, 6)
+            self.record(name, who, wall, **ev)           # (record keeps the schema's fields only)
+            if name == "abort" or (name == "detect" and not self.elastic):
+                from collectives.errors import LaunchError
+                self.record("abort", who, how=ev.get("how"))
+                raise LaunchError(f"{who} failed: {ev.get('how')}")
 
     # ------------------------------------------------------------------ faults
     def _execute(self, job: Any, action: str, who: str, for_s: float, step: int | None = None) -> None:
         kind, _, idx = who.partition(":")
         i = int(idx)
         sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
-        if kind == "worker":
-            done = job.signal(i, sig)
-            cont = (lambda: job.signal(i, signal.SIGCONT))
-        else:
-            pid = self._shard_pid(i)
-            done = pid is not None and _kill(pid, sig)
-            cont = (lambda: pid is not None and _kill(pid, signal.SIGCONT))
-        self.injected[who] = time.time()
-        self.record("inject", who, how=f"{signal.Signals(sig).name}" + (f" for {for_s:g} s" if action == "stop"
+        # SIGCONT goes to the process that was stopped, by pid: a hung worker may have a replacement by then (the
+        # rank's current process), and the original must still wake up (and find itself let go)
+        pid = job.pid(i * self.mp) if kind == "worker" else self._shard_pid(i)   # (a worker's first rank)
+        done = pid is not None and _kill(pid, sig)
+        cont = (lambda: pid is not None and _kill(pid, signal.SIGCONT))
+        self.injected[who] = wall = time.time()
+        self.record("inject", who, wall, how=f"{signal.Signals(sig).name}" + (f" for {for_s:g} s" if action == "stop"
                                                                           else ""), step=step,
                     generation=self.generation)
         if done and action == "stop":

@@ -74,7 +74,8 @@ class _Worker(ElasticMember):
         self.ev: Any = None
         self.fired: set[int] = set()                  # injected faults this process has triggered
         faults = cfg.faults.parsed()
-        self.events = [] if joining else [e for e in faults if e.kind == "worker" and e.index == self.member
+        mp = cfg.parallel.model_parallel      # ranks per worker (a split model): worker w's first rank fires
+        self.events = [] if joining else [e for e in faults if e.kind == "worker" and e.index * mp == self.member
                                           and e.at_step is not None and e.action != "leave"]
         self.leaves = {e.at_step: e.index for e in faults if e.action == "leave"}   # planned: every member knows
 

@@ -478,6 +478,34 @@ def test_forged_or_unsigned_membership_is_refused(monkeypatch):
         ElasticGroup("zmq", 0, store, secret=None, timeout=5)
 
 
+def test_a_replaced_members_earlier_process_is_no_member():
+    """Membership.incarnations: member 1's replacement (incarnation 1) is admitted, its original (0) is not -- it is
+    Expelled at its next check() although its id is listed; a record without incarnations admits any process (and
+    reads as before), the signed record carries them."""
+    m = Membership(2, (0, 1, 2), "worker:1 replaced", (0, 1, 0))
+    assert m.admits(1, 1) and not m.admits(1, 0) and m.admits(0) and not m.admits(3)
+    assert Membership(2, (0, 1, 2)).admits(1, 5)
+    raw = _encode(m, SECRET)
+    assert '"i":[0,1,0]' in raw and '"i"' not in _encode(Membership(1, (0, 1)), SECRET)
+    with pytest.raises(ValueError, match="incarnations"):
+        Membership(1, (0, 1), "", (0,))
+    from collectives.elastic import _decode
+    assert _decode(raw.encode(), SECRET) == m
+    store = _store()
+    publish(store, Membership(0, (0, 1), "start"), SECRET)
+    old = ElasticGroup("zmq", 1, store, secret=SECRET, incarnation=0, check_interval=0.001)
+    old.generation = 0                                      # as if it had joined generation 0 (no sockets needed)
+    publish(store, m, SECRET)
+    time.sleep(0.01)
+    with pytest.raises(Expelled):
+        old.check()
+    new = ElasticGroup("zmq", 1, store, secret=SECRET, incarnation=1, check_interval=0.001)
+    new.generation = 0
+    time.sleep(0.01)
+    with pytest.raises(MembershipChanged):
+        new.check()
+
+
 def test_generations_never_go_backwards():
     store = _store()
     publish(store, Membership(0, (0,)), SECRET)
