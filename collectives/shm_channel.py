@@ -182,11 +182,8 @@ class Waiter:
         self.spin_s = self.MAX_SPIN / 2
         self.spins = self.sleeps = 0          # how waits ended (visible cost of oversubscription)
 
-    def until(self, ready: Callable[[], bool], op: str, seq: int, peer: int,
-              word: tuple[np.ndarray, int, int, int] | None = None) -> None:
-        """Return when ready(); `word` = (ctl, index, value, flag): ctl[index] == value while not ready (futex)."""
-        if ready():
-            return
+    def spin(self, ready: Callable[[], bool]) -> bool:
+        """The bounded adaptive spin alone: whether ready() became true within it (else the caller sleeps)."""
         now = time.perf_counter
         t0 = now()
         end_spin = t0 + self.spin_s
@@ -195,9 +192,16 @@ class Waiter:
             if ready():
                 self.spins += 1
                 self.spin_s = min(self.MAX_SPIN, max(self.MIN_SPIN, 0.5 * self.spin_s + 2 * (now() - t0)))
-                return
+                return True
         self.sleeps += 1
         self.spin_s = max(min(self.MIN_SPIN, self.MAX_SPIN), self.spin_s * 0.9)   # long waits: spin less
+        return False
+
+    def until(self, ready: Callable[[], bool], op: str, seq: int, peer: int,
+              word: tuple[np.ndarray, int, int, int] | None = None) -> None:
+        """Return when ready(); `word` = (ctl, index, value, flag): ctl[index] == value while not ready (futex)."""
+        if ready() or self.spin(ready):
+            return
         deadline = time.monotonic() + self.timeout
         pause, last_idle = 20e-6, 0.0
         while not ready():

@@ -52,6 +52,7 @@ import torch
 import zmq
 
 from collectives.errors import WireError
+from collectives.shm_channel import Waiter
 from collectives.wire import decode, encode
 
 from .admission import ADMIN, secret_for, worker_user
@@ -64,7 +65,7 @@ from . import shm_arena, shm_path
 from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
-from .lane import Bell, ClientLane, Spin, enabled as lane_enabled
+from .lane import Bell, ClientLane, enabled as lane_enabled
 
 LANE_OPS = frozenset({"push", "pull"})          # the hot requests; the rest always go through ZeroMQ
 
@@ -144,7 +145,7 @@ class PSClient:
         self._old_lanes: list[tuple[int, ClientLane]] = []      # replaced ones with a request still in flight
         self._lane_job, self._lane_gen = secrets.token_hex(6), 0
         self._bell: Bell | None = None                          # the shards ring it when a lane reply is there
-        self._spin = Spin()                                     # ... and before sleeping we look a few µs
+        self._spin = Waiter(0.0)                                # ... and before sleeping we look a few µs (its spin)
         if lane is not False and lane_enabled() and any(link.enabled for link in self._links):
             try:
                 self._bell = Bell(f"w{self.worker}", self._lane_job)
@@ -503,7 +504,7 @@ class PSClient:
                 if fut.done() or self._closed:
                     break
                 wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
-                if self._bell is not None and self._lane_busy() and self._spin.until(self._lane_answered):
+                if self._bell is not None and self._lane_busy() and self._spin.spin(self._lane_answered):
                     self._lane_replies()               # (the bell's byte is swallowed at the next poll)
                     continue
                 ready = self._poller.poll(wait_ms)

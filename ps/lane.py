@@ -48,6 +48,8 @@ What the lane does not defend against, like the shm payload path: a process of t
 that made the segment) can truncate it and so crash the shard with SIGBUS at its next look, as it could kill it with
 a signal; processes of one account are one trust domain here, the worker credentials separate roles within it.
 A shard serves every lane once per pass and then looks at ZeroMQ (a busy lane cannot starve remote peers).
+Before sleeping in poll both sides spin a little on the slots (collectives.shm_channel.Waiter.spin: sched_yield,
+5-200 µs, adaptive): an answer seen then costs no wake-up (on a virtual machine a halted core is slow to wake).
 """
 
 from __future__ import annotations
@@ -57,8 +59,7 @@ import os
 import re
 import secrets
 import stat
-import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -139,38 +140,6 @@ def ring(fd: int) -> None:
         os.write(fd, b"\x01")
     except (BlockingIOError, OSError):
         pass                                   # full: the reader has wake-ups pending already
-
-
-class Spin:
-    """A bounded wait before sleeping in poll: yield the core (`os.sched_yield`) and look again, for at most
-    `spin_s`, adapted as collectives.shm_channel.Waiter's first phase (twice the recent wait when it ended in the
-    spin, 10% less after each that did not; between 5 and 200 µs, or PSLAB_SHM_SPIN_US as the bound). An answer
-    seen while spinning costs no wake-up; on a virtual machine a sleeping process's core may halt, and waking it
-    again costs tens of µs."""
-
-    MIN_SPIN, MAX_SPIN = 5e-6, 200e-6
-
-    def __init__(self) -> None:
-        env = os.environ.get("PSLAB_SHM_SPIN_US")
-        if env:
-            self.MAX_SPIN = max(0.0, float(env)) * 1e-6
-        self.spin_s = self.MAX_SPIN / 2
-        self.spins = self.sleeps = 0
-
-    def until(self, ready: Callable[[], bool]) -> bool:
-        """Whether ready() became true within the spin (else go to sleep in poll)."""
-        now = time.perf_counter
-        t0 = now()
-        end = t0 + self.spin_s
-        while now() < end:
-            os.sched_yield()
-            if ready():
-                self.spins += 1
-                self.spin_s = min(self.MAX_SPIN, max(self.MIN_SPIN, 0.5 * self.spin_s + 2 * (now() - t0)))
-                return True
-        self.sleeps += 1
-        self.spin_s = max(min(self.MIN_SPIN, self.MAX_SPIN), self.spin_s * 0.9)
-        return False
 
 
 # ---------------------------------------------------------------------------------------------- slots
@@ -359,4 +328,4 @@ class ServerLane:
             pass
 
 
-__all__ = ["Bell", "CAPACITY", "ClientLane", "SIZE", "ServerLane", "Spin", "enabled", "open_bell", "ring"]
+__all__ = ["Bell", "CAPACITY", "ClientLane", "SIZE", "ServerLane", "enabled", "open_bell", "ring"]

@@ -32,12 +32,13 @@ import zmq
 
 from collectives.curve import load_keys
 from collectives.errors import WireError
+from collectives.shm_channel import Waiter
 from collectives.wire import decode, encode
 
 from .admission import Admission, curve_server, plain_server, shard_users
 from .checkpoint import save_checkpoint
 from .config import ServerConfig
-from .lane import Bell, ServerLane, Spin, enabled as lane_enabled
+from .lane import Bell, ServerLane, enabled as lane_enabled
 from .errors import (AccessDeniedError, AlreadyInitializedError, ConfigError, DuplicateRequestError,
                      NotInitializedError, ProtocolError, PSError, ShmLimitError)
 from .parking import Parked, Parking
@@ -65,7 +66,7 @@ class ShardServer(Parking):
         self.links: dict[bytes, ServerLink] = {}   # same-host connections that negotiated the shm path
         self.lanes: dict[bytes, ServerLane] = {}   # ... and the doorbell lane (ps.lane) for their headers
         self.bell: Bell | None = None               # the lanes' doorbell (made at bind, same-host shards only)
-        self._spin = Spin()                         # a few µs of looking at the lanes before sleeping in poll
+        self._spin = Waiter(0.0)                    # its spin: a few µs of looking at the lanes before poll
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
                          "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0, "lane": 0,
                          "peers_gone": 0, "replies_released": 0, "checkpoint_failures": 0,
@@ -171,7 +172,7 @@ class ShardServer(Parking):
         try:
             while not self._stop:
                 self._beat(time.monotonic())
-                if self.lanes and self._spin.until(self._lane_or_zmq):
+                if self.lanes and self._spin.spin(self._lane_or_zmq):
                     events = {self.sock: POLLIN} if self.sock.getsockopt(EVENTS) & POLLIN else {}
                 else:
                     events = dict(poller.poll(50))  # <= the heartbeat interval
