@@ -48,7 +48,8 @@ Core (sans-IO)::
         # .status "applied" | "buffered" (waits for the rest of its clock) | "dropped" (late backup gradient)
         # .version (after), .staleness [(worker, tau), ...] for every update applied by this push
     st.version, st.clocks, st.committed_clock, st.stats (StalenessStats: .summary(), .histogram(), .percentile(q),
-    .series [(now, worker, tau, version)], .waits {worker: [seconds per read]}, .dropped), st.params (live),
+    .series [(now, worker, tau, version)], .waits {worker: [seconds per read, the first max_series]},
+    .wait_total, .wait_count, .dropped), st.params (live),
     st.state_dict() -> (tensors, meta) / ShardState.from_state_dict(tensors, meta)
 
     Workers are 0..num_workers-1. A worker's clock c = number of pushes it has made; a push is stamped with the

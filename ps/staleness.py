@@ -27,6 +27,8 @@ class StalenessStats:
     per_worker: dict[int, Counter] = field(default_factory=dict)         # worker -> (tau -> count)
     series: list[tuple[float | None, int, int, int]] = field(default_factory=list)  # (now, worker, tau, version)
     waits: dict[int, list[float]] = field(default_factory=dict)          # worker -> [seconds waited per read]
+    wait_total: dict[int, float] = field(default_factory=dict)           # worker -> seconds waited, all reads
+    wait_count: dict[int, int] = field(default_factory=dict)             # worker -> reads that waited (> 0 s)
     dropped: dict[int, int] = field(default_factory=dict)                # worker -> late gradients dropped
     max_series: int = 1_000_000
 
@@ -34,6 +36,8 @@ class StalenessStats:
         for w in range(self.num_workers):
             self.per_worker.setdefault(w, Counter())
             self.waits.setdefault(w, [])
+            self.wait_total.setdefault(w, 0.0)
+            self.wait_count.setdefault(w, 0)
             self.dropped.setdefault(w, 0)
 
     def record(self, worker: int, tau: int, version: int, now: float | None = None) -> None:
@@ -46,7 +50,14 @@ class StalenessStats:
             self.series.append((now, worker, tau, version))
 
     def record_wait(self, worker: int, seconds: float) -> None:
-        self.waits[worker].append(float(seconds))
+        """One read's wait on the gate: totals kept for every read, the per-read list for the first max_series
+        (a shard serving thousands of reads a second for hours must not grow without bound)."""
+        s = float(seconds)
+        self.wait_total[worker] = self.wait_total.get(worker, 0.0) + s
+        self.wait_count[worker] = self.wait_count.get(worker, 0) + (s > 0)
+        w = self.waits.setdefault(worker, [])
+        if len(w) < self.max_series:
+            w.append(s)
 
     def record_drop(self, worker: int) -> None:
         self.dropped[worker] += 1
@@ -87,15 +98,15 @@ class StalenessStats:
                     "histogram": self.histogram(w)}
         out = stats_of(None)
         out["per_worker"] = {w: stats_of(w) for w in range(self.num_workers)}
-        out["wait_seconds"] = {w: sum(v) for w, v in self.waits.items()}
-        out["waits"] = {w: len([x for x in v if x > 0]) for w, v in self.waits.items()}
+        out["wait_seconds"] = dict(self.wait_total)
+        out["waits"] = dict(self.wait_count)
         out["dropped"] = dict(self.dropped)
         return out
 
     # --- persistence (checkpoints): plain ints/floats only ---
     def state(self) -> dict[str, Any]:
         return {"hist": dict(self.hist), "per_worker": {w: dict(c) for w, c in self.per_worker.items()},
-                "wait_seconds": {w: sum(v) for w, v in self.waits.items()}, "dropped": dict(self.dropped)}
+                "wait_seconds": dict(self.wait_total), "dropped": dict(self.dropped)}
 
     @classmethod
     def from_state(cls, num_workers: int, d: dict[str, Any]) -> "StalenessStats":
@@ -104,8 +115,8 @@ class StalenessStats:
         for w, c in d.get("per_worker", {}).items():
             s.per_worker[int(w)] = Counter({int(k): int(v) for k, v in c.items()})
         for w, x in d.get("wait_seconds", {}).items():
-            if x:
-                s.waits[int(w)] = [float(x)]
+            if x:                                  # (one entry standing for the waits before the checkpoint)
+                s.waits[int(w)], s.wait_total[int(w)], s.wait_count[int(w)] = [float(x)], float(x), 1
         for w, x in d.get("dropped", {}).items():
             s.dropped[int(w)] = int(x)
         return s

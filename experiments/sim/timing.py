@@ -109,7 +109,8 @@ class TimingShard:
         for w in range(self.num_workers):
             st.per_worker[w] = Counter(self.taus[w])
             st.hist.update(st.per_worker[w])
-            st.waits[w] = self.waits[w]
+            for seconds in self.waits[w]:
+                st.record_wait(w, seconds)
             st.dropped[w] = self.dropped[w]
         return dict(st.summary())
 

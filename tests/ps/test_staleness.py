@@ -68,3 +68,16 @@ def test_bsp_staleness_is_zero_and_versions_count_clocks():
     assert st.version == 5
     assert st.stats.histogram() == {0: 15}
     np.testing.assert_array_equal(st.params["w"].numpy(), np.full(4, -10.0, np.float32))  # 5 * mean(1,2,3)
+
+
+def test_wait_records_are_bounded_and_the_totals_count_every_read():
+    """A long-running shard records a wait per read: the per-read list stops at max_series, the totals in the summary
+    (and in a checkpoint's state) still count every read."""
+    s = StalenessStats(2, max_series=3)
+    for x in (0.0, 0.5, 0.0, 0.25, 1.0):
+        s.record_wait(1, x)
+    assert s.waits[1] == [0.0, 0.5, 0.0]
+    summary = s.summary()
+    assert summary["wait_seconds"][1] == 1.75 and summary["waits"][1] == 3 and summary["waits"][0] == 0
+    back = StalenessStats.from_state(2, s.state())
+    assert back.summary()["wait_seconds"][1] == 1.75
