@@ -113,8 +113,15 @@ def failure_summary(run: dict[str, Any]) -> dict[str, Any]:
     det = [f["detect_s"] for f in fs if f["detect_s"] is not None]
     rec = [f["recover_s"] for f in fs if f["recover_s"] is not None]
     return {"failures": len(fs), "detect_s": det[0] if det else None, "recover_s": rec[0] if rec else None,
-            "lost_steps": sum(f["lost_steps"] or 0 for f in fs), "lost_updates": sum(f["lost_updates"] or 0 for f in fs),
+            "lost_steps": _total(f["lost_steps"] for f in fs), "lost_updates": _total(f["lost_updates"] for f in fs),
             "detected": len(det)}
+
+
+def _total(values: Any) -> int | None:
+    """The sum of the known values; None (shown "—", as in the Failures table) if none is known: a failure whose
+    loss was not measured (an abort; a ps-asp survivor) is not "0 lost"."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def baseline_for(run: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -137,7 +137,7 @@ def _fault_cells(run: dict[str, Any], runs: list[dict[str, Any]], failure_summar
     bacc = ((base or {}).get("summary") or {}).get("final_test_acc")
     delta = f"{100 * (acc - bacc):+.2f}" if acc is not None and bacc is not None else "—"
     return (f" {f['failures']} | {_fmt(f['detect_s'])} | {_fmt(f['recover_s'])} | "
-            f"{f['lost_steps']} / {f['lost_updates']} | {delta} |")
+            f"{_fmt(f['lost_steps'])} / {_fmt(f['lost_updates'])} | {delta} |")
 
 
 def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comparison",

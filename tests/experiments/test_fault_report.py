@@ -102,7 +102,7 @@ def test_report_on_a_hand_written_run_shows_the_failure_section_and_timeline(tmp
     assert "not detected (a pause)" in text
     assert (tmp_path / "rep" / "failure_timeline.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
-    assert "time to detect (s)" in printed and "| 2 | 0.8 | 1.2 | 2 / 0 | -5.00 |" in printed
+    assert "time to detect (s)" in printed and "| 2 | 0.8 | 1.2 | 2 / — | -5.00 |" in printed     # as the table
 
 
 def test_runs_without_events_keep_the_old_report(tmp_path):
@@ -150,3 +150,17 @@ def test_compare_preset_failure_end_to_end_simulated(tmp_path, capsys):
 def test_compare_preset_failure_refuses_bad_input(argv, message, capsys):
     assert main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+def test_the_summary_row_says_unknown_losses_are_unknown():
+    """A failure whose loss nobody measured (an abort) is "—" lost in the summary row, as in the Failures table, not
+    "0"; measured ones are summed."""
+    from experiments.results.faults import failure_summary
+    abort = {"events": [{"time_s": 1.0, "event": "inject", "who": "worker:1", "how": "SIGKILL"},
+                        {"time_s": 1.1, "event": "detect", "who": "worker:1", "how": "SIGKILL", "detect_s": 0.1},
+                        {"time_s": 1.1, "event": "abort", "who": "worker:1", "how": "SIGKILL"}]}
+    f = failure_summary(abort)
+    assert f["failures"] == 1 and f["lost_steps"] is None and f["lost_updates"] is None
+    shrink = {"events": [{"time_s": 1.0, "event": "detect", "who": "worker:1", "how": "SIGKILL"},
+                         {"time_s": 1.2, "event": "recover", "who": "worker:1", "lost_steps": 2}]}
+    assert failure_summary(shrink)["lost_steps"] == 2
