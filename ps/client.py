@@ -52,7 +52,6 @@ import torch
 import zmq
 
 from collectives.errors import WireError
-from collectives.shm_channel import Waiter
 from collectives.wire import decode, encode
 
 from .admission import ADMIN, secret_for, worker_user
@@ -65,7 +64,7 @@ from . import shm_arena, shm_path
 from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
-from .lane import Bell, ClientLane, enabled as lane_enabled
+from .lane import ClientLane, ClientLanes
 
 LANE_OPS = frozenset({"push", "pull"})          # the hot requests; the rest always go through ZeroMQ
 
@@ -141,17 +140,9 @@ class PSClient:
         self._monitor_of = {m: i for i, m in enumerate(self._monitors)}
         self._arena, self._into = self._arenas([shm_path.wanted(a) if shm is None else bool(shm)
                                                 for a in self.addresses])
-        self._lanes: list[ClientLane | None] = [None] * n      # per shard, renewed at every register
-        self._old_lanes: list[tuple[int, ClientLane]] = []      # replaced ones with a request still in flight
-        self._lane_job, self._lane_gen = secrets.token_hex(6), 0
-        self._bell: Bell | None = None                          # the shards ring it when a lane reply is there
-        self._spin = Waiter(0.0)                                # ... and before sleeping we look a few µs (its spin)
-        if lane is not False and lane_enabled() and any(link.enabled for link in self._links):
-            try:
-                self._bell = Bell(f"w{self.worker}", self._lane_job)
-                self._poller.register(self._bell.fd, zmq.POLLIN)
-            except OSError:
-                self._bell = None
+        self._lanes = ClientLanes(self.worker, n, lane is not False and any(link.enabled for link in self._links))
+        if self._lanes.bell is not None:                        # (ps.lane: headers beside the shm payloads)
+            self._poller.register(self._lanes.bell.fd, zmq.POLLIN)
         try:
             self.registration = self._register()
         except BaseException:
@@ -211,8 +202,7 @@ class PSClient:
         """Register with every shard (offering the shared-memory path where wanted); adopt clocks and versions."""
         self._renew_arenas()
         with self._lock:                     # (other threads may be sending or receiving through the lanes)
-            self._lane_gen += 1
-            offers = [self._new_lane(i) for i in range(len(self._links))]
+            offers = self._lanes.offers([link.enabled for link in self._links])
         per = [(dict({"worker": self.worker, "token": self._token}, **link.probe(), **offers[i]), None)
                for i, link in enumerate(self._links)]
         regs = self._all("register", per_shard=per).result(self.timeout + 1)
@@ -220,11 +210,7 @@ class PSClient:
             self._lane_replies()             # answers the shards wrote into the old lanes before the register
             for i, (r, _) in enumerate(regs):
                 self._links[i].accept(r)
-                lane = self._lanes[i]
-                if lane is not None:
-                    lane.accept(r if self._links[i].push_ok else {}, self._links[i].peer)
-                    if not lane.on:
-                        self._lanes[i] = None
+                self._lanes.accept(i, r if self._links[i].push_ok else {}, self._links[i].peer)
         for i, (r, _) in enumerate(regs):
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             inc = r.get("incarnation")
@@ -252,24 +238,6 @@ class PSClient:
         """Per shard: whether pushes and pulls travel through shared memory (negotiated at register)."""
         return [link.push_ok and link.pull_ok for link in self._links]
 
-    def _new_lane(self, shard: int) -> dict[str, Any]:
-        """A fresh lane segment for this registration with `shard`: its register offer. The old lane is closed, or,
-        with a request in flight, kept until that is answered (the shard may have written the answer there)."""
-        old, self._lanes[shard] = self._lanes[shard], None
-        if old is not None:
-            if old.inflight is not None:
-                old.on = False                    # nothing new goes in
-                self._old_lanes.append((shard, old))
-            else:
-                old.close()
-        if self._bell is None or not self._links[shard].enabled:
-            return {}
-        try:
-            lane = self._lanes[shard] = ClientLane(self.worker, shard, self._lane_job, self._lane_gen)
-        except OSError:                           # /dev/shm full: headers go through ZeroMQ
-            return {}
-        return lane.offer(self._bell)
-
     def _request(self, fut: Fanout, shard: int, op: str, meta: dict[str, Any], tensors: Any = None,
                  timeout: float | None = None) -> None:
         """Send one request to `shard`; its reply (or error) goes to `fut`'s slot `shard`."""
@@ -295,9 +263,8 @@ class PSClient:
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
-            lane = self._lanes[shard]
-            if (lane is not None and lane.on and lane.inflight is None and op in LANE_OPS and len(frames) == 1
-                    and not any(p.shard == shard and p.lane is None for p in self._pending.values())):
+            lane = self._lanes.free(shard) if op in LANE_OPS and len(frames) == 1 else None
+            if lane is not None and not any(p.shard == shard and p.lane is None for p in self._pending.values()):
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane)
                 if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
                     return
@@ -504,7 +471,7 @@ class PSClient:
                 if fut.done() or self._closed:
                     break
                 wait_ms = 20.0 if end is None else max(0.0, min(20.0, (end - now) * 1000))
-                if self._bell is not None and self._lane_busy() and self._spin.spin(self._lane_answered):
+                if self._lanes.busy() and self._lanes.spin.spin(self._lanes.answered):
                     self._lane_replies()               # (the bell's byte is swallowed at the next poll)
                     continue
                 ready = self._poller.poll(wait_ms)
@@ -512,32 +479,17 @@ class PSClient:
                     self._watch()         # first: a drop is noted before any reply of the new incarnation
                 for sock, _ in ready:
                     if isinstance(sock, int):              # the lanes' bell
-                        self._bell.drain()                 # (before looking: a later ring wakes the next poll)
+                        self._lanes.bell.drain()           # (before looking: a later ring wakes the next poll)
                     elif sock not in self._monitor_of:
                         self._drain(self._socks.index(sock))
-                if self._bell is not None:
+                if self._lanes.bell is not None:
                     self._lane_replies()
                 self._expire(time.monotonic())
 
-    def _lane_busy(self) -> bool:
-        return any(lane is not None and lane.inflight is not None for lane in self._lanes) or bool(self._old_lanes)
-
-    def _lane_answered(self) -> bool:
-        return any(lane is not None and lane.inflight is not None and lane.reply.seq() == lane.inflight
-                   for lane in self._lanes) or any(lane.reply.seq() == lane.inflight for _, lane in self._old_lanes)
-
     def _lane_replies(self, only: int | None = None) -> None:
-        """Dispatch the replies the shards wrote into their lanes (those of shard `only`); close old lanes that
-        have nothing in flight any more."""
-        for i, lane in [*enumerate(self._lanes), *self._old_lanes]:
-            if lane is not None and lane.inflight is not None and (only is None or i == only):
-                frame = lane.take_reply()
-                if frame is not None:
-                    self._on_reply(i, [frame])
-        if self._old_lanes:
-            for _, lane in [x for x in self._old_lanes if x[1].inflight is None]:
-                lane.close()
-            self._old_lanes = [x for x in self._old_lanes if x[1].inflight is not None]
+        """Dispatch the replies the shards wrote into their lanes (those of shard `only`)."""
+        for i, frame in self._lanes.replies(only):
+            self._on_reply(i, [frame])
 
     def _drain(self, shard: int) -> None:
         """Dispatch every reply waiting on shard's socket."""
@@ -654,11 +606,8 @@ class PSClient:
                     sock.close(0)
             for link in getattr(self, "_links", []):
                 link.close()
-            for lane in [*getattr(self, "_lanes", []), *(x[1] for x in getattr(self, "_old_lanes", []))]:
-                if lane is not None:
-                    lane.close()
-            if getattr(self, "_bell", None) is not None:
-                self._bell.close()
+            if getattr(self, "_lanes", None) is not None:
+                self._lanes.close()
             for arena in (getattr(self, "_arena", None), getattr(self, "_into", None)):
                 if arena is not None:
                     arena.close()

@@ -59,14 +59,14 @@ import os
 import re
 import secrets
 import stat
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from collectives import shm
 from collectives.cleanup import note_shm_job
 from collectives.errors import WireError
-from collectives.shm_channel import supported
+from collectives.shm_channel import Waiter, supported
 
 MAGIC = 0x656E_616C_6261_6C73          # "pslablane", little-endian-ish: a constant no stray file holds
 VERSION = 1
@@ -223,12 +223,15 @@ class ClientLane:
         ring(self.bell)
         return True
 
+    def answered(self) -> bool:
+        """The shard has written the reply to the request in flight."""
+        return self.inflight is not None and self.reply.seq() == self.inflight
+
     def take_reply(self) -> bytes | None:
         """The reply to the request in flight, if the shard has written it (the lane is then free again)."""
-        seq = self.inflight
-        if seq is None or self.reply.seq() != seq:
+        if not self.answered():
             return None
-        self.inflight = None
+        seq, self.inflight = self.inflight, None
         try:
             return self.reply.take(seq)
         except WireError:
@@ -260,6 +263,93 @@ class ClientLane:
             os.unlink(os.path.join(shm.SHM_DIR, self.name))
         except FileNotFoundError:
             pass                               # the shard mapped it and unlinked the name
+
+
+class ClientLanes:
+    """A client's side of the protocol: its bell, its spin, and one lane per shard, renewed at every registration
+    (a replaced lane with a request in flight stays open, off, until that is answered or failed)."""
+
+    def __init__(self, worker: int, shards: int, wanted: bool) -> None:
+        self.worker = worker
+        self.lanes: list[ClientLane | None] = [None] * shards
+        self.old: list[tuple[int, ClientLane]] = []
+        self.job, self.gen = secrets.token_hex(6), 0
+        self.spin = Waiter(0.0)                # before sleeping in poll, look a few µs (Waiter.spin)
+        self.bell: Bell | None = None          # the shards ring it when a reply is in a lane
+        if wanted and enabled():
+            try:
+                self.bell = Bell(f"w{worker}", self.job)
+            except OSError:
+                self.bell = None
+
+    def __getitem__(self, shard: int) -> ClientLane | None:
+        return self.lanes[shard]
+
+    def offers(self, allowed: Sequence[bool]) -> list[dict[str, Any]]:
+        """A new generation of lanes (where `allowed[shard]`): each shard's register offer ({} for none)."""
+        self.gen += 1
+        return [self._renew(i, ok) for i, ok in enumerate(allowed)]
+
+    def _renew(self, shard: int, allowed: bool) -> dict[str, Any]:
+        old, self.lanes[shard] = self.lanes[shard], None
+        if old is not None:
+            if old.inflight is not None:
+                old.on = False                 # nothing new goes in
+                self.old.append((shard, old))
+            else:
+                old.close()
+        if self.bell is None or not allowed:
+            return {}
+        try:
+            lane = self.lanes[shard] = ClientLane(self.worker, shard, self.job, self.gen)
+        except OSError:                        # /dev/shm full: headers go through ZeroMQ
+            return {}
+        return lane.offer(self.bell)
+
+    def accept(self, shard: int, reply: Mapping[str, Any], shard_id: int) -> None:
+        lane = self.lanes[shard]
+        if lane is not None:
+            lane.accept(reply, shard_id)
+            if not lane.on:
+                self.lanes[shard] = None
+
+    def free(self, shard: int) -> ClientLane | None:
+        """Shard's lane if a request may go in now."""
+        lane = self.lanes[shard]
+        return lane if lane is not None and lane.on and lane.inflight is None else None
+
+    def _every(self) -> list[tuple[int, ClientLane]]:
+        return [(i, lane) for i, lane in enumerate(self.lanes) if lane is not None] + self.old
+
+    def busy(self) -> bool:
+        return any(lane.inflight is not None for _, lane in self._every())
+
+    def answered(self) -> bool:
+        return any(lane.answered() for _, lane in self._every())
+
+    def replies(self, only: int | None = None) -> list[tuple[int, bytes]]:
+        """(shard, reply header) of every answer in the lanes (of shard `only`); old lanes with nothing in flight
+        any more are closed."""
+        out = []
+        for i, lane in self._every():
+            if only is None or i == only:
+                frame = lane.take_reply()
+                if frame is not None:
+                    out.append((i, frame))
+        if self.old:
+            for _, lane in self.old:
+                if lane.inflight is None:
+                    lane.close()
+            self.old = [x for x in self.old if x[1].inflight is not None]
+        return out
+
+    def close(self) -> None:
+        for _, lane in self._every():
+            lane.close()
+        self.lanes, self.old = [None] * len(self.lanes), []
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
 
 
 class ServerLane:
@@ -297,12 +387,15 @@ class ServerLane:
             return None
         return cls(mm, fd, user)
 
+    def waiting(self) -> bool:
+        """The client wrote a request since the last take (not one being written: seq -1, looked at next pass)."""
+        return self.request.seq() not in (self.last, -1)
+
     def take(self) -> bytes | None:
         """A new request's header bytes, if the client wrote one since the last take (WireError: unreadable)."""
-        seq = self.request.seq()
-        if seq == self.last or seq < 0:        # nothing new, or being written (looked at again next pass)
+        if not self.waiting():
             return None
-        self.last = seq
+        seq = self.last = self.request.seq()
         data = self.request.take(seq)
         self.inflight = seq
         return data
@@ -328,4 +421,4 @@ class ServerLane:
             pass
 
 
-__all__ = ["Bell", "CAPACITY", "ClientLane", "SIZE", "ServerLane", "enabled", "open_bell", "ring"]
+__all__ = ["Bell", "CAPACITY", "ClientLane", "ClientLanes", "SIZE", "ServerLane", "enabled", "open_bell", "ring"]

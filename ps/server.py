@@ -216,7 +216,7 @@ class ShardServer(Parking):
 
     def _lane_or_zmq(self) -> bool:
         """A request is waiting in a lane, or a ZeroMQ message in the socket (the spin's condition)."""
-        return any(lane.request.seq() not in (lane.last, -1) for lane in self.lanes.values()) or bool(
+        return any(lane.waiting() for lane in self.lanes.values()) or bool(
             self.sock is not None and self.sock.getsockopt(EVENTS) & POLLIN)
 
     def _serve_lane(self, identity: bytes, now: float) -> bool:

@@ -38,7 +38,7 @@ def train(addresses, *, lane: bool, steps: int = 12) -> tuple[dict[str, np.ndarr
             else:
                 c.push(g).result(30)
                 c.pull().result(30)
-        on = [x is not None and x.on for x in c._lanes]
+        on = [x is not None and x.on for x in c._lanes.lanes]
         return c.pull().result(30).params, on
 
 
@@ -186,7 +186,7 @@ def test_an_answer_in_the_lane_at_resync_is_still_delivered(thread_servers):
         wait_for(lambda: shard.state.version == 1 and old.reply.seq() == old.inflight, "the shard answers")
         c.resync()
         assert f.result(8)[0]["version"] == 1
-        assert c._lanes[0] is not old and c._old_lanes == [] and old.mm is None     # delivered, then closed
+        assert c._lanes[0] is not old and c._lanes.old == [] and old.mm is None     # delivered, then closed
         acks, read = c.push_pull(tensors(2)).result(8)
         assert acks[0]["version"] == 2 and read.versions == [2] and shard.counters["lane"] >= 3
 
