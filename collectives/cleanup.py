@@ -72,3 +72,26 @@ def sweep(directory: str | None) -> int:
                     pass
     shutil.rmtree(directory, ignore_errors=True)
     return removed
+
+
+def start_sweeper(directory: str, also: list[str] | None = None) -> "subprocess.Popen[bytes]":
+    """A watchdog for a process that may be SIGKILLed with its own segments open (`pslab server` in the
+    foreground): a small separate process that waits for end of file on its stdin -- the pipe this process holds
+    and the kernel closes when it dies, however -- then `sweep(directory)` and removes the folders in `also`.
+    It imports nothing of pslab's packages (this file is loaded by path) and ignores Ctrl-C (the terminal's SIGINT
+    reaches the whole process group; it sweeps once its owner is gone). Close its stdin to let it finish."""
+    import subprocess
+    import sys
+    code = ("import importlib.util, os, shutil, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "spec = importlib.util.spec_from_file_location('pslab_cleanup', sys.argv[1])\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "while sys.stdin.buffer.read(65536):\n"
+            "    pass\n"
+            "m.sweep(sys.argv[2])\n"
+            "for d in sys.argv[3:]:\n"
+            "    shutil.rmtree(d, ignore_errors=True)\n")
+    return subprocess.Popen([sys.executable, "-c", code, os.path.abspath(__file__), directory, *(also or [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            close_fds=True)
+

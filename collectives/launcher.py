@@ -19,9 +19,19 @@ hung rank's Python stacks (faulthandler, asked for with SIGUSR1) are appended to
 With `return_exceptions=True` a failed or killed rank yields a `RankFailure` instead and the others run on.
 
 Supervision (`supervisor=`, see `Supervisor`): every child beats a heartbeat (a shared-memory clock slot written by a
-daemon thread every `supervisor.heartbeat_s`; SIGSTOP freezes it), and the parent, between polls, names a rank that
-died (exit code) or hung (no beat for `supervisor.detect_s`) and asks the supervisor whether the job goes on without
-it. The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
+daemon thread every `supervisor.heartbeat_s`; SIGSTOP freezes it), and the parent names a rank that died or hung (no
+beat for `supervisor.detect_s`) and asks the supervisor whether the job goes on without it. A death is known from the
+kernel at once: the parent holds a pidfd per child (`os.pidfd_open`), readable the moment the process exits, and
+waits on it together with the children's pipes -- not on the pipe's end of file (any process that inherited the
+write end keeps it open) nor on the forkserver's exit-status report alone. What a dead child wrote before it died is
+still read first. When a rank reports an error, every other rank's death is looked for before that error is
+recorded, so a survivor's inference ("a peer failed") never comes before, nor instead of, the supervisor's verdict on
+the rank that actually died.
+A hang is judged against the load: the parent measures how late its own 50 ms polls wake up (`Job.lag_s`: the
+largest lateness over the last LAG_WINDOW_S seconds), and a silent heartbeat means a hang only when it is older than
+`detect_s + LAG_FACTOR * lag_s` -- on a machine so loaded that the parent itself wakes seconds late, the ranks' beat
+threads do too, and that is not a hang. A stopped process (SIGSTOP: state T in /proc) is hung after `detect_s`
+whatever the load. The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
 (`Job.spawn`; each generation then names every member's process, `Job.incarnation`) and hear what children
 `notify()` it. With `supervisor.elastic` the children are members of a `collectives.elastic.ElasticGroup`
 (generation 0 = every rank, published before they start): `fn` gets that ElasticGroup, not a plain group.
@@ -59,6 +69,8 @@ class RankFailure:
 STOPPED = 128 + signal.SIGTERM      # a rank's exit code when the launcher stopped it
 MAX_PROCS = 4                       # heartbeat slots per rank: the rank and up to 3 replacements
 STARTUP_S = 120.0                   # a child that has not beaten yet (importing, under spawn) is hung only after this
+LAG_WINDOW_S = 10.0                 # the parent's own poll lateness is remembered this long (Job.lag_s)
+LAG_FACTOR = 2.0                    # a beat is late only past detect_s + LAG_FACTOR * lag_s (module docstring)
 
 _NOTIFY: Any = None                 # in a child: its _Outbox, for notify()
 
@@ -222,6 +234,8 @@ class Job:
             self.ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq",
                                              "collectives.init", "collectives.zmq_group"])
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
+        self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process
+        self.dead: dict[Any, float] = {}                 # Process -> monotonic time its pidfd said it exited
         gt = group_timeout or timeout or 300.0
         self.options = dict(group_options, group_timeout=gt, secret=secret or job_secret() or new_job_secret())
         if supervisor is not None:
@@ -238,6 +252,7 @@ class Job:
         self.gone: set[int] = set()                      # ranks the supervisor let go (dead or hung)
         self._inbox: list[tuple] = []
         self._store: Any = None
+        self._lags: list[tuple[float, float]] = []      # (monotonic time, how late a poll woke), last LAG_WINDOW_S
 
     # ------------------------------------------------------------------ what a supervisor may do
     @property
@@ -263,6 +278,16 @@ class Job:
 
     def _slot(self, rank: int) -> int:
         return rank * MAX_PROCS + self.spawned[rank] - 1
+
+    def lag_s(self) -> float:
+        """How late this parent's polls woke up at worst over the last LAG_WINDOW_S seconds (its measure of load)."""
+        cut = time.monotonic() - LAG_WINDOW_S
+        self._lags = [x for x in self._lags if x[0] >= cut]
+        return max((lag for _, lag in self._lags), default=0.0)
+
+    def hang_bound_s(self, detect_s: float) -> float:
+        """A silent heartbeat is a hang past this many seconds: detect_s, widened by the measured load."""
+        return detect_s + LAG_FACTOR * self.lag_s()
 
     def heartbeat_age(self, rank: int) -> float:
         """Seconds since rank's current process last beat (supervised launches only); 0 while it starts (before its
@@ -302,9 +327,14 @@ class Job:
         try:
             p.start()
         finally:
-            write.close()              # only the child writes: its death reads as EOF here
+            write.close()              # only the child writes (and whatever inherited it: EOF is no death notice)
             self.conns[read] = r
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        fd = _pidfd(p.pid)
+        if fd is not None:
+            self.pidfds[fd] = p
+            if p.exitcode is not None:     # it exited before the pidfd was opened (the pid may be reused already)
+                self._reaped(fd)
 
     def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
         """A rank died, hung or raised: the supervisor decides whether the job goes on."""
@@ -323,18 +353,52 @@ class Job:
             raise LaunchError(f"rank {r} failed: {failure.error}\n--- traceback of rank {r} ---\n{failure.traceback}")
         raise LaunchError(f"rank {r} {failure.error}")
 
-    def _receive(self) -> tuple | None:
-        """The next message of any child within 50 ms, or None; a closed pipe (its child exited) is dropped."""
+    def _receive(self, timeout: float = 0.05) -> tuple | None:
+        """The next message of any child within `timeout` s, or None; a closed pipe is dropped, and a child's exit
+        (its pidfd became readable) is noted in `dead` after what it wrote has been read."""
         if not self._inbox:
-            ready = mp.connection.wait(list(self.conns), timeout=0.05) if self.conns else time.sleep(0.05)
+            waitables = list(self.conns) + list(self.pidfds)
+            t0 = time.monotonic()
+            ready = mp.connection.wait(waitables, timeout=timeout) if waitables else time.sleep(timeout)
+            if not ready:                              # it slept the whole timeout: how late did it wake?
+                now = time.monotonic()
+                late = now - t0 - timeout
+                if late > 0.01:
+                    self._lags.append((now, late))
             for c in ready or ():
-                try:
-                    while c.poll():
-                        self._inbox.append(c.recv())
-                except (EOFError, OSError):
-                    self.conns.pop(c, None)
-                    c.close()
+                if isinstance(c, int):
+                    self._reaped(c)
+                    continue
+                self._drain(c)
         return self._inbox.pop(0) if self._inbox else None
+
+    def _drain(self, c: Any) -> None:
+        """Read every message waiting in pipe `c` (without blocking); drop it at its end of file."""
+        try:
+            while c.poll():
+                self._inbox.append(c.recv())
+        except (EOFError, OSError):
+            self.conns.pop(c, None)
+            c.close()
+
+    def _reaped(self, fd: int) -> None:
+        """The process behind pidfd `fd` exited: read what it wrote before it died, then note it as dead. Its pipe
+        is closed too (a dead process writes nothing more; an inherited write end must not keep it open)."""
+        p = self.pidfds.pop(fd)
+        os.close(fd)
+        self.dead.setdefault(p, time.monotonic())
+        for c, r in list(self.conns.items()):
+            if self.procs.get(r) is p:
+                self._drain(c)
+                if c in self.conns:
+                    self.conns.pop(c)
+                    c.close()
+
+    def _look_for_deaths(self) -> None:
+        """Note every child whose pidfd is readable now (no wait)."""
+        if self.pidfds:
+            for fd in mp.connection.wait(list(self.pidfds), timeout=0):
+                self._reaped(fd)
 
     def _unread(self, rank: int) -> bool:
         """Whether a message of `rank` may still be waiting (its pipe not yet drained to EOF)."""
@@ -353,9 +417,11 @@ class Job:
                 sup.started(self)           # e.g. publish generation 0 before anyone joins
             for r in range(self.world_size):
                 self._start(r, self.args)
+            watched = 0.0
             while self._pending():
                 msg = self._receive()
-                if msg is None:
+                if msg is None or time.monotonic() - watched > 0.05:   # even while messages keep coming
+                    watched = time.monotonic()
                     self._watch(return_exceptions)
                     if sup is not None:
                         sup.tick(self)
@@ -364,7 +430,8 @@ class Job:
                         stacks = _hung_stacks({r: self.procs[r] for r in running}, self.job_dir)
                         raise LaunchError(f"launch timed out after {self.timeout:g}s; ranks {running} had not "
                                           f"finished\n{stacks}")
-                    continue
+                    if msg is None:
+                        continue
                 rank, status, value, tb, slot = msg
                 if status == "msg":
                     if sup is not None:
@@ -374,6 +441,12 @@ class Job:
                 elif status == "ok":
                     self.results[rank] = value
                 else:
+                    # the supervisor's verdict first: a rank that died is named before a survivor's error, which
+                    # may only be the consequence ("a peer of this group failed")
+                    self._look_for_deaths()
+                    self._watch(return_exceptions, exclude=rank)
+                    if rank in self.gone or slot != self._slot(rank) or rank in self.results:
+                        continue
                     self._fail(rank, RankFailure(rank, value, tb, self.procs[rank].exitcode), False,
                                return_exceptions)
             self.release.set()
@@ -399,23 +472,70 @@ class Job:
                     p.join(timeout=2)
             for c in self.conns:
                 c.close()
+            for fd in self.pidfds:
+                os.close(fd)
+            self.pidfds.clear()
             self._store = None               # the parent's FileStore handle, before its directory goes
             if self.job_dir:
                 cleanup.sweep(self.job_dir)  # also what killed ranks could not remove (collectives/cleanup.py)
         return [self.results[r] for r in range(self.world_size)]
 
-    def _watch(self, return_exceptions: bool) -> None:
+    def _watch(self, return_exceptions: bool, exclude: int | None = None) -> None:
         """Name ranks that died without reporting (SIGKILL, segfault) or whose heartbeat stopped (SIGSTOP, hang)."""
         for r in self._pending():
-            if r in self.gone:
+            if r in self.gone or r == exclude:
                 continue
             p = self.procs[r]
-            if p.exitcode is not None and p.exitcode != 0 and not self._unread(r):
-                how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                       else f"exited with code {p.exitcode}")
-                self._fail(r, RankFailure(r, f"died ({how}) before reporting a result", exitcode=p.exitcode),
+            died = p in self.dead or p.exitcode is not None
+            if died:                             # what it wrote is all there is: read it, close its pipe
+                for c in [c for c, rr in self.conns.items() if rr == r]:
+                    self._drain(c)
+                    if c in self.conns:
+                        self.conns.pop(c)
+                        c.close()
+            if died and not self._unread(r):
+                code = p.exitcode
+                if code is None:                 # the kernel said it exited; its status comes via the forkserver
+                    code = _exit_code(p, self.dead.get(p, time.monotonic()))
+                if code == 0:
+                    continue                     # a clean exit with its result on the way (or none: see run())
+                how = ("exited (its status was not reported)" if code is None
+                       else f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+                self._fail(r, RankFailure(r, f"died ({how}) before reporting a result", exitcode=code),
                            False, return_exceptions)
-            elif self.supervisor is not None and p.exitcode is None:
+            elif self.supervisor is not None and not died:
                 age = self.heartbeat_age(r)
-                if age > self.supervisor.detect_s:
+                detect_s = self.supervisor.detect_s
+                if age > detect_s and (age > self.hang_bound_s(detect_s) or _stopped_state(p.pid)):
                     self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)
+
+
+def _stopped_state(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger: state T or t in /proc/PID/stat)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _pidfd(pid: int | None) -> int | None:
+    """A pidfd of process `pid` (readable once it exits), or None where the kernel or Python has none."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _exit_code(p: Any, died_at: float, wait_s: float = 1.0) -> int | None:
+    """The exit code of a process the kernel reported dead at `died_at`: the forkserver reports it within
+    milliseconds; wait for it at most `wait_s` after the death, then give up (None)."""
+    while True:
+        code = p.exitcode
+        if code is not None or time.monotonic() - died_at > wait_s:
+            return code
+        time.sleep(0.005)

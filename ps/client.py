@@ -22,6 +22,14 @@ The client computes the same `Partition` as every other worker (pure function of
 splits gradients into per-shard flat slices (zero-copy views: do not modify the tensors until the push's future is
 done), and remembers, per shard, its clock and the version its last pull returned (sent with the next push).
 
+A refused push leaves both sides where they were. The clock for a shard moves when a push is sent to it; a push
+that is never sent (a lost shard, a send error) moves nothing, and one the shard refuses before changing anything
+(non-finite, wrong shape or key, wrong clock, not a member, not registered: the error reply says `refused_push`)
+moves it back, so the same client pulls and pushes on at its clock without `resync()`. With several shards a
+non-finite gradient is refused here, before any shard sees it (the shards say at register whether they reject
+NaN/Inf): otherwise the other shards would apply their slices of a push one shard refused. Only a push whose fate
+is unknown (timed out, or its shard dropped) needs `resync()`.
+
 Shard restarts. Each socket's monitor is read together with the replies (before them, so the order holds): a
 "disconnected" event after a successful handshake means the shard died or is being restarted; every request in
 flight to it fails at once with ShardLostError (it may never be answered; it is not resent, since the shard may
@@ -55,8 +63,8 @@ from collectives.errors import WireError
 from collectives.wire import decode, encode
 
 from .admission import ADMIN, secret_for, worker_user
-from .errors import (CheckpointWarning, ConfigError, PSError, RequestTimeoutError, ShardLostError,
-                     error_from_reply)
+from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, PSError, RequestTimeoutError,
+                     ShardLostError, error_from_reply)
 from .futures import Fanout, reply_metas
 from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
@@ -83,6 +91,7 @@ class _Pending:
     shard: int
     keep: Any = None                   # tensors that must outlive a zero-copy send
     lane: ClientLane | None = None     # the shard's lane (ps.lane) it was sent through, or None: ZeroMQ
+    push: bool = False                 # a push: it moved this client's clock for the shard when it was sent
 
 
 def _np(t: Any) -> np.ndarray:
@@ -118,6 +127,7 @@ class PSClient:
         self._slices_of = {n: self.partition.slices_of(n) for n in self.partition.names}
         self.clocks = [0] * len(self.addresses)
         self.versions = [0] * len(self.addresses)
+        self._rejects_nonfinite = True                        # (the shards say at register)
         n = len(self.addresses)
         self.incarnations: list[str | None] = [None] * n     # the shard process each register reply came from
         self.restarts: list[dict[str, Any]] = []              # restarts seen at resync (module docstring)
@@ -211,6 +221,7 @@ class PSClient:
             for i, (r, _) in enumerate(regs):
                 self._links[i].accept(r)
                 self._lanes.accept(i, r if self._links[i].push_ok else {}, self._links[i].peer)
+        self._rejects_nonfinite = any(r.get("nonfinite", "reject") == "reject" for r, _ in regs)
         for i, (r, _) in enumerate(regs):
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             inc = r.get("incarnation")
@@ -242,10 +253,10 @@ class PSClient:
                  timeout: float | None = None) -> None:
         """Send one request to `shard`; its reply (or error) goes to `fut`'s slot `shard`."""
         if shard in self._refused:           # the handshake failed, maybe before anything was sent: say so at once
-            fut.fail(self._refused[shard])
+            fut.fail(self._refused[shard], shard)
             return
         if shard in self._lost and op != "register" and self.user != ADMIN:
-            fut.fail(self._lost_error(shard, op))
+            fut.fail(self._lost_error(shard, op), shard)
             return
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
@@ -263,20 +274,24 @@ class PSClient:
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
+            push = op == "push"
             lane = self._lanes.free(shard) if op in LANE_OPS and len(frames) == 1 else None
             if lane is not None and not any(p.shard == shard and p.lane is None for p in self._pending.values()):
-                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane)
+                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane, push)
                 if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
+                    self.clocks[shard] += push
                     return
                 self._pending[(shard, seq)].lane = None
             else:
-                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors)
+                self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, push=push)
             try:
                 self._socks[shard].send_multipart(frames, copy=False)
             except zmq.ZMQError as e:
                 self._pending.pop((shard, seq))
                 link.on_timeout(seq)
-                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
+                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"), shard)
+                return
+            self.clocks[shard] += push
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
              timeout: float | None = None, finish: Any = None) -> Fanout:
@@ -284,7 +299,7 @@ class PSClient:
         without `finish`), first error wins."""
         if self._closed:
             raise PSError("this client is closed; call ps.connect again")
-        fut = Fanout(self._drive, len(self.addresses), finish)
+        fut = Fanout(self._drive, len(self.addresses), finish, wait_all=op == "push")
         with self._lock:
             self._watch()                 # a shard that dropped meanwhile fails fast instead of never answering
             if self._lost and op != "register" and self.user != ADMIN:   # and nothing goes to the others either:
@@ -314,8 +329,9 @@ class PSClient:
 
     def push(self, grads: Mapping[str, Any], timeout: float | None = None) -> Future:
         """Future[list of per-shard acks {status, version, clock, staleness}]; stamps and advances the clock.
-        The gradient tensors are sent zero-copy: do not modify them until the future is done. If a push fails,
-        call `resync()` to adopt the shards' clocks again."""
+        The gradient tensors are sent zero-copy: do not modify them until the future is done. A push the shards
+        refused (NonFiniteGradientError, ShapeError, ...) moved no clock: go on as before. One whose fate is
+        unknown (RequestTimeoutError, ShardLostError): call `resync()` to adopt the shards' clocks again."""
         return self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout, finish=reply_metas)
 
     def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None, copy: bool = True) -> Future:
@@ -326,12 +342,19 @@ class PSClient:
                                                  self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
 
     def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
-        """Per-shard push requests stamped with this worker's clock and read version; advances the clocks."""
+        """Per-shard push requests stamped with this worker's clock and read version (each shard's clock moves
+        when its request is sent: `_request`). With several shards that reject NaN/Inf, a non-finite gradient is
+        refused here, whole, before anything is sent."""
         pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
-        per = [(dict(extra, clock=self.clocks[i], version=self.versions[i]), pieces[i]) for i in range(len(pieces))]
-        for i in range(len(self.addresses)):
-            self.clocks[i] += 1
-        return per
+        if len(pieces) > 1 and self._rejects_nonfinite:
+            for i, piece in enumerate(pieces):
+                for name, a in piece.items():
+                    if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                        raise NonFiniteGradientError(
+                            f"gradient {name!r} of worker {self.worker} holds NaN or Inf (its slice on shard {i}); "
+                            "the push is refused whole, by every shard, and no clock moves: lower the learning "
+                            "rate or look for the divergence")
+        return [(dict(extra, clock=self.clocks[i], version=self.versions[i]), pieces[i]) for i in range(len(pieces))]
 
     def _adopt_read(self, reads: list[dict[str, Any]], replies: list[tuple[Any, Any]], copy: bool) -> PullResult:
         """Remember each shard's read version and clock; reassemble the values into a PullResult."""
@@ -533,7 +556,7 @@ class PSClient:
             self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
             if p.lane is not None:
                 p.lane.done(key[1])
-            p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]))
+            p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]), p.shard)
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:
@@ -559,8 +582,11 @@ class PSClient:
         self._note(shard, msg.meta)
         try:
             copied = self._links[shard].on_reply(msg.seq, msg.meta)
+            if msg.op == "error" and pend.push and msg.meta.get("refused_push") is True:
+                self.clocks[shard] -= 1              # nothing of it was applied: both sides where they were
             if msg.op == "error":
-                pend.future.fail(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard))
+                pend.future.fail(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard),
+                                 pend.shard)
             else:
                 pend.future.settle(pend.shard, (msg.meta, msg.tensors if copied is None else copied))
         except Exception as e:                 # never leave the popped future waiting forever

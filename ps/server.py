@@ -67,6 +67,7 @@ class ShardServer(Parking):
         self.lanes: dict[bytes, ServerLane] = {}   # ... and the doorbell lane (ps.lane) for their headers
         self.bell: Bell | None = None               # the lanes' doorbell (made at bind, same-host shards only)
         self._spin = Waiter(0.0)                    # its spin: a few µs of looking at the lanes before poll
+        self._applied = False                 # whether the request being handled changed the shard (a push applied)
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
                          "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0, "lane": 0,
                          "peers_gone": 0, "replies_released": 0, "checkpoint_failures": 0,
@@ -262,12 +263,17 @@ class ShardServer(Parking):
                 self.state.unshare_params()
             self._inflight.clear()
 
-    def _error(self, identity: bytes, seq: int, exc: BaseException) -> None:
+    def _error(self, identity: bytes, seq: int, exc: BaseException, refused_push: bool = False) -> None:
+        """An error reply; `refused_push`: the request was a push and nothing of it was applied (no clock moved),
+        so its client takes its clock back (ps.client) and both sides stay where they were."""
         self.counters["errors"] += 1
         self.counters["nonfinite_refused"] += type(exc).__name__ == "NonFiniteGradientError"
         self.counters["refused"] += isinstance(exc, AccessDeniedError)
         kind = type(exc).__name__ if isinstance(exc, PSError) else "ProtocolError"
-        self._send(identity, "error", seq, {"kind": kind, "error": str(exc)[:2000]})
+        meta: dict[str, Any] = {"kind": kind, "error": str(exc)[:2000]}
+        if refused_push:
+            meta["refused_push"] = True
+        self._send(identity, "error", seq, meta)
 
     # ------------------------------------------------------------------ liveness
     def _alive(self, identity: bytes) -> bool:
@@ -331,15 +337,17 @@ class ShardServer(Parking):
                                             f"({peer.last_seq}) on this connection; duplicate or out of order")
             self.admission.check(identity, msg.op, msg.src)
             handler = getattr(self, f"_on_{msg.op}")
+            self._applied = False
             handler(identity, msg, now)          # raises before changing anything if the request is invalid
             peer.last_seq = msg.seq
         except PSError as e:
-            self._error(identity, msg.seq, e)
+            self._error(identity, msg.seq, e, refused_push=msg.op == "push" and not self._applied)
         except Exception as e:  # a bug or an unforeseen input: answer, log, keep serving
             self.counters["internal_errors"] += 1
             log.exception("shard %d: unexpected error on %s", self.config.shard_id, msg.op)
             self._error(identity, msg.seq, ProtocolError(f"server could not handle {msg.op}: "
-                                                         f"{type(e).__name__}: {e}"))
+                                                         f"{type(e).__name__}: {e}"),
+                        refused_push=msg.op == "push" and not self._applied)
         if self._gone:
             self._sweep(now)
 
@@ -379,7 +387,7 @@ class ShardServer(Parking):
             "shard": self.config.shard_id, "policy": self.config.policy, "num_workers": self.config.num_workers,
             "initialized": st is not None, "version": st.version if st else 0, "incarnation": self.incarnation,
             "restored_from": self.restored_from, "member": st is None or worker in st.members,
-            "clock": st.clocks[worker] if st else 0,
+            "clock": st.clocks[worker] if st else 0, "nonfinite": self.config.nonfinite,
             "keys": {k: list(s) for k, s in st.shapes.items()} if st else {}})
 
     def _check_link_cap(self, identity: bytes, evict: list[bytes]) -> None:
@@ -408,6 +416,8 @@ class ShardServer(Parking):
                 raise ProtocolError(f"init parameter {k!r} holds NaN or Inf; refused")
         self.state = ShardState(dict(msg.tensors), self.config.spec, self.config.policy,
                                 self.config.num_workers, shard_id=self.config.shard_id)
+        if self.config.checkpoint_dir:      # version 0 at once: a shard lost before its first checkpoint_every
+            self._periodic_checkpoint()     # interval comes back holding the initial parameters, not empty
         self._send(identity, "ok", msg.seq, {"initialized": True, "version": 0})
         self._retry_parked(now)
 
@@ -433,6 +443,7 @@ class ShardServer(Parking):
         self._before_update()
         res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now,
                               skip_nonfinite=self.config.nonfinite == "skip")
+        self._applied = True                               # (an error from here on: the push stands)
         self.counters["pushes"] += 1
         self.counters["nonfinite_skipped"] += res.status == "skipped"
         if self.heartbeat is not None:                     # the parent learns every applied version at once

@@ -10,7 +10,9 @@ PSLAB_JOB_SECRET_FILE to it; the directory is removed when the server exits).
 
 Ctrl-C (SIGINT) and SIGTERM stop the server after the message at hand and write a final checkpoint when
 --checkpoint-dir is set (so a restarted server loses no update); exit status 130 / 143. An unwritable
---checkpoint-dir is refused at start-up (one line, exit status 1).
+--checkpoint-dir is refused at start-up (one line, exit status 1). A server killed outright (kill -9, the OOM
+killer) cannot remove its doorbell FIFO and shared-memory segments itself: a small sweeper process beside it
+(collectives.cleanup.start_sweeper) notices its death through a pipe and removes them, and the secret's folder.
 """
 
 from __future__ import annotations
@@ -49,12 +51,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     import torch
 
+    from collectives import cleanup
     from ps.secret_file import server_secret
     from ps.server import ServerConfig, ShardServer
     torch.set_num_threads(1)
     secret, where, made_dir = server_secret(args.secret_file)
+    traces = cleanup.make_dir("pslab-server-")     # this process notes its segments here (collectives/cleanup.py)
+    previous_env = os.environ.get(cleanup.ENV)
+    os.environ[cleanup.ENV] = traces
+    sweeper = cleanup.start_sweeper(traces, [made_dir] if made_dir else [])
     try:
         cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
                            optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
@@ -87,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
             return 128 + stopped_by[0]
         return 0
     finally:
+        if previous_env is None:
+            os.environ.pop(cleanup.ENV, None)
+        else:
+            os.environ[cleanup.ENV] = previous_env
+        sweeper.stdin.close()                    # it sweeps what is left (nothing, after a clean stop) and exits
+        try:
+            sweeper.wait(10)
+        except Exception:
+            sweeper.kill()
         if made_dir:
             import shutil
             shutil.rmtree(made_dir, ignore_errors=True)

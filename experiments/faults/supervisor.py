@@ -144,11 +144,11 @@ class RunSupervisor:
             # the shard serves again, so time to recover is the restart's (one check(restart=True) would return
             # both after the restart); an injected failure's detect_s is inject -> detect, like a worker's (the
             # beat age check() reports is kept only when nothing was injected)
-            found = self.servers.check(self.detect_s, restart=False)
+            found = self.servers.check(job.hang_bound_s(self.detect_s), restart=False)   # (widened by load)
             seen = {ev["who"] for ev in found if ev.get("event") == "detect"}
             self._shard_events(found, set())
             if seen and self.elastic:
-                self._shard_events(self.servers.check(self.detect_s), seen)
+                self._shard_events(self.servers.check(job.hang_bound_s(self.detect_s)), seen)
 
     def _shard_events(self, events: list[dict[str, Any]], recorded: set[str]) -> None:
         """Record ServerGroup.check's events (a detect of a shard in `recorded` was written already); a detect
@@ -167,6 +167,14 @@ class RunSupervisor:
                 from collectives.errors import LaunchError
                 self.record("abort", who, how=ev.get("how"))
                 raise LaunchError(f"{who} failed: {ev.get('how')}")
+            if name == "shard_restart" and not ev.get("checkpoint") and not self.cfg.faults.shard_checkpoint_every:
+                # nothing to restore (no checkpoint directory): the workers would wait for an init nobody sends;
+                # the run ends here, with the reason, instead of train.timeout_s later on another message
+                from collectives.errors import LaunchError
+                why = (f"{who} died and came back without parameters (no checkpoint to restore): set a shard "
+                       "checkpoint interval ([faults] shard_checkpoint_every = k) to survive a shard failure")
+                self.record("abort", who, how=why)
+                raise LaunchError(why)
 
     # ------------------------------------------------------------------ faults
     def _execute(self, job: Any, action: str, who: str, for_s: float, step: int | None = None) -> None:

@@ -203,17 +203,17 @@ class PSSyncStrategy:
         for attempt in range(RECOVER_TRIES):
             try:
                 self.client.resync()
+                empty = [i for i, (m, _) in enumerate(self.client.registration) if not m.get("initialized", True)]
+                if empty:       # at once: a pull would wait for an init that nobody sends (train.timeout_s)
+                    raise PSStrategyError(f"shard(s) {empty} came back without parameters (no checkpoint to "
+                                          "restore): set a shard checkpoint interval ([faults] "
+                                          "shard_checkpoint_every) to survive a shard failure")
                 read = self.client.pull(copy=False).result(self.timeout)
                 break
             except self._lost_errors() as e:  # dropped again while coming back: try again
                 why = e
         else:
             raise PSStrategyError(f"lost a shard and could not resync after {RECOVER_TRIES} tries: {why}") from why
-        empty = [i for i, (m, _) in enumerate(self.client.registration) if not m.get("initialized", True)]
-        if empty:
-            raise PSStrategyError(f"shard(s) {empty} came back without parameters (no checkpoint to restore): set a "
-                                  "shard checkpoint interval ([faults] shard_checkpoint_every) to survive a shard "
-                                  "failure")
         self._grads = self.client.grad_buffers()      # the new push segment
         for g in self._grads.values():
             g.fill(0.0)

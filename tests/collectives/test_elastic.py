@@ -25,6 +25,8 @@ from collectives.elastic import (EXIT_EXPELLED, KEY, ElasticGroup, Expelled, Mem
                                  current, publish)
 from collectives.errors import AuthError, PeerFailedError, PeerTimeoutError, RendezvousError
 
+pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
+
 T = 20.0                 # the group timeout: every single wait is bounded by it
 BACKENDS = ["zmq", "torch"]
 BIG = 100_000            # int64 elements: 800 KB, the zmq ring path (above small_bytes) through shared memory

@@ -147,6 +147,7 @@ def _traces(tmp: Path | None = None) -> set[str]:
     return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
 
 
+@pytest.mark.under_load
 @pytest.mark.parametrize("how, strategy", [("ctrl-c", "ps-asp"), ("kill", "ps-asp"), ("ctrl-c", "allreduce")])
 def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy):
     """During a run, SIGINT to the whole process group (a terminal's Ctrl-C) or SIGTERM to pslab alone

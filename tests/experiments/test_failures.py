@@ -20,6 +20,8 @@ from experiments.results.rundir import read_jsonl
 from experiments.runner import execute
 from tests.experiments.conftest import small_config
 
+pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
+
 
 def _traces() -> set[str]:
     tmp = Path(tempfile.gettempdir())    # the test's own (see `clean`), so other jobs on the host do not count
@@ -171,7 +173,8 @@ def test_run_limit_ends_a_run(tmp_path, clean):
 # ---------------------------------------------------------------------------------------------- elastic runs
 @pytest.fixture
 def elastic():
-    return pytest.importorskip("collectives.elastic", reason="elastic process groups not available")
+    import collectives.elastic          # part of this package: an ImportError fails these tests, never skips them
+    return collectives.elastic
 
 
 def test_ps_asp_goes_on_with_the_survivors(tmp_path, clean, elastic):
@@ -367,6 +370,36 @@ def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, clean, elastic):
     ups = read_jsonl(rd.metrics_path)
     assert {u["worker"] for u in ups} == {0, 1, 2} and max(u["step"] for u in ups) == 59
     assert s["final_test_acc"] is not None
+
+
+@pytest.mark.parametrize("strategy", ["ps-asp", "ps-bsp", "ps-ssp:2"])
+def test_a_shard_killed_before_its_first_checkpoint_comes_back_with_the_initial_parameters(tmp_path, clean, elastic,
+                                                                                          strategy):
+    """kill -9 of the shard long before its first checkpoint_every interval: the shard wrote a version-0 checkpoint
+    at init, so it restarts holding the initial parameters (not empty), the workers go on from there, and the run
+    completes every step; updates lost <= the interval (here: every update before the kill)."""
+    every = 100_000
+    rd = _run(tmp_path, f"train.strategy={strategy}", "train.workers=3", "train.steps=40", "train.base_step_s=0.02",
+              f"faults.shard_checkpoint_every={every}", 'faults.events=[{kill="shard:0", at_s=0.3}]',
+              label="early-shard-kill")
+    ev = _events(rd)
+    restarts = [e for e in ev if e["event"] == "shard_restart"]
+    assert len(restarts) == 1 and restarts[0]["restored_version"] == 0, ev
+    assert restarts[0]["checkpoint"].endswith("ckpt-000000000000.pslab"), restarts
+    assert restarts[0]["lost_updates"] == restarts[0]["version_before"] <= every
+    ups = read_jsonl(rd.metrics_path)
+    assert {u["worker"] for u in ups} == {0, 1, 2} and max(u["step"] for u in ups) == 39
+    assert json.loads((rd.path / "summary.json").read_text())["final_test_acc"] is not None
+
+
+def test_a_shard_lost_without_checkpoints_ends_the_run_with_one_line_at_once(tmp_path, clean, elastic):
+    """No shard checkpoints at all: the restarted shard is empty, and the workers say so at once (they used to wait
+    for an init nobody sends, train.timeout_s, and fail on an unrelated message)."""
+    t0 = time.monotonic()
+    with pytest.raises(ExperimentError, match=r"came back without parameters .*shard_checkpoint_every"):
+        _run(tmp_path, "train.strategy=ps-asp", "train.workers=2", "train.steps=400", "train.base_step_s=0.02",
+             "train.timeout_s=120", 'faults.events=[{kill="shard:0", at_s=0.3}]', label="no-ckpt")
+    assert time.monotonic() - t0 < 60
 
 
 def test_fault_specs_that_could_never_happen_are_refused():

@@ -16,6 +16,9 @@ from ps.client import connect
 from ps.errors import AlreadyInitializedError, AuthenticationError, ShmLimitError
 
 from .rawsock import Raw
+from ..timebox import within
+
+pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
 
 W = np.arange(12, dtype=np.float32)
 B = np.ones(3, dtype=np.float32)
@@ -154,35 +157,48 @@ def test_shutdown_and_checkpoint_need_the_admin(served, tmp_path):
         stranger.close()
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_a_socket_without_the_credential_never_reaches_the_shard(thread_servers, tmp_path, transport):
     """No credential, a wrong secret, or a user the shard does not serve: the handshake fails, not one message
-    reaches the shard's loop, connect() says AuthenticationError at once, and the job's client is unaffected."""
+    reaches the shard's loop, connect() says AuthenticationError at once, and the job's client is unaffected.
+
+    Each wait is bounded and named (tests/timebox.py): a hang here (seen once on a loaded CI machine, 120 s at the
+    suite's timeout, not reproduced in 15 runs beside a CPU hog) fails in seconds, saying which step it waited in."""
     bind = f"ipc://{tmp_path}/shard" if transport == "ipc" else "tcp://127.0.0.1:0"
     servers = thread_servers(1, num_workers=2, bind=bind)
     shard = servers.servers[0]
     addr = servers.addresses[0]
-    with connect([addr], 0, PARAMS, timeout=10) as owner:
+    with within(10, "the owner's connect and init"):
+        owner = connect([addr], 0, PARAMS, timeout=10)
         owner.init(PARAMS).result(10)
+    try:
         before = snapshot(shard)
         seen = shard.counters["messages"]
         strangers = [Raw(addr, user=None), Raw(addr, user="worker:0", secret=OTHER_SECRET),
                      Raw(addr, user="worker:7"), Raw(addr, user="root")]
         try:
-            for raw in strangers:            # not even an error reply: nothing reaches the shard
-                with pytest.raises(TimeoutError):
-                    raw.send_frames([b"x"])
-                    raw.request("register", seq=1, meta={"worker": 0}, timeout_ms=300)
+            for i, raw in enumerate(strangers):   # not even an error reply: nothing reaches the shard
+                with within(5, f"stranger {i}'s refused send (SNDTIMEO 2 s) and its unanswered request (0.3 s)"):
+                    with pytest.raises(TimeoutError):
+                        raw.send_frames([b"x"])
+                        raw.request("register", seq=1, meta={"worker": 0}, timeout_ms=300)
             t0 = time.monotonic()
-            with pytest.raises(AuthenticationError, match="refused this client's credential"):
-                connect([addr], 1, PARAMS, timeout=10, secret=OTHER_SECRET)
+            with within(6, "connect() with the wrong secret to raise AuthenticationError"):
+                with pytest.raises(AuthenticationError, match="refused this client's credential"):
+                    connect([addr], 1, PARAMS, timeout=10, secret=OTHER_SECRET)
             assert time.monotonic() - t0 < 5
         finally:
-            for raw in strangers:
-                raw.close()
+            with within(3, "the strangers' sockets to close"):
+                for raw in strangers:
+                    raw.close()
         assert shard.counters["messages"] == seen and shard.admission.peers.keys() == shard.registered.keys()
         assert_unchanged(shard, before)
-        assert owner.push({"w": W, "b": B}).result(10)[0]["version"] == 1
+        with within(5, "the owner's push after the strangers (the shard's reply)"):
+            assert owner.push({"w": W, "b": B}).result(10)[0]["version"] == 1
+    finally:
+        with within(3, "the owner's client to close"):
+            owner.close()
 
 
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")

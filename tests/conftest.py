@@ -1,0 +1,80 @@
+"""The load harness: tests marked `under_load` run beside a CPU hog, as CI runs them.
+
+The failure, elastic, admission and interrupt tests promise bounds (a death named within faults.detect_s, a hang
+failing with a message in seconds) that users need on a busy node -- the normal case on a shared cluster -- and
+that CI needs on a loaded machine. A bound that holds only on an idle machine is not a bound. So every test marked
+
+    pytestmark = pytest.mark.under_load          (a module)   or   @pytest.mark.under_load   (one test)
+
+runs with `HOG_PROCS` busy processes beside it (pure-Python spin loops at nice 0, one per core of the 2-core CI
+machine: the test's own processes then get about half of each core), started before the test and killed after it.
+Each hog also ends by itself after `HOG_LIMIT_S` seconds or as soon as this pytest process is gone, so none
+outlives the run. PSLAB_TEST_LOAD=0 turns the hog off (e.g. to time a test alone); PSLAB_TEST_LOAD=N runs N hogs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+HOG_PROCS = 2
+HOG_LIMIT_S = 900
+_HOG = ("import os, time\n"
+        "parent, end = os.getppid(), time.monotonic() + {limit}\n"
+        "while time.monotonic() < end and os.getppid() == parent:\n"
+        "    for _ in range(20000): pass\n")
+
+
+def hog_count() -> int:
+    """How many hog processes a marked test gets (PSLAB_TEST_LOAD, default HOG_PROCS)."""
+    raw = os.environ.get("PSLAB_TEST_LOAD", str(HOG_PROCS)).strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"PSLAB_TEST_LOAD must be a whole number of hog processes (0: none); got {raw!r}")
+    if not 0 <= n <= 16:
+        raise pytest.UsageError(f"PSLAB_TEST_LOAD must be between 0 and 16; got {n}")
+    return n
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "under_load: runs beside a CPU hog (tests/conftest.py); PSLAB_TEST_LOAD=0 "
+                                       "turns it off")
+    hog_count()                   # a bad PSLAB_TEST_LOAD is one line at start-up, not an error in every test
+
+
+class CpuHog:
+    """`n` busy processes until `stop()` (or HOG_LIMIT_S, or this process's exit)."""
+
+    def __init__(self, n: int, limit_s: float = HOG_LIMIT_S) -> None:
+        code = _HOG.format(limit=float(limit_s))
+        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+
+    def running(self) -> int:
+        return sum(p.poll() is None for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_hog(request: pytest.FixtureRequest) -> Iterator[CpuHog | None]:
+    """The hog beside each test marked under_load (nothing for the others)."""
+    n = hog_count()
+    if n == 0 or request.node.get_closest_marker("under_load") is None:
+        yield None
+        return
+    hog = CpuHog(n)
+    try:
+        yield hog
+    finally:
+        hog.stop()
