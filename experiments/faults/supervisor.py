@@ -47,6 +47,7 @@ class RunSupervisor:
         self.resume: list[tuple[float, Any]] = []                      # (monotonic time, action) to do later
         self.injected: dict[str, float] = {}                           # who -> wall time of its fault
         self.cause: dict[int, str] = {}                                # generation -> the member it is about
+        self.detected: list[str] = []                                  # workers detected failed, in order
 
     # ------------------------------------------------------------------ records
     def now(self, wall: float | None = None) -> float:
@@ -88,6 +89,10 @@ class RunSupervisor:
         who = f"worker:{rank // self.mp}"                       # (a split model: one of the worker's ranks)
         if self.mp > 1:
             how = f"{how} (rank {rank})"
+        if how.startswith(("PeerFailedError", "PeerTimeoutError")) and self.detected:
+            # a survivor's inference: name the peer the supervisor saw fail (the launcher records deaths first)
+            how = f"{how} [the supervisor's verdict: {', '.join(self.detected)} failed first]"
+        self.detected.append(who)
         inj, wall = self.injected.pop(who, None), time.time()    # one clock reading: detect_s = time_s - inject's
         self.record("detect", who, wall, how=how, generation=self.generation,
                     detect_s=None if inj is None else round(wall - inj, 6))

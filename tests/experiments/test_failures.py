@@ -316,7 +316,8 @@ def test_a_stopped_worker_replaced_then_woken_does_not_touch_the_run(tmp_path, c
     """on_failure = replace and a SIGSTOP longer than detect_s: the hung worker 1 is expelled and replaced; the
     replacement has its member id, so only its incarnation tells the woken original apart. The original gets its
     SIGCONT (not the replacement), wakes up outside the membership (expel) instead of joining the replacement's
-    ring, and records nothing: every (worker, step) is recorded (once, or twice for a step the join rolled back),
+    ring, and records nothing: every (worker, step) is recorded (once, or twice for a step the join rolled back;
+    worker 1's steps between the recovery and the join by nobody),
     and every recorded loss equals the single-process reference that drops worker 1 at the first recovery and takes
     it back at the join. (Before: SIGCONT went to the replacement, so the original never woke up during the run;
     woken, it joined the new generation as member 1.)"""
@@ -332,7 +333,11 @@ def test_a_stopped_worker_replaced_then_woken_does_not_touch_the_run(tmp_path, c
     assert [e["how"] for e in expels] == ["left the membership", "woke up outside the membership"], ev
     assert expels[1]["time_s"] > join["time_s"]
     ups = read_jsonl(rd.metrics_path)
-    assert {(u["worker"], u["step"]) for u in ups} == {(w, t) for w in range(4) for t in range(80)}
+    # worker 1's data shard is not visited between the first recovery and the join (no member holds it then): how
+    # many steps that is depends on how soon the replacement is up (under load the survivors may finish a step in
+    # the 3-member ring first); the reference below drops exactly those steps
+    gap = {(1, t) for t in range(recs[0]["step"], join["step"])}
+    assert {(u["worker"], u["step"]) for u in ups} == {(w, t) for w in range(4) for t in range(80)} - gap
     assert len(ups) <= 4 * 80 + 3 * (join["step"] - recs[0]["step"] + 1)     # redone: the survivors' rolled-back
     ref = _shrink_reference(small_config(*args), 1, recs[0]["step"], join["step"])
     for u in ups:
@@ -351,10 +356,11 @@ def test_ps_bsp_gate_stops_waiting_for_a_dead_worker(tmp_path, clean, elastic):
     assert any(e["event"] == "recover" and e["world_size"] == 3 for e in ev)
 
 
-def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, clean, elastic):
-    """kill -9 of the shard under ps-bsp with shard_checkpoint_every = 10: restarted automatically from its latest
+@pytest.mark.parametrize("strategy", ["ps-bsp", "ps-asp", "ps-ssp:2"])
+def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, clean, elastic, strategy):
+    """kill -9 of the shard in mid-run with shard_checkpoint_every = 10: restarted automatically from its latest
     checkpoint, updates lost <= 10, and the run completes every step."""
-    rd = _run(tmp_path, "train.strategy=ps-bsp", "train.workers=3", "train.steps=60", "train.base_step_s=0.02",
+    rd = _run(tmp_path, f"train.strategy={strategy}", "train.workers=3", "train.steps=60", "train.base_step_s=0.02",
               "faults.shard_checkpoint_every=10", 'faults.events=[{kill="shard:0", at_s=0.6}]', label="shard-kill")
     ev = _events(rd)
     restarts = [e for e in ev if e["event"] == "shard_restart"]
