@@ -78,8 +78,9 @@ def start_sweeper(directory: str, also: list[str] | None = None) -> "subprocess.
     """A watchdog for a process that may be SIGKILLed with its own segments open (`pslab server` in the
     foreground): a small separate process that waits for end of file on its stdin -- the pipe this process holds
     and the kernel closes when it dies, however -- then `sweep(directory)` and removes the folders in `also`.
-    It imports nothing of pslab's packages (this file is loaded by path) and ignores Ctrl-C (the terminal's SIGINT
-    reaches the whole process group; it sweeps once its owner is gone). Close its stdin to let it finish."""
+    It imports nothing of pslab's packages (this file is loaded by path) and runs in a session of its own, so the
+    terminal's signals (Ctrl-C, a hang-up) and a kill of the owner's process group do not reach it; it sweeps once
+    its owner is gone. Close its stdin to let it finish."""
     import subprocess
     import sys
     code = ("import importlib.util, os, shutil, signal, sys\n"
@@ -93,5 +94,5 @@ def start_sweeper(directory: str, also: list[str] | None = None) -> "subprocess.
             "    shutil.rmtree(d, ignore_errors=True)\n")
     return subprocess.Popen([sys.executable, "-c", code, os.path.abspath(__file__), directory, *(also or [])],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            close_fds=True)
+                            close_fds=True, start_new_session=True)
 

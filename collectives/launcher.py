@@ -236,6 +236,7 @@ class Job:
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
         self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process
         self.dead: dict[Any, float] = {}                 # Process -> monotonic time its pidfd said it exited
+        self.statuses: dict[Any, int | None] = {}       # Process -> exit code read from /proc while a zombie
         gt = group_timeout or timeout or 300.0
         self.options = dict(group_options, group_timeout=gt, secret=secret or job_secret() or new_job_secret())
         if supervisor is not None:
@@ -372,14 +373,27 @@ class Job:
                 self._drain(c)
         return self._inbox.pop(0) if self._inbox else None
 
-    def _drain(self, c: Any) -> None:
-        """Read every message waiting in pipe `c` (without blocking); drop it at its end of file."""
+    def _drain(self, c: Any, dead: bool = False) -> None:
+        """Read every message waiting in pipe `c`; drop it at its end of file. `dead`: its writer is dead, so a
+        message it did not finish writing never will be (another process may hold the write end: no end of file
+        either): read without blocking, and a torn message ends the pipe (BlockingIOError) instead of a hang."""
         try:
+            if dead:
+                os.set_blocking(c.fileno(), False)
             while c.poll():
                 self._inbox.append(c.recv())
         except (EOFError, OSError):
             self.conns.pop(c, None)
             c.close()
+
+    def _close_pipes_of(self, rank: int, p: Any) -> None:
+        """Read what the dead process `p` of `rank` wrote, then close its pipe (a dead process writes no more)."""
+        for c, r in list(self.conns.items()):
+            if r == rank and self.procs.get(r) is p:
+                self._drain(c, dead=True)
+                if c in self.conns:
+                    self.conns.pop(c)
+                    c.close()
 
     def _reaped(self, fd: int) -> None:
         """The process behind pidfd `fd` exited: read what it wrote before it died, then note it as dead. Its pipe
@@ -387,12 +401,9 @@ class Job:
         p = self.pidfds.pop(fd)
         os.close(fd)
         self.dead.setdefault(p, time.monotonic())
-        for c, r in list(self.conns.items()):
-            if self.procs.get(r) is p:
-                self._drain(c)
-                if c in self.conns:
-                    self.conns.pop(c)
-                    c.close()
+        self.statuses.setdefault(p, _zombie_status(p.pid))     # before the forkserver reaps it (and the pid goes)
+        for r in [r for r, q in self.procs.items() if q is p]:
+            self._close_pipes_of(r, p)
 
     def _look_for_deaths(self) -> None:
         """Note every child whose pidfd is readable now (no wait)."""
@@ -422,7 +433,8 @@ class Job:
                 msg = self._receive()
                 if msg is None or time.monotonic() - watched > 0.05:   # even while messages keep coming
                     watched = time.monotonic()
-                    self._watch(return_exceptions)
+                    # (the sender of the message in hand is not judged: its report is read right below)
+                    self._watch(return_exceptions, exclude=None if msg is None else msg[0])
                     if sup is not None:
                         sup.tick(self)
                     if deadline is not None and time.monotonic() > deadline:
@@ -445,6 +457,7 @@ class Job:
                     # may only be the consequence ("a peer of this group failed")
                     self._look_for_deaths()
                     self._watch(return_exceptions, exclude=rank)
+                    watched = time.monotonic()
                     if rank in self.gone or slot != self._slot(rank) or rank in self.results:
                         continue
                     self._fail(rank, RankFailure(rank, value, tb, self.procs[rank].exitcode), False,
@@ -488,14 +501,12 @@ class Job:
             p = self.procs[r]
             died = p in self.dead or p.exitcode is not None
             if died:                             # what it wrote is all there is: read it, close its pipe
-                for c in [c for c, rr in self.conns.items() if rr == r]:
-                    self._drain(c)
-                    if c in self.conns:
-                        self.conns.pop(c)
-                        c.close()
+                self._close_pipes_of(r, p)
             if died and not self._unread(r):
                 code = p.exitcode
-                if code is None:                 # the kernel said it exited; its status comes via the forkserver
+                if code is None:                 # the kernel said it exited: its status as a zombie, or the
+                    code = self.statuses.get(p)  # forkserver's report (which follows its waitpid)
+                if code is None:
                     code = _exit_code(p, self.dead.get(p, time.monotonic()))
                 if code == 0:
                     continue                     # a clean exit with its result on the way (or none: see run())
@@ -519,6 +530,21 @@ def _stopped_state(pid: int | None) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
     except (OSError, IndexError):
         return False
+
+
+def _zombie_status(pid: int | None) -> int | None:
+    """The exit code of process `pid` if it is a zombie now (exited, not yet reaped: /proc/PID/stat's state Z and
+    field 52, exit_code: the wait status), as multiprocessing reports it (negative: killed by a signal); else None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] != b"Z":
+            return None
+        return os.waitstatus_to_exitcode(int(fields[52 - 3]))      # (fields[0] is field 3, the state)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _pidfd(pid: int | None) -> int | None:

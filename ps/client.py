@@ -27,8 +27,9 @@ that is never sent (a lost shard, a send error) moves nothing, and one the shard
 (non-finite, wrong shape or key, wrong clock, not a member, not registered: the error reply says `refused_push`)
 moves it back, so the same client pulls and pushes on at its clock without `resync()`. With several shards a
 non-finite gradient is refused here, before any shard sees it (the shards say at register whether they reject
-NaN/Inf): otherwise the other shards would apply their slices of a push one shard refused. Only a push whose fate
-is unknown (timed out, or its shard dropped) needs `resync()`.
+NaN/Inf): otherwise the other shards would apply their slices of a push one shard refused. A push's future fails on
+a refusal once every shard has answered (no refusal of it is then still unread), at once when its fate is unknown.
+Only a push whose fate is unknown (timed out, its shard dropped, an internal error) needs `resync()`.
 
 Shard restarts. Each socket's monitor is read together with the replies (before them, so the order holds): a
 "disconnected" event after a successful handshake means the shard died or is being restarted; every request in
@@ -253,16 +254,19 @@ class PSClient:
                  timeout: float | None = None) -> None:
         """Send one request to `shard`; its reply (or error) goes to `fut`'s slot `shard`."""
         if shard in self._refused:           # the handshake failed, maybe before anything was sent: say so at once
-            fut.fail(self._refused[shard], shard)
+            fut.fail(self._refused[shard])
             return
         if shard in self._lost and op != "register" and self.user != ADMIN:
-            fut.fail(self._lost_error(shard, op), shard)
+            fut.fail(self._lost_error(shard, op))
             return
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             seq = next(self._seq)
             link = self._links[shard]
             copy = meta.pop("_copy", True)                # pull(copy=False): views of the shm reply
+            push = op == "push"
+            if push:
+                meta = dict(meta, clock=self.clocks[shard])
             try:
                 if op == "push" and tensors:
                     entries = link.take_push(seq, tensors)    # one memcpy instead of frames, if the path is free
@@ -274,7 +278,6 @@ class PSClient:
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
-            push = op == "push"
             lane = self._lanes.free(shard) if op in LANE_OPS and len(frames) == 1 else None
             if lane is not None and not any(p.shard == shard and p.lane is None for p in self._pending.values()):
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane, push)
@@ -289,7 +292,7 @@ class PSClient:
             except zmq.ZMQError as e:
                 self._pending.pop((shard, seq))
                 link.on_timeout(seq)
-                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"), shard)
+                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
                 return
             self.clocks[shard] += push
 
@@ -342,8 +345,8 @@ class PSClient:
                                                  self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
 
     def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
-        """Per-shard push requests stamped with this worker's clock and read version (each shard's clock moves
-        when its request is sent: `_request`). With several shards that reject NaN/Inf, a non-finite gradient is
+        """Per-shard push requests with this worker's read version (`_request` stamps the clock and moves it,
+        under the client's lock, when it sends: two threads pushing at once get consecutive clocks). With several shards that reject NaN/Inf, a non-finite gradient is
         refused here, whole, before anything is sent."""
         pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
         if len(pieces) > 1 and self._rejects_nonfinite:
@@ -354,7 +357,7 @@ class PSClient:
                             f"gradient {name!r} of worker {self.worker} holds NaN or Inf (its slice on shard {i}); "
                             "the push is refused whole, by every shard, and no clock moves: lower the learning "
                             "rate or look for the divergence")
-        return [(dict(extra, clock=self.clocks[i], version=self.versions[i]), pieces[i]) for i in range(len(pieces))]
+        return [(dict(extra, version=self.versions[i]), pieces[i]) for i in range(len(pieces))]
 
     def _adopt_read(self, reads: list[dict[str, Any]], replies: list[tuple[Any, Any]], copy: bool) -> PullResult:
         """Remember each shard's read version and clock; reassemble the values into a PullResult."""
@@ -556,7 +559,7 @@ class PSClient:
             self._links[shard].on_timeout(key[1])     # a late answer must not write into a segment we reuse
             if p.lane is not None:
                 p.lane.done(key[1])
-            p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]), p.shard)
+            p.future.fail(exc if exc is not None else self._lost_error(shard, "request", key[1]))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pending.items() if p.deadline < now]:

@@ -322,6 +322,7 @@ class ShardServer(Parking):
         """Handle one request from the connection `identity`, authenticated as `user`; never raises (except
         KeyboardInterrupt/SystemExit)."""
         self.counters["messages"] += 1
+        self._applied = False                    # (reset first: every refusal below leaves the shard unchanged)
         peer = self.admission.seen(identity, user, now)
         try:
             msg = decode(frames, self.limits, as_torch=True)
@@ -337,7 +338,6 @@ class ShardServer(Parking):
                                             f"({peer.last_seq}) on this connection; duplicate or out of order")
             self.admission.check(identity, msg.op, msg.src)
             handler = getattr(self, f"_on_{msg.op}")
-            self._applied = False
             handler(identity, msg, now)          # raises before changing anything if the request is invalid
             peer.last_seq = msg.seq
         except PSError as e:
@@ -346,8 +346,7 @@ class ShardServer(Parking):
             self.counters["internal_errors"] += 1
             log.exception("shard %d: unexpected error on %s", self.config.shard_id, msg.op)
             self._error(identity, msg.seq, ProtocolError(f"server could not handle {msg.op}: "
-                                                         f"{type(e).__name__}: {e}"),
-                        refused_push=msg.op == "push" and not self._applied)
+                                                         f"{type(e).__name__}: {e}"))   # (its fate is unknown)
         if self._gone:
             self._sweep(now)
 

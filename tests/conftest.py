@@ -52,8 +52,14 @@ class CpuHog:
 
     def __init__(self, n: int, limit_s: float = HOG_LIMIT_S) -> None:
         code = _HOG.format(limit=float(limit_s))
-        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for _ in range(n):
+                self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        except BaseException:
+            self.stop()
+            raise
 
     def running(self) -> int:
         return sum(p.poll() is None for p in self.procs)
@@ -63,7 +69,10 @@ class CpuHog:
             if p.poll() is None:
                 p.kill()
         for p in self.procs:
-            p.wait(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass                      # (SIGKILLed: it goes; the next ones are still waited for)
 
 
 @pytest.fixture(autouse=True)

@@ -60,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from ps.server import ServerConfig, ShardServer
     torch.set_num_threads(1)
     secret, where, made_dir = server_secret(args.secret_file)
-    traces = cleanup.make_dir("pslab-server-")     # this process notes its segments here (collectives/cleanup.py)
     previous_env = os.environ.get(cleanup.ENV)
-    os.environ[cleanup.ENV] = traces
-    sweeper = cleanup.start_sweeper(traces, [made_dir] if made_dir else [])
+    sweeper, traces = None, ""
     try:
+        traces = cleanup.make_dir("pslab-server-")     # this process notes its segments here (collectives/cleanup.py)
+        sweeper = cleanup.start_sweeper(traces, [made_dir] if made_dir else [])
+        os.environ[cleanup.ENV] = traces
         cfg = ServerConfig(bind=args.bind, shard_id=args.shard, num_workers=args.workers, policy=args.policy,
                            optimizer=args.optimizer, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, request_timeout=args.request_timeout,
@@ -100,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
             os.environ.pop(cleanup.ENV, None)
         else:
             os.environ[cleanup.ENV] = previous_env
-        sweeper.stdin.close()                    # it sweeps what is left (nothing, after a clean stop) and exits
-        try:
-            sweeper.wait(10)
-        except Exception:
-            sweeper.kill()
+        if sweeper is not None:
+            sweeper.stdin.close()                # it sweeps what is left (nothing, after a clean stop) and exits
+            try:
+                sweeper.wait(10)
+            except Exception:
+                sweeper.kill()
+        elif traces:
+            cleanup.sweep(traces)
         if made_dir:
             import shutil
             shutil.rmtree(made_dir, ignore_errors=True)

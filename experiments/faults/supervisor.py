@@ -47,7 +47,7 @@ class RunSupervisor:
         self.resume: list[tuple[float, Any]] = []                      # (monotonic time, action) to do later
         self.injected: dict[str, float] = {}                           # who -> wall time of its fault
         self.cause: dict[int, str] = {}                                # generation -> the member it is about
-        self.detected: list[str] = []                                  # workers detected failed, in order
+        self.detected: list[str] = []                                  # workers seen dead or hung, in order
 
     # ------------------------------------------------------------------ records
     def now(self, wall: float | None = None) -> float:
@@ -92,7 +92,8 @@ class RunSupervisor:
         if how.startswith(("PeerFailedError", "PeerTimeoutError")) and self.detected:
             # a survivor's inference: name the peer the supervisor saw fail (the launcher records deaths first)
             how = f"{how} [the supervisor's verdict: {', '.join(self.detected)} failed first]"
-        self.detected.append(who)
+        if how.startswith(("died", "hung")):                       # the supervisor's own verdicts only
+            self.detected.append(who)
         inj, wall = self.injected.pop(who, None), time.time()    # one clock reading: detect_s = time_s - inject's
         self.record("detect", who, wall, how=how, generation=self.generation,
                     detect_s=None if inj is None else round(wall - inj, 6))
