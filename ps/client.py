@@ -25,7 +25,8 @@ done), and remembers, per shard, its clock and the version its last pull returne
 A refused push leaves both sides where they were. The clock for a shard moves when a push is sent to it; a push
 that is never sent (a lost shard, a send error) moves nothing, and one the shard refuses before changing anything
 (non-finite, wrong shape or key, wrong clock, not a member, not registered: the error reply says `refused_push`)
-moves it back, so the same client pulls and pushes on at its clock without `resync()`. With several shards a
+moves it back; a push larger than a shard's max_message_bytes is refused here, before sending (ZeroMQ would drop
+the connection), so the same client pulls and pushes on at its clock without `resync()`. With several shards a
 non-finite gradient is refused here, before any shard sees it (the shards say at register whether they reject
 NaN/Inf): otherwise the other shards would apply their slices of a push one shard refused. A push's future fails on
 a refusal once every shard has answered (no refusal of it is then still unread), at once when its fate is unknown.
@@ -64,8 +65,8 @@ from collectives.errors import WireError
 from collectives.wire import decode, encode
 
 from .admission import ADMIN, secret_for, worker_user
-from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, PSError, RequestTimeoutError,
-                     ShardLostError, error_from_reply)
+from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, ProtocolError, PSError,
+                     RequestTimeoutError, ShardLostError, error_from_reply)
 from .futures import Fanout, reply_metas
 from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
@@ -129,6 +130,7 @@ class PSClient:
         self.clocks = [0] * len(self.addresses)
         self.versions = [0] * len(self.addresses)
         self._rejects_nonfinite = True                        # (the shards say at register)
+        self._max_bytes: list[int | None] = [None] * len(self.addresses)   # each shard's max_message_bytes
         n = len(self.addresses)
         self.incarnations: list[str | None] = [None] * n     # the shard process each register reply came from
         self.restarts: list[dict[str, Any]] = []              # restarts seen at resync (module docstring)
@@ -223,6 +225,7 @@ class PSClient:
                 self._links[i].accept(r)
                 self._lanes.accept(i, r if self._links[i].push_ok else {}, self._links[i].peer)
         self._rejects_nonfinite = any(r.get("nonfinite", "reject") == "reject" for r, _ in regs)
+        self._max_bytes = [m if isinstance(m := r.get("max_message_bytes"), int) else None for r, _ in regs]
         for i, (r, _) in enumerate(regs):
             self.clocks[i], self.versions[i] = int(r["clock"]), int(r["version"])
             inc = r.get("incarnation")
@@ -349,6 +352,12 @@ class PSClient:
         under the client's lock, when it sends: two threads pushing at once get consecutive clocks). With several shards that reject NaN/Inf, a non-finite gradient is
         refused here, whole, before anything is sent."""
         pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
+        for i, piece in enumerate(pieces):      # ZeroMQ would drop the connection (MAXMSGSIZE): say it here
+            limit = self._max_bytes[i]
+            size = sum(a.nbytes for a in piece.values())
+            if limit is not None and size > limit:
+                raise ProtocolError(f"a push of {size} bytes to shard {i} exceeds its max_message_bytes ({limit}); "
+                                    "start the shards with a larger limit; the push is refused whole, no clock moves")
         if len(pieces) > 1 and self._rejects_nonfinite:
             for i, piece in enumerate(pieces):
                 for name, a in piece.items():

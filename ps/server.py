@@ -387,6 +387,7 @@ class ShardServer(Parking):
             "initialized": st is not None, "version": st.version if st else 0, "incarnation": self.incarnation,
             "restored_from": self.restored_from, "member": st is None or worker in st.members,
             "clock": st.clocks[worker] if st else 0, "nonfinite": self.config.nonfinite,
+            "max_message_bytes": self.config.max_message_bytes,
             "keys": {k: list(s) for k, s in st.shapes.items()} if st else {}})
 
     def _check_link_cap(self, identity: bytes, evict: list[bytes]) -> None:

@@ -5,11 +5,13 @@
                                #   auto: ps-* continue with the survivors, allreduce shrinks (new ring at N-1),
                                #   local aborts; replace: shrink/continue, then a replacement worker joins (N again)
     detect_s = 3.0             # a process without a heartbeat for this long is failed (hung); a dead one at once
+                               # (its pidfd); under load the bound widens to detect_s + 2 x the launcher's own poll
+                               # lateness (collectives/launcher.py), except for a stopped process (state T)
     heartbeat_s = 0.5          # how often every rank and shard beats (detect_s >= 2 x heartbeat_s)
     commit_every = 1           # allreduce: in-memory commit of model + optimizer every k steps (the rollback point)
     checkpoint_every = 0       # engine checkpoints to RUN_DIR/checkpoints every k steps (0: none)
-    shard_checkpoint_every = 0 # PS shards checkpoint every k updates to RUN_DIR/shards (0: none); a dead shard is
-                               # restarted from its latest one
+    shard_checkpoint_every = 0 # PS shards checkpoint every k updates (and once at init) to RUN_DIR/shards (0: none:
+                               # a dead shard then ends the run); a dead shard restarts from its latest one
     events = [ { kill = "worker:2", at_step = 50 },           # SIGKILL worker 2 when it starts step 50
                { kill = "shard:0", at_s = 3.0 },              # SIGKILL shard 0 three seconds after the start
                { stop = "worker:1", at_step = 20, for_s = 4 },   # SIGSTOP, SIGCONT 4 s later

@@ -3,8 +3,10 @@ without resync(), under every policy, and the parameters equal those of a run wi
 
 Kinds of refusal: a non-finite gradient (refused by the one shard; with two shards, refused whole by the client
 before any shard sees it, since otherwise one shard would apply its slice of a push the other refused), a wrong
-shape or a missing tensor (refused by the client's split before anything is sent), and a push that passes the
-client but that the shard refuses (a wrong dtype sent past the client's checks: ShapeError from the shard)."""
+shape or a missing tensor (refused by the client's split before anything is sent), a push larger than a shard's
+max_message_bytes (refused by the client: ZeroMQ would drop the connection; the limit is made small here, since a
+push's size is fixed by the parameters and a shard too small for them could not even be initialised), and a push
+that passes the client but that the shard refuses (a wrong dtype sent past the client's checks: ShapeError from the shard)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from ps import connect
-from ps.errors import ConfigError, NonFiniteGradientError, ShapeError
+from ps.errors import ConfigError, NonFiniteGradientError, ProtocolError, ShapeError
 
 SHAPES = {"w": (6, 4), "b": (4,)}
 POLICIES = ["asp", "bsp", "ssp:2", "bsp-backup:1"]
@@ -46,6 +48,14 @@ def _bad(kind: str, clients, step: int) -> None:
         del g["w"]
         with pytest.raises(ConfigError, match="is missing"):
             c.push(g).result(30)
+    elif kind == "oversize":             # more bytes than a shard accepts in one message (a small limit)
+        limits = list(c._max_bytes)
+        c._max_bytes = [16] * len(limits)
+        try:
+            with pytest.raises(ProtocolError, match="exceeds its max_message_bytes"):
+                c.push(_grad(step, 0)).result(30)
+        finally:
+            c._max_bytes = limits
     elif kind == "shard-dtype":          # past the client (its split is bypassed): the shard refuses it
         g = _grad(step, 0)
         per = [({"clock": c.clocks[i], "version": c.versions[i]},
@@ -78,7 +88,7 @@ def _train(servers, num_workers: int, refuse: str | None, steps: int = 4, at: in
             c.close()
 
 
-@pytest.mark.parametrize("kind", ["nan", "shape", "missing", "shard-dtype"])
+@pytest.mark.parametrize("kind", ["nan", "shape", "missing", "shard-dtype", "oversize"])
 @pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_after_a_refused_push_the_client_goes_on_and_nothing_changed(thread_servers, policy, shards, kind):
