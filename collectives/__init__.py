@@ -39,8 +39,10 @@ Where each mechanism lives:
                      127.0.0.1 only for a loopback MASTER_ADDR), the job secret required for a multi-rank zmq group
     launcher.py      launch(fn, world_size): N local processes, a FileStore in a 0700 directory (no listener), a
                      fresh job secret through the process arguments; first failure ends all, hung-rank stacks
+    procstate.py     what the kernel says of a child: a pidfd (readable at its exit), its exit code as a zombie,
+                     stopped or not (the launcher's watch)
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
-                     (PSLAB_CLEANUP_DIR)
+                     (PSLAB_CLEANUP_DIR); start_sweeper: a watchdog that sweeps for a process killed outright
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
     jsonfields.py    a dataclass of numbers as JSON (inf as null, unknown fields refused): Topology, Cluster
     topology.py      emulated hosts: Topology (rank r on host r // per_host, or r % hosts with placement "spread";

@@ -31,7 +31,8 @@ A hang is judged against the load: the parent measures how late its own 50 ms po
 largest lateness over the last LAG_WINDOW_S seconds), and a silent heartbeat means a hang only when it is older than
 `detect_s + LAG_FACTOR * lag_s` -- on a machine so loaded that the parent itself wakes seconds late, the ranks' beat
 threads do too, and that is not a hang. A stopped process (SIGSTOP: state T in /proc) is hung after `detect_s`
-whatever the load. The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
+whatever the load (collectives/procstate.py reads what the kernel says of a child).
+The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
 (`Job.spawn`; each generation then names every member's process, `Job.incarnation`) and hear what children
 `notify()` it. With `supervisor.elastic` the children are members of a `collectives.elastic.ElasticGroup`
 (generation 0 = every rank, published before they start): `fn` gets that ElasticGroup, not a plain group.
@@ -52,6 +53,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from . import cleanup
+from .procstate import exit_code_after, is_stopped as _stopped_state, pidfd, zombie_exit_code
 from .auth import ENV_SECRET, job_secret, new_job_secret
 from .errors import LaunchError
 
@@ -331,7 +333,7 @@ class Job:
             write.close()              # only the child writes (and whatever inherited it: EOF is no death notice)
             self.conns[read] = r
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        fd = _pidfd(p.pid)
+        fd = pidfd(p.pid)
         if fd is not None:
             self.pidfds[fd] = p
             if p.exitcode is not None:     # it exited before the pidfd was opened (the pid may be reused already)
@@ -386,10 +388,10 @@ class Job:
             self.conns.pop(c, None)
             c.close()
 
-    def _close_pipes_of(self, rank: int, p: Any) -> None:
-        """Read what the dead process `p` of `rank` wrote, then close its pipe (a dead process writes no more)."""
+    def _close_pipes_of(self, rank: int) -> None:
+        """Read what rank's dead current process wrote, then close its pipe (a dead process writes no more)."""
         for c, r in list(self.conns.items()):
-            if r == rank and self.procs.get(r) is p:
+            if r == rank:
                 self._drain(c, dead=True)
                 if c in self.conns:
                     self.conns.pop(c)
@@ -401,9 +403,9 @@ class Job:
         p = self.pidfds.pop(fd)
         os.close(fd)
         self.dead.setdefault(p, time.monotonic())
-        self.statuses.setdefault(p, _zombie_status(p.pid))     # before the forkserver reaps it (and the pid goes)
+        self.statuses.setdefault(p, zombie_exit_code(p.pid))     # before the forkserver reaps it (and the pid goes)
         for r in [r for r, q in self.procs.items() if q is p]:
-            self._close_pipes_of(r, p)
+            self._close_pipes_of(r)
 
     def _look_for_deaths(self) -> None:
         """Note every child whose pidfd is readable now (no wait)."""
@@ -501,13 +503,13 @@ class Job:
             p = self.procs[r]
             died = p in self.dead or p.exitcode is not None
             if died:                             # what it wrote is all there is: read it, close its pipe
-                self._close_pipes_of(r, p)
+                self._close_pipes_of(r)
             if died and not self._unread(r):
                 code = p.exitcode
                 if code is None:                 # the kernel said it exited: its status as a zombie, or the
                     code = self.statuses.get(p)  # forkserver's report (which follows its waitpid)
                 if code is None:
-                    code = _exit_code(p, self.dead.get(p, time.monotonic()))
+                    code = exit_code_after(p, self.dead.get(p, time.monotonic()))
                 if code == 0:
                     continue                     # a clean exit with its result on the way (or none: see run())
                 how = ("exited (its status was not reported)" if code is None
@@ -520,48 +522,3 @@ class Job:
                 if age > detect_s and (age > self.hang_bound_s(detect_s) or _stopped_state(p.pid)):
                     self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)
 
-
-def _stopped_state(pid: int | None) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP, a debugger: state T or t in /proc/PID/stat)."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
-
-
-def _zombie_status(pid: int | None) -> int | None:
-    """The exit code of process `pid` if it is a zombie now (exited, not yet reaped: /proc/PID/stat's state Z and
-    field 52, exit_code: the wait status), as multiprocessing reports it (negative: killed by a signal); else None."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        if fields[0] != b"Z":
-            return None
-        return os.waitstatus_to_exitcode(int(fields[52 - 3]))      # (fields[0] is field 3, the state)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _pidfd(pid: int | None) -> int | None:
-    """A pidfd of process `pid` (readable once it exits), or None where the kernel or Python has none."""
-    if pid is None or not hasattr(os, "pidfd_open"):
-        return None
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return None
-
-
-def _exit_code(p: Any, died_at: float, wait_s: float = 1.0) -> int | None:
-    """The exit code of a process the kernel reported dead at `died_at`: the forkserver reports it within
-    milliseconds; wait for it at most `wait_s` after the death, then give up (None)."""
-    while True:
-        code = p.exitcode
-        if code is not None or time.monotonic() - died_at > wait_s:
-            return code
-        time.sleep(0.005)

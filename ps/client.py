@@ -349,7 +349,8 @@ class PSClient:
 
     def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         """Per-shard push requests with this worker's read version (`_request` stamps the clock and moves it,
-        under the client's lock, when it sends: two threads pushing at once get consecutive clocks). With several shards that reject NaN/Inf, a non-finite gradient is
+        under the client's lock, when it sends: two threads pushing at once get consecutive clocks). A push larger
+        than a shard's max_message_bytes, and with several shards that reject NaN/Inf a non-finite gradient, are
         refused here, whole, before anything is sent."""
         pieces = [self._split(grads, i) for i in range(len(self.addresses))]   # validates before any change
         for i, piece in enumerate(pieces):      # ZeroMQ would drop the connection (MAXMSGSIZE): say it here

@@ -5,8 +5,9 @@
                                 with finish([reply_0, ..., reply_{n-1}]) once every slot is in, or with the first
                                 error (`wait_all`: with the first error once every slot has answered, so that
                                 nothing of the request is still unread when its caller sees the failure -- a
-                                push's refusals each move a clock back); one Future per call, not one per shard plus a gather and a map (each
-                                concurrent.futures.Future costs a Condition, locks and callbacks: ~40 µs an update)
+                                push's refusals each move a clock back); one Future per call, not one per shard
+                                plus a gather and a map (each concurrent.futures.Future costs a Condition, locks
+                                and callbacks: ~40 µs an update)
     reply_metas(replies)        a Fanout's finish: the metadata of each shard's reply
 """
 

@@ -46,6 +46,9 @@ EVENTS = ("inject", "detect", "expel", "recover", "join", "leave", "shard_restar
 EVENT_FIELDS = ("time_s", "event", "who", "how", "generation", "world_size", "step", "lost_steps", "lost_updates",
                 "detect_s", "lr_step", "restored_version", "version_before", "restart_s", "checkpoint")
 
+NO_SHARD_CHECKPOINT = ("came back without parameters (no checkpoint to restore): set a shard checkpoint interval "
+                       "([faults] shard_checkpoint_every = k) to survive a shard failure")   # supervisor, ps strategy
+
 
 @dataclass(frozen=True)
 class FaultEvent:

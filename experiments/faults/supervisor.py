@@ -24,7 +24,7 @@ from typing import Any
 
 from experiments.config import RunConfig
 from experiments.faults.events import EventLog
-from experiments.faults.spec import EVENT_FIELDS
+from experiments.faults.spec import EVENT_FIELDS, NO_SHARD_CHECKPOINT
 from experiments.results.rundir import RunDir
 
 
@@ -177,8 +177,7 @@ class RunSupervisor:
                 # nothing to restore (no checkpoint directory): the workers would wait for an init nobody sends;
                 # the run ends here, with the reason, instead of train.timeout_s later on another message
                 from collectives.errors import LaunchError
-                why = (f"{who} died and came back without parameters (no checkpoint to restore): set a shard "
-                       "checkpoint interval ([faults] shard_checkpoint_every = k) to survive a shard failure")
+                why = f"{who} died and {NO_SHARD_CHECKPOINT}"
                 self.record("abort", who, how=why)
                 raise LaunchError(why)
 

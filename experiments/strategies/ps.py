@@ -205,9 +205,8 @@ class PSSyncStrategy:
                 self.client.resync()
                 empty = [i for i, (m, _) in enumerate(self.client.registration) if not m.get("initialized", True)]
                 if empty:       # at once: a pull would wait for an init that nobody sends (train.timeout_s)
-                    raise PSStrategyError(f"shard(s) {empty} came back without parameters (no checkpoint to "
-                                          "restore): set a shard checkpoint interval ([faults] "
-                                          "shard_checkpoint_every) to survive a shard failure")
+                    from experiments.faults.spec import NO_SHARD_CHECKPOINT
+                    raise PSStrategyError(f"shard(s) {empty} {NO_SHARD_CHECKPOINT}")
                 read = self.client.pull(copy=False).result(self.timeout)
                 break
             except self._lost_errors() as e:  # dropped again while coming back: try again

@@ -6,7 +6,8 @@ before any shard sees it, since otherwise one shard would apply its slice of a p
 shape or a missing tensor (refused by the client's split before anything is sent), a push larger than a shard's
 max_message_bytes (refused by the client: ZeroMQ would drop the connection; the limit is made small here, since a
 push's size is fixed by the parameters and a shard too small for them could not even be initialised), and a push
-that passes the client but that the shard refuses (a wrong dtype sent past the client's checks: ShapeError from the shard)."""
+that passes the client but that the shard refuses (a wrong dtype sent past the client's checks: ShapeError from the
+shard)."""
 
 from __future__ import annotations
 
