@@ -73,6 +73,8 @@ MAX_PROCS = 4                       # heartbeat slots per rank: the rank and up 
 STARTUP_S = 120.0                   # a child that has not beaten yet (importing, under spawn) is hung only after this
 LAG_WINDOW_S = 10.0                 # the parent's own poll lateness is remembered this long (Job.lag_s)
 LAG_FACTOR = 2.0                    # a beat is late only past detect_s + LAG_FACTOR * lag_s (module docstring)
+DRAIN_BATCH = 64                    # messages read from one live pipe per wake-up: a rank that writes as fast as
+                                    # the parent reads must not keep it from its watch (or from the other pipes)
 
 _NOTIFY: Any = None                 # in a child: its _Outbox, for notify()
 
@@ -376,14 +378,17 @@ class Job:
         return self._inbox.pop(0) if self._inbox else None
 
     def _drain(self, c: Any, dead: bool = False) -> None:
-        """Read every message waiting in pipe `c`; drop it at its end of file. `dead`: its writer is dead, so a
-        message it did not finish writing never will be (another process may hold the write end: no end of file
-        either): read without blocking, and a torn message ends the pipe (BlockingIOError) instead of a hang."""
+        """Read the messages waiting in pipe `c`, at most DRAIN_BATCH of a live writer (the rest wait for the next
+        wake-up, after the watch); drop the pipe at its end of file. `dead`: its writer is dead, so read all it
+        wrote; a message it did not finish writing never will be (another process may hold the write end: no end
+        of file either): read without blocking, and a torn message ends the pipe (BlockingIOError), not a hang."""
         try:
             if dead:
                 os.set_blocking(c.fileno(), False)
-            while c.poll():
+            n = 0
+            while (dead or n < DRAIN_BATCH) and c.poll():
                 self._inbox.append(c.recv())
+                n += 1
         except (EOFError, OSError):
             self.conns.pop(c, None)
             c.close()
@@ -435,6 +440,8 @@ class Job:
                 msg = self._receive()
                 if msg is None or time.monotonic() - watched > 0.05:   # even while messages keep coming
                     watched = time.monotonic()
+                    # a backlog of messages keeps _receive from waiting on the pidfds: ask the kernel here too
+                    self._look_for_deaths()
                     # (the sender of the message in hand is not judged: its report is read right below)
                     self._watch(return_exceptions, exclude=None if msg is None else msg[0])
                     if sup is not None:

@@ -70,14 +70,18 @@ class _Watcher:
 
     def message(self, job: Any, rank: int, payload: Any) -> None:
         self.messages += 1
+        time.sleep(self.per_message_s)                # slower than the ranks write: a backlog that never empties
+
+    per_message_s = 0.0
 
     def tick(self, job: Any) -> None:
         pass
 
 
-def _chatter_while_rank_1_dies(group: Any, died_file: str) -> str:
+def _chatter_while_rank_1_dies(group: Any, died_file: str, quiet_file: str) -> str:
     """Ranks 0 and 2 notify the supervisor without pause; rank 1 is SIGKILLed after 0.3 s; rank 2 then reports a
-    survivor's inference as an error, as a collective would after the death."""
+    survivor's inference as an error, as a collective would after the death; rank 0 chatters 3 s more and notes
+    when it fell quiet."""
     end = time.monotonic() + 0.3
     while time.monotonic() < end:
         notify({"kind": "noise"})
@@ -91,20 +95,27 @@ def _chatter_while_rank_1_dies(group: Any, died_file: str) -> str:
     end = time.monotonic() + 3.0
     while time.monotonic() < end:                     # the launcher must not starve its watch on these messages
         notify({"kind": "noise"})
+    with open(quiet_file, "w") as f:
+        f.write(repr(time.time()))
     return "done"
 
 
-def test_the_dead_rank_is_named_first_while_others_keep_talking(tmp_path):
+@pytest.mark.parametrize("per_message_s", [0.0, 0.001], ids=["keeping-up", "falling-behind"])
+def test_the_dead_rank_is_named_first_while_others_keep_talking(tmp_path, per_message_s):
     """Messages never stop arriving, and a survivor blames "a peer": the dead rank 1 is named first, as killed,
-    within the bound of its death."""
+    within the bound of its death, and while rank 0 is still talking -- also when the supervisor handles messages
+    more slowly than the ranks write them (a pipe then never runs dry: the launcher reads it in batches)."""
     sup = _Watcher()
-    died_file = str(tmp_path / "died")
-    out = collectives.launch(_chatter_while_rank_1_dies, 3, args=(died_file,), timeout=60, supervisor=sup,
-                             return_exceptions=True)
+    sup.per_message_s = per_message_s
+    died_file, quiet_file = str(tmp_path / "died"), str(tmp_path / "quiet")
+    out = collectives.launch(_chatter_while_rank_1_dies, 3, args=(died_file, quiet_file), timeout=60,
+                             supervisor=sup, return_exceptions=True)
     assert sup.messages > 100, sup.messages
     assert [r for r, _, _ in sup.named][:1] == [1], sup.named
     assert "killed by SIGKILL" in sup.named[0][1], sup.named
-    assert sup.named[0][2] - float(open(died_file).read()) < BOUND_S, sup.named
+    died_at, quiet_at = float(open(died_file).read()), float(open(quiet_file).read())
+    assert sup.named[0][2] - died_at < BOUND_S, sup.named
+    assert sup.named[0][2] < quiet_at, f"named {sup.named[0][2] - quiet_at:.2f} s after rank 0 fell quiet"
     assert out[0] == "done" and isinstance(out[1], RankFailure) and isinstance(out[2], RankFailure)
 
 
