@@ -29,9 +29,9 @@ from torch import nn
 
 from collectives import chunk_bounds
 
-from .checkpointing import unwrap_name, wrap_children
+from .checkpointing import unwrap_name
 from .comm import Comm, CommLog
-from .engine import EngineError, ModelFactory, ParamSlot
+from .engine import EngineError, ModelFactory, ParamSlot, add_back_grads, take_grads
 from .mesh import DeviceMesh
 from .schedule import Action, PipelineSchedule, make_schedule
 
@@ -60,13 +60,20 @@ def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential
 
 
 class PipelineReplica:
-    """This rank's stage, its schedule and the executor."""
+    """This rank's stage, its schedule and the executor.
+
+    sp (the tp group, when the stage runs under sequence parallelism): the last stage scores its S/T tokens,
+    L_t/T per micro-batch; the replicated parameters' partial gradients (`replicated`) are summed over tp once,
+    after the last backward; the reported loss is summed over tp. name_of: a slot's name (tp shards: "#tp{t}/{T}")."""
 
     def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b",
                  micro_batches: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  stage_time: tuple[float, float] | None = None, report_loss: bool = True,
-                 measure: bool = False) -> None:
+                 measure: bool = False, sp: Comm | None = None, replicated: list[torch.Tensor] | None = None,
+                 name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
+        self.sp, self.replicated = sp, replicated or []
+        self.name_of = name_of or (lambda name, p: name)
         self.s, self.p = pp.rank, pp.size
         self.schedule_name, self.micro_batches = schedule, micro_batches
         self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches)
@@ -113,7 +120,13 @@ class PipelineReplica:
         if x.shape[0] < m:
             raise EngineError(f"batch of {x.shape[0]} cannot be split into {m} micro-batches")
         xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
-        total = x.shape[0]
+        total, sp = x.shape[0], self.sp
+        if sp is not None:
+            from .sequence import sequence_bounds
+            a, b = sequence_bounds(x.shape[1], sp)
+            ys = tuple(t[:, a:b] for t in ys)           # the last stage scores this tp rank's tokens
+            total *= sp.size                             # L = Σ_t L_t / T
+            earlier = take_grads(self.replicated)
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[Any] = []
         losses: list[torch.Tensor] = []
@@ -159,37 +172,51 @@ class PipelineReplica:
         for w in sends:
             w.wait()
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
+        if sp is not None:
+            from .sequence import LOSS_SITE, sum_partial_grads
+            sum_partial_grads(self.replicated, sp)
+            add_back_grads(self.replicated, earlier)
+            if s == p - 1:
+                loss = loss.reshape(1).clone()
+                sp.all_reduce(loss, "sum", site=LOSS_SITE)
         if self.report_loss and p > 1:
             loss = loss.reshape(1).clone()
             self.pp.broadcast(loss, p - 1, site="loss (report)")
         return float(loss.sum())
 
     def slots(self) -> list[ParamSlot]:
-        return [ParamSlot(unwrap_name(n), prm, self.rank) for n, prm in self.stage.named_parameters()]
+        return [ParamSlot(self.name_of(unwrap_name(n), prm), prm, self.rank)
+                for n, prm in self.stage.named_parameters()]
 
 
 class PipelineEngine:
-    """Cut the factory's nn.Sequential over the mesh's pp axis; replicas of a stage are averaged over dp."""
+    """Cut the factory's nn.Sequential over the mesh's pp axis, then split each stage over tp (`compose.py`: the
+    steps and their order); replicas of a stage's slots are averaged over dp.
+
+    sequence_parallel: the stage's LayerNorm regions run on S/T tokens and each cut carries the (B, S/T, d) slice."""
 
     def __init__(self, schedule: str = "1f1b", micro_batches: int = 4, loss_fn: Any = None,
                  stage_time: tuple[float, float] | None = None, checkpoint_activations: bool = False,
-                 report_loss: bool = True, measure: bool = False, log: CommLog | None = None) -> None:
+                 report_loss: bool = True, measure: bool = False, log: CommLog | None = None,
+                 sequence_parallel: bool = False, regather: bool = False) -> None:
         self.kw = dict(schedule=schedule, micro_batches=micro_batches, loss_fn=loss_fn, stage_time=stage_time,
                        report_loss=report_loss, measure=measure)
         self.checkpoint_activations = checkpoint_activations
+        self.sequence_parallel, self.regather = sequence_parallel, regather
         self.log = log
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> PipelineReplica:
-        model = model_factory()
-        log = self.log if self.log is not None else CommLog()
-        pp = Comm(mesh.group("pp"), log)
-        bounds = split_stages(model, pp.size)
-        stage = stage_module(model, bounds[pp.rank])
-        del model
-        if self.checkpoint_activations:
-            wrap_children(stage)
-        return PipelineReplica(stage, pp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
-                               **self.kw)
+        from .compose import compose
+        c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
+                    self.regather, self.checkpoint_activations)
+        if not isinstance(c.module, nn.Sequential):
+            raise EngineError(f"pipeline parallelism cuts an nn.Sequential into stages; got {type(c.module).__name__}")
+        kw = dict(self.kw)
+        if c.sequence_parallel and kw["loss_fn"] is None:
+            from .models import lm_loss
+            kw["loss_fn"] = lm_loss
+        return PipelineReplica(c.module, c.pp, c.dp, c.rank, sp=c.tp if c.sequence_parallel else None,
+                               replicated=c.replicated, name_of=c.name_of, **kw)
 
 
 def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:

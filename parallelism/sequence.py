@@ -170,8 +170,9 @@ class SequenceParallelEmbed(nn.Module):
         return self.tok(idx[:, a:b].contiguous()) + self.pos(torch.arange(a, b, device=idx.device))
 
 
-def sequence_parallelize_embedding(model: nn.Module, comm: Comm) -> nn.Module:
-    """Swap every `models.Embed` for its sequence-shard version (in place; returns model)."""
+def sequence_parallelize_embedding(model: nn.Module, comm: Comm, require: bool = True) -> nn.Module:
+    """Swap every `models.Embed` for its sequence-shard version (in place; returns model). require=False: a module
+    without one is fine (a pipeline stage after the first: its input is already the sequence shard)."""
     found = False
     for name, child in list(model.named_modules()):
         if isinstance(child, Embed):
@@ -179,7 +180,7 @@ def sequence_parallelize_embedding(model: nn.Module, comm: Comm) -> nn.Module:
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, SequenceParallelEmbed(child, comm))
             found = True
-    if not found:
+    if require and not found:
         raise EngineError("sequence parallelism splits the sequence at the embedding; build the model with "
                           "parallelism.models.Embed first (e.g. tiny_transformer)")
     return model
@@ -213,15 +214,20 @@ class SequenceParallelReplica(LocalReplica):
 
     def after_backward(self) -> None:
         """Sum the replicated parameters' partial gradients of this call over tp (one flat all-reduce)."""
-        ps = self.replicated
-        if self.tp.size == 1 or not ps:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        self.tp.all_reduce(flat, "sum", site=GRAD_SITE)
-        off = 0
-        for p in ps:          # this call's partial gradients, summed (forward_backward adds earlier ones back)
-            p.grad = flat[off:off + p.numel()].view_as(p).clone()
-            off += p.numel()
+        sum_partial_grads(self.replicated, self.tp)
+
+
+def sum_partial_grads(params: list[torch.Tensor], tp: Comm) -> None:
+    """Each tp rank holds the part of these replicated parameters' gradients that came from its own tokens: sum
+    them over tp with one flat all-reduce (site GRAD_SITE), so every tp rank holds the full gradient."""
+    if tp.size == 1 or not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    tp.all_reduce(flat, "sum", site=GRAD_SITE)
+    off = 0
+    for p in params:          # this call's partial gradients, summed (callers add earlier ones back)
+        p.grad = flat[off:off + p.numel()].view_as(p).clone()
+        off += p.numel()
 
 
 # ---- measuring: saved activations inside given modules ------------------------------------------------------------

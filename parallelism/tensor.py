@@ -216,9 +216,10 @@ class TensorParallelAttention(nn.Module):
 
 
 def tensor_parallelize(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
-                       regather: bool = False) -> nn.Module:
+                       regather: bool = False, require: bool = True) -> nn.Module:
     """Swap every `Attention` and `MLP` in `model` for its tensor-parallel version (in place; returns model).
-    sequence_parallel: their entries/exits become ḡ/ḡ* and every `Embed` embeds only the rank's sequence shard."""
+    sequence_parallel: their entries/exits become ḡ/ḡ* and every `Embed` embeds only the rank's sequence shard.
+    require=False: a module with nothing to split is fine (a pipeline stage holding only the embedding or head)."""
     for name, child in list(model.named_modules()):
         if isinstance(child, (Attention, MLP)):
             parent_name, _, attr = name.rpartition(".")
@@ -227,8 +228,8 @@ def tensor_parallelize(model: nn.Module, comm: Comm, sequence_parallel: bool = F
             setattr(parent, attr, cls(child, comm, site=name, sequence_parallel=sequence_parallel,
                                       regather=regather))
     if sequence_parallel:
-        sequence_parallelize_embedding(model, comm)
-    if comm.size > 1 and not any(getattr(p, SHARD_ATTR, False) for p in model.parameters()):
+        sequence_parallelize_embedding(model, comm, require)
+    if require and comm.size > 1 and not any(getattr(p, SHARD_ATTR, False) for p in model.parameters()):
         raise ValueError("tensor_parallelize found no Attention or MLP module to split; build the model from "
                          "parallelism.models blocks")
     return model
@@ -253,22 +254,11 @@ class TensorParallelEngine:
         self.sequence_parallel, self.regather = sequence_parallel, regather
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
-        log = self.log if self.log is not None else CommLog()
-        tp = Comm(mesh.group("tp"), log)
-        full = model_factory()
-        from .moe import moe_layers
-        if moe_layers(full):
-            raise EngineError("the tensor-parallel engine does not split mixture-of-experts layers: use the data "
-                              "or expert-parallel engine for MoE models")
-        model = tensor_parallelize(full, tp, self.sequence_parallel, self.regather)
-        suffix = f"#tp{tp.rank}/{tp.size}"
-
-        def name_of(name: str, p: torch.Tensor) -> str:
-            return name + suffix if getattr(p, SHARD_ATTR, False) and tp.size > 1 else name
-
-        dp, rank = Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank]
-        if self.sequence_parallel:
-            replicated = [p for p in model.parameters() if not getattr(p, SHARD_ATTR, False)]
+        from .compose import compose
+        c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
+                    self.regather, refuse_moe=True)
+        if c.sequence_parallel:
             from .models import lm_loss
-            return SequenceParallelReplica(model, dp, tp, rank, replicated, self.loss_fn or lm_loss, name_of)
-        return LocalReplica(model, dp, rank, self.loss_fn, name_of)
+            return SequenceParallelReplica(c.module, c.dp, c.tp, c.rank, c.replicated, self.loss_fn or lm_loss,
+                                           c.name_of)
+        return LocalReplica(c.module, c.dp, c.rank, self.loss_fn, c.name_of)

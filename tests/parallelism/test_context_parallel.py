@@ -19,16 +19,12 @@ from parallelism.models import lm_loss, tiny_transformer
 from parallelism.ring_attention import ring_bytes
 from parallelism.snapshot import capture, restore_into
 
-from tests.parallelism.par_helpers import assert_close, plain, reference, run_training, sgd
+from tests.parallelism.par_helpers import adam_attention, assert_close, plain, reference, run_training, sgd
 
 STEPS, BATCH, VOCAB, D = 3, 4, 16, 16
 
 
-def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """Adam with eps = 1e-4: attention's key bias has a zero gradient in exact arithmetic (softmax ignores a
-    per-row constant), so both runs see only rounding noise (~1e-9) there, which eps = 1e-8 would blow up to full
-    lr-sized steps of random sign; every other gradient here is >> 1e-4."""
-    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+adam = adam_attention
 
 
 OPTS = {"sgd": sgd, "adam": adam}

@@ -21,17 +21,13 @@ from parallelism.sequence import (GRAD_SITE, LOSS_SITE, meter_modules, paper_lay
 from parallelism.snapshot import capture, restore_into
 from parallelism.tensor import TensorParallelEngine
 
-from tests.parallelism.par_helpers import (TF_FACTORY, assert_close, plain, reference, run_training, sgd,
-                                          tf_batches)
+from tests.parallelism.par_helpers import (TF_FACTORY, adam_attention, assert_close, plain, reference, run_training,
+                                          sgd, tf_batches)
 from tests.parallelism.test_tensor_parallel import expected_slots
 
 TIMEOUT = 60
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 16, 16, 4, 2, 6, 8      # TF_FACTORY's model and tf_batches' shapes
-def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """Adam with eps 1e-4: the attention key biases have a mathematically zero gradient (softmax ignores a constant
-    logit shift), ~1e-10 of rounding noise that Adam with eps 1e-8 would turn into lr-sized steps of random sign;
-    eps 1e-4 keeps that noise below the comparison tolerance while the real gradients (~1e-2) stay Adam-scaled."""
-    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+adam = adam_attention
 
 
 VARIANTS = {"tp": {}, "sp": {"sequence_parallel": True}, "sp-regather": {"sequence_parallel": True, "regather": True}}

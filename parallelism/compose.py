@@ -1,0 +1,113 @@
+"""Composition: one replica is the single-process model with each parallelism axis applied in a fixed order.
+
+Every rank builds the same full model (factories seed themselves), then applies the steps below, each over its own
+group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and keeps what is left:
+
+    model = factory()
+    1. pp  cut     keep this rank's pipeline stage: whole top-level layers,    pipeline.py     talks on pp:
+                   a balanced cut of the parameterised ones                                    p2p at the cuts
+    2. tp  split   Attention / MLP → Megatron column- and row-parallel shards  tensor.py       talks on tp:
+       sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py     every block
+    3. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
+                                                                                               replays step 2)
+    4. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), zero.py
+    then one executor runs the step: the pipeline schedule over m micro-batches (pp > 1), or one forward/backward.
+
+Why this order (as picotron and torchtitan apply it): the pipeline cut is in units of the single-process model's
+layers, so it comes first and never sees a shard; tensor parallelism then swaps modules *inside* the stage, so a
+stage's tp ranks hold the shards of exactly that stage's blocks, and stage s's tp rank t sends its output to stage
+s+1's tp rank t (their pp group: same tp coordinate) — under sp that output is the (B, S/T, d) sequence shard, so
+each cut carries 1/T of the activation per rank (Korthikanti et al.); checkpointing wraps what the stage finally
+runs, so its recompute replays the tp collectives; data parallelism acts last, on the slots (full-model name, plus
+"#tp{t}/{T}" for a shard) that every rank with the same (pp, tp) coordinate holds identically.
+
+Gradients across the steps: a tp shard gets its whole gradient on its rank; a tensor tp replicates (LayerNorm,
+embeddings, row-parallel biases) gets identical gradients on every tp rank — except under sp, where each rank's is
+the part from its own tokens and `Composed.replicated` lists the tensors the executor sums over tp after backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+from torch import nn
+
+from .checkpointing import wrap_children
+from .comm import Comm, CommLog
+from .engine import EngineError, ModelFactory
+from .mesh import DeviceMesh
+
+ORDER = ("pp", "tp", "ac", "dp")       # the steps, in the order they are applied (module docstring)
+
+
+@dataclass
+class Composed:
+    """What the steps left on this rank: its module (a stage with tp shards, maybe wrapped) and the groups."""
+
+    module: nn.Module
+    pp: Comm
+    tp: Comm
+    dp: Comm
+    rank: int                                           # this rank's global rank (the slots' owner)
+    sequence_parallel: bool = False
+    replicated: list[torch.Tensor] = field(default_factory=list)   # summed over tp after backward (sp only)
+
+    def name_of(self, name: str, p: torch.Tensor) -> str:
+        """The slot name: the full-model name, plus "#tp{t}/{T}" for a tensor-parallel shard."""
+        from .tensor import SHARD_ATTR
+        if getattr(p, SHARD_ATTR, False) and self.tp.size > 1:
+            return f"{name}#tp{self.tp.rank}/{self.tp.size}"
+        return name
+
+
+def cut_pipeline(model: nn.Module, pp: Comm) -> nn.Module:
+    """Step 1: this rank's stage of `model` (an nn.Sequential) over the pp group; the model itself when pp = 1."""
+    if pp.size == 1:
+        return model
+    from .pipeline import split_stages, stage_module
+    return stage_module(model, split_stages(model, pp.size)[pp.rank])
+
+
+def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel: bool,
+                 regather: bool) -> list[torch.Tensor]:
+    """Step 2: swap the stage's Attention / MLP blocks for tensor-parallel ones (+ sequence parallelism); returns
+    the parameters tp left replicated whose gradients are partial under sp (empty without sp, or at tp = 1)."""
+    from .tensor import SHARD_ATTR, tensor_parallelize
+    if tp.size == 1:
+        return []
+    _refuse_moe(model)
+    from .models import MLP, Attention
+    if not any(isinstance(m, (Attention, MLP)) for m in model.modules()):
+        raise EngineError("tensor parallelism found no Attention or MLP module to split; build the model from "
+                          "parallelism.models blocks")
+    tensor_parallelize(stage, tp, sequence_parallel, regather, require=False)
+    if not sequence_parallel:
+        return []
+    return [p for p in stage.parameters() if not getattr(p, SHARD_ATTR, False)]
+
+
+def _refuse_moe(model: nn.Module) -> None:
+    from .moe import moe_layers
+    if moe_layers(model):
+        raise EngineError("tensor parallelism does not split mixture-of-experts layers: use the data or expert-"
+                          "parallel engine (parallel.ep) for MoE models")
+
+
+def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequence_parallel: bool = False,
+            regather: bool = False, checkpoint_activations: bool = False, refuse_moe: bool = False) -> Composed:
+    """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe: refuse a
+    mixture-of-experts model even at tp = 1 (the tensor-parallel engine's promise)."""
+    if regather and not sequence_parallel:
+        raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs sequence_parallel=True")
+    model = model_factory()
+    if refuse_moe:
+        _refuse_moe(model)
+    pp = Comm(mesh.group("pp"), log)
+    stage = cut_pipeline(model, pp)                                         # 1. pp
+    tp = Comm(mesh.group("tp"), log)
+    replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
+    if checkpoint_activations:
+        wrap_children(stage)                                                # 3. activation checkpointing
+    dp = Comm(mesh.group("dp"), log)                                        # 4. dp: the strategy's, on dp
+    return Composed(stage, pp, tp, dp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1, replicated)
+
