@@ -233,7 +233,11 @@ class TorchGroup(ProcessGroup):
         self._wait(work, "broadcast")
         if work_buf is not buf:
             buf.copy_(work_buf)
-        self._account("broadcast", buf.numel() * buf.element_size())
+        if self.world_size > 1:       # as pslab's zmq broadcast sends it: the root to each peer, none back
+            nbytes = buf.numel() * buf.element_size()
+            root = self.rank == src
+            self.traffic_counter.add_sent(-1, "broadcast", (self.world_size - 1) * nbytes if root else 0)
+            self.traffic_counter.add_recv(-1, "broadcast", 0 if root else nbytes)
         write_back(buf, orig)
         return tensor
 

@@ -24,7 +24,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from experiments.errors import ConfigError
 from experiments.faults.spec import FaultsConfig
@@ -89,8 +89,9 @@ class TrainConfig:
 class ParallelConfig:
     """How each data-parallel worker's model is split (`parallelism` engines). A run starts
     train.workers x tp x pp x cp x ep processes: `train.workers` is the data-parallel degree D, each worker a group of
-    tp x pp x cp x ep ranks. Engine choice: zero > 0 -> ZeRO; pp > 1 -> pipeline; cp > 1 -> context parallel;
-    ep > 1 -> expert parallel; tp > 1 -> tensor parallel (sp: + sequence parallel); else data parallel."""
+    tp x pp x cp x ep ranks. Engine choice: zero > 0 -> ZeRO; pp > 1 -> pipeline (with tp > 1: each stage split
+    over tp, dp x tp x pp); cp > 1 -> context parallel; ep > 1 -> expert parallel; tp > 1 -> tensor parallel
+    (sp: + sequence parallel); else data parallel. _PARALLEL_RULES lists the combinations refused."""
 
     tp: int = 1                      # tensor-parallel degree: splits attention heads and MLP width (text-transformer)
     sp: bool = False                 # tp > 1: sequence parallelism (Korthikanti et al.): LayerNorm on sequence shards,
@@ -103,7 +104,7 @@ class ParallelConfig:
     micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
     schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
     zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only)
-    activation_checkpointing: bool = False  # recompute each block in backward (data and pipeline engines)
+    activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
     overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
                                      # (DDP); false: one flat all-reduce after backward
 
@@ -276,56 +277,75 @@ class RunConfig:
         return self
 
 
+def _others(p: ParallelConfig, ax: str) -> str:
+    """The other split axes that are set, e.g. "tp = 2, zero = 1" (for the refusals below)."""
+    out = [f"{o} = {getattr(p, o)}" for o in ("tp", "pp", "cp", "ep") if o != ax and getattr(p, o) > 1]
+    return ", ".join(out + ([f"zero = {p.zero}"] if p.zero else []))
+
+
+def _uncomposed(p: ParallelConfig) -> str | None:
+    """cp or ep, if set together with another split axis (not composed yet), else None."""
+    return next((ax for ax in ("cp", "ep") if getattr(p, ax) > 1 and _others(p, ax)), None)
+
+
+def _split(p: ParallelConfig) -> bool:
+    return p.model_parallel > 1 or p.zero > 0
+
+
+# [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
+# reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
+# under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp; overlap on plain dp.
+# Rows: (applies when (p, strategy, simulated), the one-line message).
+_PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
+                             Callable[[ParallelConfig, Strategy], str]], ...] = (
+    (lambda p, s, sim: p.sp and p.tp == 1,
+     lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
+                  "parallel.tp > 1"),
+    # context and expert parallelism are not composed with the model-parallel axes yet (issue 22's next step)
+    (lambda p, s, sim: _uncomposed(p) is not None,
+     lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with data parallelism only "
+                  f"(train.workers), not with {_others(p, _uncomposed(p))}: set the others to 1 (and zero = 0)"),
+    (lambda p, s, sim: (p.cp > 1 or p.ep > 1) and (p.activation_checkpointing or p.overlap),
+     lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: activation_checkpointing and overlap "
+                  "apply to the data, tensor and pipeline engines; drop them"),
+    (lambda p, s, sim: p.cp > 1 and s.uses_ps,
+     lambda p, s: f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the same "
+                  f"parameters and would push the same averaged gradient to the shards ({s.label})"),
+    (lambda p, s, sim: sim and (_split(p) or p.overlap or p.activation_checkpointing),
+     lambda p, s: "the simulator models data parallelism only: drop the [parallel] settings "
+                  f"({p.describe()}) or run without --simulate"),
+    (lambda p, s, sim: s.kind == "local" and (_split(p) or p.overlap),
+     lambda p, s: "strategy local is one process: parallel."
+                  + next((ax for ax in ("tp", "pp", "cp", "ep") if getattr(p, ax) > 1), "zero" if p.zero else "overlap")
+                  + " needs strategy allreduce or ps-* (local with activation checkpointing is fine)"),
+    (lambda p, s, sim: p.zero and s.kind != "allreduce",
+     lambda p, s: f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use train.strategy = "
+                  "allreduce (the parameter server already keeps the optimizer on the shards)"),
+    (lambda p, s, sim: p.zero and (p.tp > 1 or p.pp > 1),
+     lambda p, s: "parallel.zero shards over data parallelism only (per (tp, pp) coordinate is issue 22's next "
+                  "step): set parallel.tp = 1 and parallel.pp = 1"),
+    (lambda p, s, sim: p.zero and p.activation_checkpointing,
+     lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
+    (lambda p, s, sim: p.overlap and s.kind != "allreduce",
+     lambda p, s: f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = allreduce, "
+                  f"not {s.label}"),
+    (lambda p, s, sim: p.overlap and (p.tp > 1 or p.pp > 1 or p.zero),
+     lambda p, s: "parallel.overlap applies to the data-parallel engine (tp = pp = 1, zero = 0)"),
+)
+
+
 def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulated: bool) -> None:
-    """The rules that need no model; `experiments.strategies.build.check_layout` adds the model's (divisibility,
-    number of layers)."""
+    """Values in range, then the table of refused combinations (_PARALLEL_RULES); what needs the model
+    (divisibility, number of layers) is `experiments.strategies.build.check_layout`'s."""
     for key in ("tp", "pp", "cp", "ep", "micro_batches"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3 (the ZeRO stage), got {p.zero!r}")
-    split = p.model_parallel > 1 or p.zero > 0
-    if p.sp and p.tp == 1:
-        raise ConfigError("parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it "
-                          "needs parallel.tp > 1")
-    for ax in ("cp", "ep"):
-        n = getattr(p, ax)
-        others = [f"{o} = {getattr(p, o)}" for o in ("tp", "pp", "cp", "ep") if o != ax and getattr(p, o) > 1]
-        if n > 1 and (others or p.zero):
-            raise ConfigError(f"parallel.{ax} = {n} combines with data parallelism only (train.workers), not with "
-                              f"{', '.join(others) or f'zero = {p.zero}'}: set the others to 1 (and zero = 0)")
-        if n > 1 and (p.activation_checkpointing or p.overlap):
-            raise ConfigError(f"parallel.{ax} = {n}: activation_checkpointing and overlap apply to the data and "
-                              "pipeline engines; drop them")
-    if p.cp > 1 and s.uses_ps:
-        raise ConfigError(f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the "
-                          f"same parameters and would push the same averaged gradient to the shards ({s.label})")
-    if simulated and (split or p.overlap or p.activation_checkpointing):
-        raise ConfigError("the simulator models data parallelism only: drop the [parallel] settings "
-                          f"({p.describe()}) or run without --simulate")
-    if s.kind == "local" and (split or p.overlap):
-        key = next((ax for ax in ("tp", "pp", "cp", "ep") if getattr(p, ax) > 1), "zero" if p.zero else "overlap")
-        raise ConfigError(f"strategy local is one process: parallel.{key} "
-                          "needs strategy allreduce or ps-* (local with activation checkpointing is fine)")
-    if p.zero and not s.kind == "allreduce":
-        raise ConfigError(f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use "
-                          f"train.strategy = allreduce (the parameter server already keeps the optimizer on the shards)")
-    if p.zero and (p.tp > 1 or p.pp > 1):
-        raise ConfigError("parallel.zero shards over data parallelism only: set parallel.tp = 1 and parallel.pp = 1")
-    if p.zero and p.activation_checkpointing:
-        raise ConfigError("parallel.activation_checkpointing is not available with parallel.zero; drop one of them")
-    if p.tp > 1 and p.pp > 1:
-        raise ConfigError("parallel.tp and parallel.pp together (3-D layouts) are not supported yet: use one of "
-                          "them, each combinable with train.workers > 1 (dp x tp or dp x pp)")
-    if p.tp > 1 and p.activation_checkpointing:
-        raise ConfigError("parallel.activation_checkpointing works with the data and pipeline engines, not with "
-                          "parallel.tp > 1")
-    if p.overlap and s.kind != "allreduce":
-        raise ConfigError(f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = "
-                          f"allreduce, not {s.label}")
-    if p.overlap and (p.tp > 1 or p.pp > 1 or p.zero):
-        raise ConfigError("parallel.overlap applies to the data-parallel engine (tp = pp = 1, zero = 0)")
+    for when, says in _PARALLEL_RULES:
+        if when(p, s, simulated):
+            raise ConfigError(says(p, s))
     if p.pp > 1 and p.micro_batches > batch_size:
         raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds workload.batch_size = {batch_size}: "
                           "each micro-batch needs at least one example; use fewer micro-batches or a larger batch")

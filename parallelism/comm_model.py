@@ -33,7 +33,8 @@ Textbook rules (algorithm "ring", NCCL-like):
                      backward; full recompute runs the forward's 2 again (Korthikanti et al. 2022); sequence
                      parallelism: all-gathers + reduce-scatters, the same bytes. Σ = D·C·E·T·L·m·(4|6)·2(T−1)/T·A
     pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
-                     of a stage sends its own A:  Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β)
+                     of a stage sends its own A (under sp its S/T slice, A/T: Korthikanti et al.):
+                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β)
     dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
     zero RS + AG     ZeRO 1: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g per
                      step; with m micro-batches of gradient accumulation ZeRO 2 reduce-scatters after each one:
@@ -57,9 +58,10 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
     dp gradient sync one flat all-reduce of the stage's gradients (engine.allreduce_grads), or with overlap (the
                      data-parallel engine only) one per DDP bucket (data.py: ≤ 25 MiB, parameters in reverse order)
     zero RS + AG     per parameter a ring reduce-scatter and all-gather (ZeRO 3: two all-gathers), zero.py
-    tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes) and the loss (8 B),
-                     once per step (sequence.py)
-    pp boundaries    + the loss broadcast from the last stage (4 B, direct: (P−1)·4 per pipeline) every step, and
+    tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes, per stage) and the loss
+                     (8 B, the last stage's tp ranks), once per step (sequence.py, pipeline.py)
+    pp boundaries    + the loss broadcast from the last stage (4 B, 8 B under sp; direct: (P−1)·4 per pipeline)
+                     every step, and
                      once per run a 64-byte shape header per boundary (pipeline.py: int64 × 8)
     cp ring + grads  + the loss all-reduced over cp (8 B)
     one-off bytes (the shape headers; the hierarchical all-reduce's set-up barrier, 1 byte to every peer) count
@@ -393,31 +395,34 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                 c = Cost().add(ring(pl, grp, A, act, "ag"), n).add(ring(pl, grp, A, act, "rs"), n)
                 if pslab:
                     c.add(all_reduce(pl, grp, replicated_tensors(shape, lay, k, algorithm), g, small))
-                    c.add(all_reduce(pl, grp, 1, 8, small))
+                    if k == P - 1:                         # the loss: scored on the last stage only
+                        c.add(all_reduce(pl, grp, 1, 8, small))
             else:
                 c = Cost().add(all_reduce(pl, grp, A, act, small, hierarchical=pslab), n)
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()
 
     if P > 1:
-        kind = _Kind("pp boundaries", f"D·C·E·T·(P−1)·m·2·A, A = {A * act} B"
-                     + (" + (P−1)·4 B loss broadcast + 64 B shape header per boundary once" if pslab else ""))
+        cut = A // T if lay.sp and T > 1 else A       # sequence parallel: a tp rank's cut is its S/T slice
+        loss_b = 8 if lay.sp and T > 1 else 4         # (and the loss it reports is float64)
+        kind = _Kind("pp boundaries", f"D·C·E·T·(P−1)·m·2·A{'/T' if cut != A else ''}, A = {A * act} B"
+                     + (f" + (P−1)·{loss_b} B loss broadcast + 64 B shape header per boundary once" if pslab else ""))
         for grp, times in pl.group_classes("pp"):
             c, header = Cost(), Cost()
             for k in range(P - 1):
-                c.send(pl, grp[k], grp[k + 1], m * A * act)
-                c.send(pl, grp[k + 1], grp[k], m * A * act)
+                c.send(pl, grp[k], grp[k + 1], m * cut * act)
+                c.send(pl, grp[k + 1], grp[k], m * cut * act)
                 header.send(pl, grp[k], grp[k + 1], HEADER_BYTES)
             if pslab:
                 for k in range(P - 1):
-                    c.send(pl, grp[-1], grp[k], 4)
+                    c.send(pl, grp[-1], grp[k], loss_b)
             # one rank's time: a middle stage sends m activations forward and m gradients back
             for k in range(P):
                 t = Cost()
                 if k < P - 1:
-                    t.wait(pl, pl.link(grp[k], grp[k + 1]), m, m * A * act)
+                    t.wait(pl, pl.link(grp[k], grp[k + 1]), m, m * cut * act)
                 if k > 0:
-                    t.wait(pl, pl.link(grp[k], grp[k - 1]), m, m * A * act)
+                    t.wait(pl, pl.link(grp[k], grp[k - 1]), m, m * cut * act)
                 if sum(t.secs.values()) > sum(c.secs.values()):
                     c.secs = t.secs
             kind.group(c, header if pslab else None, steps, times)

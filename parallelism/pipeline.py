@@ -176,8 +176,8 @@ class PipelineReplica:
             from .sequence import LOSS_SITE, sum_partial_grads
             sum_partial_grads(self.replicated, sp)
             add_back_grads(self.replicated, earlier)
+            loss = loss.reshape(1).to(torch.float64)        # float64, as SequenceParallelReplica's
             if s == p - 1:
-                loss = loss.reshape(1).clone()
                 sp.all_reduce(loss, "sum", site=LOSS_SITE)
         if self.report_loss and p > 1:
             loss = loss.reshape(1).clone()

@@ -246,8 +246,9 @@ class TensorParallelEngine:
     sequence shard of the column-parallel inputs for backward (1/T of their memory, one more all-gather each)."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 log: CommLog | None = None, sequence_parallel: bool = False, regather: bool = False) -> None:
-        self.loss_fn, self.log = loss_fn, log
+                 log: CommLog | None = None, sequence_parallel: bool = False, regather: bool = False,
+                 checkpoint_activations: bool = False) -> None:
+        self.loss_fn, self.log, self.checkpoint_activations = loss_fn, log, checkpoint_activations
         if regather and not sequence_parallel:
             raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs "
                               "sequence_parallel=True")
@@ -256,7 +257,7 @@ class TensorParallelEngine:
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         from .compose import compose
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
-                    self.regather, refuse_moe=True)
+                    self.regather, self.checkpoint_activations, refuse_moe=True)
         if c.sequence_parallel:
             from .models import lm_loss
             return SequenceParallelReplica(c.module, c.dp, c.tp, c.rank, c.replicated, self.loss_fn or lm_loss,

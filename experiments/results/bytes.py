@@ -5,13 +5,18 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
 
     dp gradient sync      ring all-reduce of each rank's gradients      Σ_r 2(D−1)/D · S_r
     zero RS + AG          ZeRO 1/2: reduce-scatter + all-gather          Σ_r 2(D−1)/D · S_r    (stage 3: 3(D−1)/D)
-    tp activations        Megatron f/g: 2 all-reduces forward and 2 backward per block, of the block activation A
-                                                                         D·T · 4L · 2(T−1)/T · A
-                          sequence parallel: 4 all-gathers / reduce-scatters per block instead, the same bytes,
-                          + the replicated parameters' gradients summed over tp (R bytes) and the loss
-                                                                         D·T · (8L · (T−1)/T · A + AR_T(R) + AR_T(8 B))
-    pp boundaries         each boundary: m activations forward, m gradients backward (A_k: activation at cut k)
-                                                                         D · Σ_k 2 · A_k
+    tp activations        Megatron f/g: per attention and per MLP region (2L of them) one all-reduce forward (g)
+                          and one backward (f) of the activation A = b·S·d·4 B; under a pipeline, per micro-batch
+                          (a_i = A·b_i/b, the rule chosen by a_i's size); checkpointing replays g in backward
+                                                                         D·T · 2L · (2 | 3) · Σ_i AR_T(a_i)
+                          sequence parallel: 2 all-gathers / reduce-scatters per region forward, 2 backward (+2
+                          recomputed), the same bytes, + the replicated parameters' gradients summed over tp (R
+                          bytes; per stage, R_s, under a pipeline) and the loss
+                                                                   D·T · (2L·(4 | 6)·(T−1)/T·A + Σ_s AR_T(R_s) + AR_T(8 B))
+    pp boundaries         each boundary: m activations forward, m gradients backward (A_k: activation at cut k);
+                          with tp every tp rank of a stage sends to its peer of the next: all of A_k, or its S/T
+                          slice under sequence parallelism
+                                                                         D · (T | 1) · Σ_k 2 · A_k
     cp ring + grads       ring attention: per layer 2(C−1) K/V blocks forward, 2(C−1) + 2C backward (block
                           b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed
                                                                          D·C · (L · ring + AR_C(M) + AR_C(8 B))
@@ -88,24 +93,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
     model = wl.make_model() if (p.tp > 1 or p.pp > 1) else None
     acts = _activations(model, wl) if model is not None else []
     if p.tp > 1:
-        blocks = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
-        a = acts[1] if len(acts) > 1 else acts[0]
-        if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
-            R = _replicated_bytes(model)
-            grads, grule = _allreduce(R, p.tp, "T", "R")
-            loss, _ = _allreduce(8, p.tp, "T", "8 B")
-            total = D * p.tp * (blocks * 4 * (p.tp - 1) / p.tp * a + grads + loss)
-            formula = (f"D·T ranks · ({blocks * 4} all-gathers / reduce-scatters (2 forward, 2 backward per attention "
-                       f"and MLP) · (T−1)/T·A + the replicated gradients (R = {R} B) {grule} + loss); A = b·S·d·4 B")
-        else:
-            per, rule = _allreduce(a, p.tp, "T", "A")
-            total = D * p.tp * blocks * 2 * per
-            formula = (f"D·T ranks · {blocks * 2} all-reduces (g forward, f backward, per attention and MLP) · "
-                       f"{rule}; A = b·S·d·4 B")
-        if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
-            total += D * (p.tp - 1) * _replicated_bytes(model)
-            formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
-        out["tp activations"] = (total, formula)
+        out["tp activations"] = _tensor(cfg, wl, model, acts)
     if p.cp > 1:
         out["cp ring + grads"] = _context(wl, D, p.cp)
     if p.ep > 1:
@@ -113,9 +101,64 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
     if p.pp > 1:
         from parallelism.pipeline import split_stages
         bounds = split_stages(model, p.pp)
-        cuts = [acts[end - 1] for _, end in bounds[:-1]]
-        out["pp boundaries"] = (D * 2.0 * sum(cuts), "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
+        cuts = sum(acts[end - 1] for _, end in bounds[:-1])
+        if p.tp == 1:
+            out["pp boundaries"] = (D * 2.0 * cuts, "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
+        elif p.sp:
+            out["pp boundaries"] = (D * 2.0 * cuts, "D·T ranks · Σ_cuts 2·A_cut/T (sequence parallel: each tp rank "
+                                                    "sends its S/T slice forward and its gradient back)")
+        else:
+            out["pp boundaries"] = (D * p.tp * 2.0 * cuts, "D·T ranks · Σ_cuts 2·A_cut (every tp rank of a stage "
+                                                           "sends the whole activation to its peer of the next)")
     return out
+
+
+def _micro_sizes(cfg: RunConfig) -> list[int]:
+    """Examples per micro-batch of one worker's batch (pp > 1: torch.tensor_split into m; else the batch)."""
+    b, p = cfg.workload.batch_size, cfg.parallel
+    if p.pp == 1:
+        return [b]
+    return [len(c) for c in torch.tensor_split(torch.arange(b), p.micro_batches)]
+
+
+def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
+    """Tensor (+ sequence) parallelism, also inside pipeline stages: every Attention and MLP region communicates
+    per micro-batch (of a_i = A · b_i/b bytes), activation checkpointing replays its forward collectives."""
+    p, D, T = cfg.parallel, cfg.train.workers, cfg.parallel.tp
+    regions = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
+    A = acts[1] if len(acts) > 1 else acts[0]
+    b = cfg.workload.batch_size
+    micro = [A * n / b for n in _micro_sizes(cfg)]
+    ac = p.activation_checkpointing
+    mtext = f" over {len(micro)} micro-batches (a_i = A·b_i/b)" if len(micro) > 1 else ""
+    if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
+        per_region = 6 if ac else 4
+        act = regions * per_region * (T - 1) / T * sum(micro)
+        grads, grule = 0.0, ""
+        if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
+            from parallelism.pipeline import split_stages, stage_module
+            for bounds in split_stages(model, p.pp):
+                g, grule = _allreduce(_replicated_bytes(stage_module(model, bounds)), T, "T", "R_s")
+                grads += g
+        else:
+            grads, grule = _allreduce(_replicated_bytes(model), T, "T", "R")
+        loss, _ = _allreduce(8, T, "T", "8 B")
+        total = D * T * (act + grads + loss)
+        formula = (f"D·T ranks · ({regions * per_region} all-gathers / reduce-scatters (2 forward, 2 backward"
+                   + (", 2 recomputed" if ac else "") + f" per attention and MLP) · (T−1)/T·A{mtext} + the "
+                   f"replicated gradients {grule}" + (" per stage" if p.pp > 1 else "") + " + loss); "
+                   "A = b·S·d·4 B")
+    else:
+        per_region = 3 if ac else 2
+        parts = [_allreduce(a, T, "T", "a_i" if mtext else "A") for a in micro]
+        total = D * T * regions * per_region * sum(x for x, _ in parts)
+        formula = (f"D·T ranks · {regions * per_region} all-reduces (g forward, f backward"
+                   + (", g recomputed" if ac else "") + f", per attention and MLP) · {parts[0][1]}{mtext}; "
+                   "A = b·S·d·4 B")
+    if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
+        total += D * (T - 1) * _replicated_bytes(model)
+        formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
+    return total, formula
 
 
 def _context(wl: Workload, D: int, C: int) -> tuple[float, str]:

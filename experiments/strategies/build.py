@@ -3,15 +3,17 @@
     world = D · P · C · E · T processes     D = train.workers (data parallel), and parallel.pp, cp, ep, tp
     mesh  = DeviceMesh(world, dp=D, pp=P, tp=T, cp=C, ep=E)   (one process, dp = 1, for `local`)
 
-Engines, chosen in this fixed order (the first that applies; config.py refuses the combinations none serves):
+Engines, chosen in this fixed order (the first that applies; config.py's table refuses what none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
-    parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages
+    parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages, then each stage split
+                                                    over tp (+ sp) and checkpointed: dp × tp × pp, 3D
+                                                    (parallelism/compose.py: the steps and their order)
     parallel.cp > 1     ContextParallelEngine       the sequence split over C ranks (zig-zag), ring attention
     parallel.ep > 1     ExpertParallelEngine        each MoE layer's experts over E ranks, all-to-all dispatch
     parallel.tp > 1     TensorParallelEngine        attention heads and MLP width split over T ranks
                         (parallel.sp: + sequence parallelism: LayerNorm regions split along the sequence)
     otherwise           DataParallelEngine          the whole model on every rank
-(`activation_checkpointing` wraps the blocks of the data and pipeline engines.)
+(`activation_checkpointing` wraps the blocks of the data, tensor and pipeline engines.)
 
 Strategies:
     local      LocalStrategy: K virtual workers in one process, their gradients averaged
@@ -119,7 +121,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
         return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
     if p.pp > 1:
         return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss,
-                              checkpoint_activations=p.activation_checkpointing)
+                              checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp)
     if p.cp > 1:
         from parallelism.context import ContextParallelEngine
         return ContextParallelEngine(loss_fn=loss)
@@ -127,7 +129,8 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
         from parallelism.expert import ExpertParallelEngine
         return ExpertParallelEngine(loss_fn=loss)
     if p.tp > 1:
-        return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp)
+        return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp,
+                                    checkpoint_activations=p.activation_checkpointing)
     return DataParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
 
 

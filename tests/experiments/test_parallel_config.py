@@ -20,8 +20,6 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.zero=2", "train.strategy=allreduce", "parallel.tp=2"], "set parallel.tp = 1 and parallel.pp = 1"),
     (["parallel.zero=1", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
      "not available with parallel.zero"),
-    (["parallel.tp=2", "parallel.pp=2"], "not supported yet"),
-    (["parallel.tp=2", "parallel.activation_checkpointing=true"], "not with parallel.tp > 1"),
     (["parallel.overlap=true"], "needs train.strategy = allreduce"),
     (["parallel.overlap=true", "train.strategy=allreduce", "parallel.pp=2"], "applies to the data-parallel engine"),
     (["parallel.pp=2", "parallel.micro_batches=64"], "exceeds workload.batch_size"),
