@@ -2,12 +2,23 @@
 
     mesh = DeviceMesh(world_group, dp=2, tp=2)                  # named axes; tp groups on adjacent ranks
     replica = TensorParallelEngine(loss_fn=lm_loss).build(model_factory, mesh)
+    # or 3D: DeviceMesh(world, dp=2, pp=2, tp=2); PipelineEngine("1f1b", 4, loss_fn=lm_loss).build(...)
     strategy = AllReduceStrategy(lambda ps: torch.optim.SGD(ps, lr=0.1))   # or a parameter-server strategy
     strategy.attach(replica)
     loss = train_step(replica, strategy, x, y)
     state = gather_full_state(replica, mesh)    # the full model's parameters on the mesh's rank 0, else None
 
+A replica is the single-process model with the axes applied in one fixed order (`compose.py`), each step on its
+own group of the mesh:
+
+    1. pp  cut the model into stages of whole layers          talks on pp  (p2p at the cuts, same tp coordinate)
+    2. tp  Attention / MLP → Megatron shards (+ sp)           talks on tp  (every block)
+    3. ac  activation checkpointing of the stage's layers     (its recompute replays step 2's collectives)
+    4. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
+    (cp and ep are their own engines, composed with dp only so far.)
+
 Files, one idea each:
+    compose.py       the ordered axis steps above: one replica, dp × tp × pp (3D) with sp and checkpointing
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
     mesh.py          dp × pp × cp × ep × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread

@@ -77,8 +77,10 @@ def _replicated_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in split)
 
 
-def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, tuple[float, str]]:
-    """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout."""
+def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | None = None
+             ) -> dict[str, tuple[float, str]]:
+    """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout; `steps` (default
+    train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread."""
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.uses_ps:
@@ -99,18 +101,28 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> dict[str, t
     if p.ep > 1:
         out["ep all-to-all + grads"] = _experts(cfg, wl, D, p.ep)
     if p.pp > 1:
-        from parallelism.pipeline import split_stages
-        bounds = split_stages(model, p.pp)
-        cuts = sum(acts[end - 1] for _, end in bounds[:-1])
-        if p.tp == 1:
-            out["pp boundaries"] = (D * 2.0 * cuts, "D · Σ_cuts 2·A_cut (activation forward, gradient back)")
-        elif p.sp:
-            out["pp boundaries"] = (D * 2.0 * cuts, "D·T ranks · Σ_cuts 2·A_cut/T (sequence parallel: each tp rank "
-                                                    "sends its S/T slice forward and its gradient back)")
-        else:
-            out["pp boundaries"] = (D * p.tp * 2.0 * cuts, "D·T ranks · Σ_cuts 2·A_cut (every tp rank of a stage "
-                                                           "sends the whole activation to its peer of the next)")
+        out["pp boundaries"] = _pipeline(cfg, model, acts, steps or cfg.train.steps)
     return out
+
+
+def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: int) -> tuple[float, str]:
+    """The cuts' activations and gradients, the loss the last stage broadcasts, the one-off shape headers."""
+    from parallelism.comm_model import HEADER_BYTES
+    from parallelism.pipeline import split_stages
+    p, D, T = cfg.parallel, cfg.train.workers, cfg.parallel.tp
+    bounds = split_stages(model, p.pp)
+    cuts = sum(acts[end - 1] for _, end in bounds[:-1])
+    lines = D * T                                          # pipelines: one per (dp, tp) coordinate
+    sp = p.sp and T > 1
+    act = lines * 2.0 * cuts / (T if sp else 1)
+    loss_b = 8 if sp else 4
+    shapes = len(set(_micro_sizes(cfg)))                   # a header per new micro-batch shape, once per run
+    extra = lines * (p.pp - 1) * (loss_b + HEADER_BYTES * shapes / steps)
+    how = ("each tp rank sends its S/T slice (sequence parallel)" if sp else
+           "every tp rank of a stage sends all of it to its peer of the next" if T > 1 else "")
+    return (act + extra, f"{'D·T' if T > 1 else 'D'} pipelines · (Σ_cuts 2·A_cut{'/T' if sp else ''} (activation "
+                         f"forward, gradient back{'; ' + how if how else ''}) + (P−1)·({loss_b} B loss broadcast + "
+                         f"{HEADER_BYTES} B × {shapes} shape header(s) / {steps} steps))")
 
 
 def _micro_sizes(cfg: RunConfig) -> list[int]:
@@ -207,7 +219,7 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
         for axis, b in ((r or {}).get("bytes_sent") or {}).items():
             kind = "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
             measured[kind] = measured.get(kind, 0.0) + b
-    model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results])
+    model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results], steps)
     out = {}
     for kind in list(dict.fromkeys(list(model) + list(measured))):
         m, f = model.get(kind, (None, ""))

@@ -152,3 +152,21 @@ def test_resume_may_change_the_topology(runs):
     from experiments.strategies.resume import resume_config
     cfg = resume_config(runs["packed"][0].path, ["topology.placement=spread", "train.steps=7"])
     assert cfg.topology.placement == "spread"
+
+
+def test_3d_placement_keeps_tp_and_pp_inside_a_host(tmp_path):
+    """experiments/configs/3d.toml, dp 2 x tp 2 x pp 2 on 2 hosts x 4: packed puts worker 0's four ranks (both stages,
+    both tp ranks) on host 0, so only the dp gradient sync crosses hosts; spread puts every tp pair and nothing else
+    across (pp pairs r, r+2 and dp pairs r, r+4 share a host). Counted per message by each rank's transport."""
+    three_d = CONFIG.with_name("3d.toml")
+    out = {}
+    for placement in ("packed", "spread"):
+        rd = execute(load_config(three_d, SHORT + [f"topology.placement={placement}"]), tmp_path, label=placement,
+                     quiet=True)
+        out[placement] = json.loads((rd.path / "summary.json").read_text())
+    kp, ks = _kinds(out["packed"]), _kinds(out["spread"])
+    assert kp == ks and set(kp) == {"dp gradient sync", "tp activations", "pp boundaries"}
+    assert out["packed"]["link_bytes_per_step"] == pytest.approx(
+        {"intra": kp["tp activations"] + kp["pp boundaries"], "inter": kp["dp gradient sync"]}, rel=1e-12)
+    assert out["spread"]["link_bytes_per_step"] == pytest.approx(
+        {"intra": ks["dp gradient sync"] + ks["pp boundaries"], "inter": ks["tp activations"]}, rel=1e-12)
