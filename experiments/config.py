@@ -103,7 +103,8 @@ class ParallelConfig:
     pp: int = 1                      # pipeline stages: the model's layers cut into pp consecutive stages
     micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
     schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
-    zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only)
+    zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only; with
+                                     # tp or pp: 1, the distributed optimizer per (pp, tp) coordinate)
     activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
     overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
                                      # (DDP); false: one flat all-reduce after backward
@@ -260,6 +261,10 @@ class RunConfig:
             raise ConfigError(f"faults.on_failure = {self.faults.on_failure}: a run that splits the model "
                               f"({self.parallel.describe()}) cannot re-cut it around a lost rank; use abort (or auto) "
                               "and resume from an engine checkpoint (faults.checkpoint_every, pslab run --resume)")
+        if self.parallel.zero and (self.parallel.tp > 1 or self.parallel.pp > 1) and self.faults.checkpoint_every:
+            raise ConfigError("faults.checkpoint_every: the distributed optimizer (parallel.zero = 1 with tp or pp) "
+                              "keeps its state in chunks of tp shards, which engine checkpoints cannot hold yet: set "
+                              "faults.checkpoint_every = 0, or zero = 0")
         m = self.simulate
         for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:
@@ -294,7 +299,8 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp; overlap on plain dp.
+# under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp, ZeRO 1 also with
+# tp and pp (the distributed optimizer); overlap on plain dp.
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -321,9 +327,10 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.zero and s.kind != "allreduce",
      lambda p, s: f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use train.strategy = "
                   "allreduce (the parameter server already keeps the optimizer on the shards)"),
-    (lambda p, s, sim: p.zero and (p.tp > 1 or p.pp > 1),
-     lambda p, s: "parallel.zero shards over data parallelism only (per (tp, pp) coordinate is issue 22's next "
-                  "step): set parallel.tp = 1 and parallel.pp = 1"),
+    (lambda p, s, sim: p.zero > 1 and (p.tp > 1 or p.pp > 1),
+     lambda p, s: f"parallel.zero = {p.zero} shards gradients (and parameters) inside backward, over data "
+                  "parallelism only: with tp or pp use zero = 1 (the distributed optimizer per (pp, tp) coordinate), "
+                  "or set parallel.tp = 1 and parallel.pp = 1"),
     (lambda p, s, sim: p.zero and p.activation_checkpointing,
      lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
     (lambda p, s, sim: p.overlap and s.kind != "allreduce",

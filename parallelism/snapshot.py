@@ -76,6 +76,10 @@ def _optimizer(replica: Replica, strategy: Any) -> torch.optim.Optimizer | None:
 def targets(replica: Replica, strategy: Any) -> list[Target]:
     """This rank's pieces, in a fixed order (ZeRO 1–2: the full module copy before the owned chunk)."""
     out: list[Target] = []
+    from .distributed_optimizer import DistributedOptimizerStrategy
+    if isinstance(strategy, DistributedOptimizerStrategy):
+        raise SnapshotError("the distributed optimizer keeps its state in chunks of the slots (of tp shards), which "
+                            "snapshots cannot hold yet: checkpoint with AllReduceStrategy or ZeroEngine")
     if isinstance(replica, ZeroReplica):
         for n, p in replica.named:
             shape = tuple(replica.shapes[n])

@@ -5,6 +5,7 @@
 
 Engines, chosen in this fixed order (the first that applies; config.py's table refuses what none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
+      (with tp or pp: zero = 1, the engine below and DistributedOptimizerStrategy: ZeRO-1 per (pp, tp) coordinate)
     parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages, then each stage split
                                                     over tp (+ sp) and checkpointed: dp × tp × pp, 3D
                                                     (parallelism/compose.py: the steps and their order)
@@ -17,7 +18,8 @@ Engines, chosen in this fixed order (the first that applies; config.py's table r
 
 Strategies:
     local      LocalStrategy: K virtual workers in one process, their gradients averaged
-    allreduce  AllReduceStrategy (ring all-reduce over replica.dp, then torch.optim) — or ZeroStrategy for ZeRO
+    allreduce  AllReduceStrategy (ring all-reduce over replica.dp, then torch.optim) — or ZeroStrategy for ZeRO,
+               DistributedOptimizerStrategy for ZeRO-1 on a split model
     ps-*       PSSyncStrategy on this rank's slot group: one shard set per (pp, tp) coordinate, D workers each
 
 `check_layout` adds the rules that need the model (divisibility of heads and width by tp, layers for pp) to the
@@ -116,7 +118,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     from parallelism.tensor import TensorParallelEngine
     from parallelism.zero import ZeroEngine
     p, loss = cfg.parallel, wl.loss_from_output
-    if p.zero:
+    if p.zero and p.tp == 1 and p.pp == 1:
         spec = optimizer_spec(cfg.train)
         return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
     if p.pp > 1:
@@ -151,6 +153,9 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
         from experiments.strategies.local import LocalStrategy
         return LocalStrategy(spec, cfg.train.workers)
     if s.kind == "allreduce":
+        if cfg.parallel.zero and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+            from parallelism.distributed_optimizer import DistributedOptimizerStrategy
+            return DistributedOptimizerStrategy(lambda params: torch_optimizer(spec, params))
         if cfg.parallel.zero:
             from parallelism.zero import ZeroStrategy
             return ZeroStrategy()

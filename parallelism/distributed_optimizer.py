@@ -1,0 +1,65 @@
+"""The distributed optimizer (ZeRO-1 as Megatron-LM applies it): optimizer state sharded over dp, for any replica.
+
+ZeRO stage 1 needs nothing from the model's layout: whatever slots the other axes left on this rank (a pipeline
+stage's tensors, tp shards, both), the D ranks of its dp group hold identical copies of them — so they can split
+the optimizer's work and state D ways. Per slot tensor of n elements, rank r of dp owns chunk r
+(`chunk_bounds(n, D)`), and each step
+
+    reduce-scatter   the slot's gradient over dp, averaged: rank r receives the mean of chunk r    (D−1)/D·S sent
+    update           the optimizer (any element-wise one: SGD, momentum, Adam) on the owned chunk only
+    all-gather       every rank's updated chunk, so each holds the whole updated tensor again       (D−1)/D·S sent
+
+the same 2(D−1)/D·S bytes as the plain all-reduce of the gradients it replaces (an all-reduce is a reduce-scatter
+plus an all-gather), while the optimizer state per rank drops from K·Ψ to K·Ψ/D (`zero_memory.py`). With tp and pp
+each (pp, tp) coordinate runs its own distributed optimizer over its own dp group — Megatron's "distributed
+optimizer per model-parallel rank" — since those ranks hold different tensors. ZeRO 2 and 3 also shard the
+gradients and the parameters inside backward and forward; they stay `zero.py`'s, on plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from collectives import chunk_bounds
+
+from .engine import EngineError, OptimizerFactory, Replica, zero_grads
+
+
+class DistributedOptimizerStrategy:
+    """ZeRO-1 over `replica.dp` for any replica: reduce-scatter the gradients, update the owned chunks, all-gather."""
+
+    def __init__(self, optimizer_factory: OptimizerFactory) -> None:
+        self.optimizer_factory = optimizer_factory
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.shards: list[nn.Parameter] = []
+        self.bounds: list[tuple[int, int]] = []
+
+    def attach(self, replica: Replica) -> None:
+        dp = replica.dp
+        self.bounds, self.shards = [], []
+        for s in replica.slots():
+            if not s.param.is_contiguous():
+                raise EngineError(f"the distributed optimizer shards flat views of the slots; {s.name} is not "
+                                  "contiguous")
+            a, b = chunk_bounds(s.param.numel(), dp.size)[dp.rank]
+            self.bounds.append((a, b))
+            self.shards.append(nn.Parameter(s.param.data.view(-1)[a:b]))   # a view: updates land in the slot
+        self.optimizer = self.optimizer_factory(self.shards)
+
+    def step(self, replica: Replica) -> None:
+        if self.optimizer is None:
+            raise EngineError("DistributedOptimizerStrategy.step before attach(replica)")
+        dp, slots = replica.dp, replica.slots()
+        for s, shard, (a, b) in zip(slots, self.shards, self.bounds):
+            g = s.grad
+            flat = (g.to_dense() if g is not None and g.is_sparse else g if g is not None
+                    else torch.zeros_like(s.param)).contiguous().view(-1)
+            out = torch.empty(b - a, dtype=flat.dtype)
+            dp.reduce_scatter(out, flat, "sum", site=f"grad {s.name}")
+            shard.grad = out.mul_(1.0 / dp.size)
+        self.optimizer.step()
+        for s, shard in zip(slots, self.shards):
+            dp.all_gather(s.param.data.view(-1), shard.data.clone(), site=f"param {s.name}")
+            shard.grad = None
+        zero_grads(slots)
