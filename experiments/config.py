@@ -107,7 +107,7 @@ class ParallelConfig:
                                      # tp or pp: 1, the distributed optimizer per (pp, tp) coordinate)
     activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
     overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
-                                     # (DDP); false: one flat all-reduce after backward
+                                     # (DDP; pp > 1: the last micro-batch's); false: one flat all-reduce after it
 
     @property
     def model_parallel(self) -> int:
@@ -300,7 +300,7 @@ def _split(p: ParallelConfig) -> bool:
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp, ZeRO 1 also with
-# tp and pp (the distributed optimizer); overlap on plain dp.
+# tp and pp (the distributed optimizer); overlap on dp and pp (with or without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -336,8 +336,9 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.overlap and s.kind != "allreduce",
      lambda p, s: f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = allreduce, "
                   f"not {s.label}"),
-    (lambda p, s, sim: p.overlap and (p.tp > 1 or p.pp > 1 or p.zero),
-     lambda p, s: "parallel.overlap applies to the data-parallel engine (tp = pp = 1, zero = 0)"),
+    (lambda p, s, sim: p.overlap and (p.zero or (p.tp > 1 and p.pp == 1)),
+     lambda p, s: "parallel.overlap runs the dp all-reduce from backward's hooks in the data-parallel and pipeline "
+                  "engines (pp > 1: in the last micro-batch's backward), not with tp alone or zero"),
 )
 
 

@@ -56,7 +56,8 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
     stages           pipeline.split_stages: the L + 2 parameterised children [Embed, Block × L, Head] cut by
                      chunk_bounds(L + 2, P)
     dp gradient sync one flat all-reduce of the stage's gradients (engine.allreduce_grads), or with overlap (the
-                     data-parallel engine only) one per DDP bucket (data.py: ≤ 25 MiB, parameters in reverse order)
+                     data-parallel and pipeline engines) one per DDP bucket (data.py: ≤ 25 MiB, parameters in
+                     reverse order; a pipeline stage's in its last micro-batch's backward)
     zero RS + AG     per parameter a ring reduce-scatter and all-gather (ZeRO 3: two all-gathers), zero.py
     tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes, per stage) and the loss
                      (8 B, the last stage's tp ranks), once per step (sequence.py, pipeline.py)
@@ -447,7 +448,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
             kind.group(c, times=times)
         out += kind.terms()
     elif D > 1:
-        bucketed = pslab and overlap and T == P == C == E == 1
+        bucketed = pslab and overlap and C == E == 1 and (T == 1 or P > 1)   # the data and pipeline engines
         kind = _Kind("dp gradient sync", f"Σ_ranks AR_D(Ψ_k·{g} B)" + (" per DDP bucket (25 MiB)" if bucketed else "")
                      + ("; AR: direct (D−1)·S for S <= 32 KiB, hierarchical across nodes, else ring 2(D−1)/D·S"
                         if pslab else "; AR: ring 2(D−1)/D·S, hierarchical across nodes"), True)

@@ -74,6 +74,7 @@ class PipelineReplica:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
         self.sp, self.replicated = sp, replicated or []
         self.name_of = name_of or (lambda name, p: name)
+        self.reducer: Any = None          # overlapped dp sync (enable_overlapped_sync), armed for the last backward
         self.s, self.p = pp.rank, pp.size
         self.schedule_name, self.micro_batches = schedule, micro_batches
         self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches)
@@ -131,11 +132,14 @@ class PipelineReplica:
         sends: list[Any] = []
         losses: list[torch.Tensor] = []
         self.spans, self.peak_in_flight = [], 0
+        actions = self.schedule.for_stage(s)
         if self.measure:
             self.pp.group.barrier()
         self.step_start = time.perf_counter()
-        for a in self.schedule.for_stage(s):
+        for n, a in enumerate(actions):
             i = a.micro
+            if self.reducer is not None and n == len(actions) - 1:
+                self.reducer.prepare_forward()     # arm the dp all-reduce hooks for this stage's last backward
             if a.phase == "F":
                 if s == 0:
                     inp = xs[i]
@@ -171,6 +175,8 @@ class PipelineReplica:
             self.spans.append((a, t0 - self.step_start, t1 - self.step_start))
         for w in sends:
             w.wait()
+        if self.reducer is not None:
+            self.reducer.finish()                  # (parameters this step gave no gradient: reduced as zeros)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         if sp is not None:
             from .sequence import LOSS_SITE, sum_partial_grads
@@ -183,6 +189,19 @@ class PipelineReplica:
             loss = loss.reshape(1).clone()
             self.pp.broadcast(loss, p - 1, site="loss (report)")
         return float(loss.sum())
+
+    def enable_overlapped_sync(self) -> None:
+        """Used by AllReduceStrategy(overlap=True): the dp all-reduce runs in buckets from autograd hooks during
+        the stage's last backward (the last micro-batch's: every earlier one only accumulates), as picotron and
+        Megatron fire it, overlapping that backward instead of following the whole step."""
+        if self.reducer is None:
+            from .data import GradReducer
+            self.reducer = GradReducer(self.stage, self.dp)
+            self.reducer.require_sync = True
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
 
     def slots(self) -> list[ParamSlot]:
         return [ParamSlot(self.name_of(unwrap_name(n), prm), prm, self.rank)

@@ -58,6 +58,8 @@ LAYOUTS = {
                            {"ps push + pull", "tp activations", "pp boundaries"}),
     "allreduce dp=2 x tp=2 x pp=2 zero=1": ("allreduce", 2, ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
                                             {"zero RS + AG", "tp activations", "pp boundaries"}),
+    "allreduce dp=2 x tp=2 x pp=2 overlap": ("allreduce", 2, ["parallel.tp=2", "parallel.pp=2", "parallel.overlap=true"],
+                                             {"dp gradient sync", "tp activations", "pp boundaries"}),
     "allreduce cp=2": ("allreduce", 1, ["parallel.tp=1", "parallel.cp=2"], {"cp ring + grads"}),
     "allreduce dp=2 x cp=2 torch": ("allreduce", 2, ["parallel.cp=2", "train.backend=torch"],
                                     {"dp gradient sync", "cp ring + grads"}),

@@ -23,7 +23,7 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.zero=1", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
      "not available with parallel.zero"),
     (["parallel.overlap=true"], "needs train.strategy = allreduce"),
-    (["parallel.overlap=true", "train.strategy=allreduce", "parallel.pp=2"], "applies to the data-parallel engine"),
+    (["parallel.overlap=true", "train.strategy=allreduce", "parallel.tp=2"], "not with tp alone or zero"),
     (["parallel.pp=2", "parallel.micro_batches=64"], "exceeds workload.batch_size"),
     (["train.strategy=local", "parallel.tp=2"], "strategy local is one process"),
     (["parallel.tp=2", "simulate.enabled=true"], "the simulator models data parallelism only"),

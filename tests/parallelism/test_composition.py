@@ -16,30 +16,37 @@ from tests.parallelism.par_helpers import (STEPS, TF_FACTORY, adam_attention, as
 
 pytestmark = pytest.mark.timeout(240)
 
-CASES = {   # name: (mesh, schedule, micro-batches, sequence parallel, activation checkpointing, optimizer)
-    "dp2-tp2-pp2": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, False, False, "sgd"),
-    "dp2-tp2-pp2-adam": ({"dp": 2, "tp": 2, "pp": 2}, "gpipe", 2, False, False, "adam"),
-    "tp2-pp2-sp": ({"tp": 2, "pp": 2}, "1f1b", 4, True, False, "adam"),
-    "dp2-tp2-pp2-sp": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, True, False, "sgd"),
-    "tp2-pp2-ac": ({"tp": 2, "pp": 2}, "1f1b", 2, False, True, "sgd"),
+CASES = {   # name: (mesh, schedule, micro-batches, sequence parallel, activation checkpointing, optimizer,
+            #        overlap: the dp all-reduce from hooks in the stage's last backward, else one flat one after)
+    "dp2-tp2-pp2": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, False, False, "sgd", False),
+    "dp2-tp2-pp2-overlap": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, False, False, "sgd", True),
+    "dp2-tp2-pp2-adam": ({"dp": 2, "tp": 2, "pp": 2}, "gpipe", 2, False, False, "adam", True),
+    "tp2-pp2-sp": ({"tp": 2, "pp": 2}, "1f1b", 4, True, False, "adam", False),
+    "dp2-tp2-pp2-sp": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, True, False, "sgd", True),
+    "tp2-pp2-ac": ({"tp": 2, "pp": 2}, "1f1b", 2, False, True, "sgd", False),
 }
 OPTS = {"sgd": sgd, "adam": adam_attention}
 
 
 def _worker(group, case):
-    mesh_shape, schedule, m, sp, ac, opt = CASES[case]
+    from parallelism.engine import AllReduceStrategy
+    mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
     engine = PipelineEngine(schedule, m, loss_fn=lm_loss, sequence_parallel=sp, checkpoint_activations=ac)
-    mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, OPTS[opt])
+    strategy = AllReduceStrategy(OPTS[opt], overlap=overlap)
+    mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, strategy=strategy)
     state = gather_full_state(replica, mesh)
+    replica.close()
     return plain({"losses": losses, "state": state, "coords": mesh.coords,
-                  "sites": replica.log.by_site("p2p")})
+                  "sites": replica.log.by_site("p2p"), "dp_sites": list(replica.dp.log.by_site("all_reduce"))})
 
 
 @pytest.mark.parametrize("backend,case", [("zmq", "dp2-tp2-pp2"), ("torch", "dp2-tp2-pp2"),
-                                          ("zmq", "dp2-tp2-pp2-adam"), ("zmq", "tp2-pp2-sp"),
-                                          ("torch", "dp2-tp2-pp2-sp"), ("zmq", "tp2-pp2-ac")])
+                                          ("zmq", "dp2-tp2-pp2-overlap"), ("zmq", "dp2-tp2-pp2-adam"),
+                                          ("zmq", "tp2-pp2-sp"), ("torch", "dp2-tp2-pp2-sp"), ("zmq", "tp2-pp2-ac")])
 def test_3d_matches_single_process(backend, case):
-    mesh_shape, schedule, m, sp, ac, opt = CASES[case]
+    """Every step's loss and the final full model equal one process on the concatenated batch; with overlap the
+    dp gradients go in buckets from the last backward's hooks ("bucket k"), without in one flat all-reduce."""
+    mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
     ref_losses, ref_w = reference(TF_FACTORY, tf_batches(), opt=OPTS[opt], loss_fn=lm_loss)
     world = 1
     for n in mesh_shape.values():
@@ -61,6 +68,9 @@ def test_3d_matches_single_process(backend, case):
     for r in out:
         site = "stage 0 -> 1" if r["coords"]["pp"] == 0 else "stage 1 -> 0"
         assert r["sites"][site] == want, (r["coords"], r["sites"])
+        if mesh_shape.get("dp", 1) > 1:
+            assert ("bucket 0" in r["dp_sites"]) == overlap and ("grads" in r["dp_sites"]) == (not overlap), r
+
 
 
 # ---- ZeRO-1 on a composed replica: the distributed optimizer per (pp, tp) coordinate over dp -----------------------
