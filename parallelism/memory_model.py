@@ -275,18 +275,20 @@ def tiny_checkpointed_activation_bytes(batch: int, seq: int, d: int, heads: int,
 
 
 def tiny_stage_activation_bytes(batch: int, seq: int, d: int, heads: int, layers: int, vocab: int, pp: int,
-                                micro_batches: int, stage: int, schedule: str = "1f1b", e: int = 4) -> int:
+                                micro_batches: int, stage: int, schedule: str = "1f1b", e: int = 4,
+                                t: int = 1) -> int:
     """Peak saved bytes on pipeline stage `stage` of `tiny_transformer` ([Embed, Block × L, Head] cut as
     `pipeline.split_stages`: the blocks spread evenly, Embed on stage 0, Head on the last), micro-batch b/m:
     in_flight × (what one micro-batch saves on the stage) + the received output gradient that the backward's
     (out·grad).sum() saves (e·sbh, stages before the last) + the token ids (stage 0) and targets (last stage)
     once: micro-batches are views of the whole batch, one storage. The received input of stages k > 0 is a leaf
-    that requires grad: the meter skips it."""
+    that requires grad: the meter skips it. t: the stage's blocks split over t tensor-parallel ranks (3D; the
+    embedding and head replicated, `sequence.layer_activation_bytes`)."""
     from .sequence import model_activation_bytes, layer_activation_bytes
     b = batch // micro_batches
     n = stage_layers(layers, pp, stage)
     sbh = seq * b * d
-    per = n * layer_activation_bytes(seq, b, d, heads, e=e)
+    per = n * layer_activation_bytes(seq, b, d, heads, t, e=e)
     once = 0
     if stage == 0:
         per += 8 * seq                   # positions, per micro-batch

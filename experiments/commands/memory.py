@@ -38,6 +38,9 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "tp=2 sp": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.sp=true"]),
     "pp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.pp=2", "parallel.micro_batches=4"]),
     "ckpt": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.activation_checkpointing=true"]),
+    "tp=2 pp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=4"]),
+    "dp=2 tp=2 pp=2 zero1": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
+                                       "parallel.micro_batches=4"]),
     "cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.cp=2"]),
     "ep=2": (MOE_TOML, ["train.workers=1"]),      # text-moe: activations depend on the routing (measured only)
 }
@@ -276,7 +279,8 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
                  micro_batches=p.micro_batches if p.pp > 1 else None)
     e = estimate(lay, "fp32", shape=shape, stage=stage)
     if p.pp > 1:
-        act = tiny_stage_activation_bytes(b, s, d, a, L, V, p.pp, p.micro_batches, stage, p.schedule)
+        act = (tiny_stage_activation_bytes(b, s, d, a, L, V, p.pp, p.micro_batches, stage, p.schedule, t=p.tp)
+               if not p.sp else None)          # tp x pp with sp: measured only (no closed form here yet)
     elif p.activation_checkpointing:
         act = tiny_checkpointed_activation_bytes(b, s, d, a, L, V)
     elif p.cp > 1:
