@@ -16,7 +16,8 @@ planner's `comm_model.step_comm(..., algorithm="pslab", act_bytes=4, grad_bytes=
 class, next to the run's measured bytes_by_kind and link_bytes_per_step (both summed over ranks, per step). The
 default configs (DEFAULT_CONFIGS) cover dp (hierarchical all-reduce across the hosts; with and without overlap),
 tp inside a host vs across the slow link (placement packed vs spread), tp over both hosts, dp x pp with the
-pipeline inside a host vs across, and ZeRO 1 and 3 (the engines have no 3-D layout yet: no pp x tp). A config
+pipeline inside a host vs across, ZeRO 1 and 3, and five layouts with two model-parallel axes, tp x pp (composed,
+parallelism/compose.py): packed and spread, with sequence parallelism packed and spread, and GPipe. A config
 without a placement takes the topology's.
 """
 
@@ -40,7 +41,7 @@ BATCH = 8              # per data-parallel worker (workload.batch_size)
 DEFAULT_TOPOLOGY = Topology(hosts=2, per_host=2, intra_latency_s=20e-6, intra_bandwidth_Bps=2e9,
                             inter_latency_s=2e-3, inter_bandwidth_Bps=20e6)
 
-# label -> layout (dp, tp, pp, zero, micro_batches, schedule, overlap) and placement; world size 4 each
+# label -> layout (dp, tp, sp, pp, zero, micro_batches, schedule, overlap) and placement; world size 4 each
 DEFAULT_CONFIGS: list[dict[str, Any]] = [
     {"label": "dp=4", "dp": 4},
     {"label": "dp=2 x tp=2 packed", "dp": 2, "tp": 2, "placement": "packed"},
@@ -51,6 +52,11 @@ DEFAULT_CONFIGS: list[dict[str, Any]] = [
     {"label": "dp=4 overlap", "dp": 4, "overlap": True},
     {"label": "zero=1 dp=4", "dp": 4, "zero": 1},
     {"label": "zero=3 dp=4", "dp": 4, "zero": 3},
+    {"label": "tp=2 x pp=2 m4 packed", "tp": 2, "pp": 2, "micro_batches": 4, "placement": "packed"},
+    {"label": "tp=2 x pp=2 m4 spread", "tp": 2, "pp": 2, "micro_batches": 4, "placement": "spread"},
+    {"label": "tp=2 sp x pp=2 packed", "tp": 2, "sp": True, "pp": 2, "micro_batches": 4, "placement": "packed"},
+    {"label": "tp=2 sp x pp=2 spread", "tp": 2, "sp": True, "pp": 2, "micro_batches": 4, "placement": "spread"},
+    {"label": "tp=2 x pp=2 gpipe", "tp": 2, "pp": 2, "micro_batches": 4, "schedule": "gpipe"},
 ]
 
 
@@ -59,12 +65,12 @@ class CheckError(ValueError):
 
 
 def _norm(c: dict[str, Any]) -> dict[str, Any]:
-    known = {"label", "dp", "tp", "pp", "zero", "micro_batches", "schedule", "placement", "overlap"}
+    known = {"label", "dp", "tp", "sp", "pp", "zero", "micro_batches", "schedule", "placement", "overlap"}
     unknown = sorted(set(c) - known)
     if unknown:
         raise CheckError(f"check config has unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    out = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batches": 1, "schedule": "1f1b", "placement": "packed",
-           "overlap": False, **c}
+    out = {"dp": 1, "tp": 1, "sp": False, "pp": 1, "zero": 0, "micro_batches": 1, "schedule": "1f1b",
+           "placement": "packed", "overlap": False, **c}
     if out["pp"] == 1:
         out["micro_batches"] = 1
     out.setdefault("label", f"dp={out['dp']} tp={out['tp']} pp={out['pp']} zero={out['zero']} {out['placement']}")
@@ -81,7 +87,8 @@ def overrides(c: dict[str, Any], topology: Topology, steps: int, batch: int = BA
     def gbps(b: float) -> str:
         return "0" if math.isinf(b) else f"{b / 1e9:.9g}"
     ov = BASE + [f"workload.batch_size={batch}", f"train.steps={steps}", "train.eval_every=1000000",
-                 f"train.workers={c['dp']}", f"parallel.tp={c['tp']}", f"parallel.pp={c['pp']}",
+                 f"train.workers={c['dp']}", f"parallel.tp={c['tp']}", f"parallel.sp={str(c['sp']).lower()}",
+                 f"parallel.pp={c['pp']}",
                  f"parallel.zero={c['zero']}", f"parallel.overlap={str(c['overlap']).lower()}",
                  f"topology.hosts={topology.hosts}", f"topology.gpus_per_host={topology.per_host}",
                  f"topology.placement={c['placement']}",
@@ -105,7 +112,7 @@ def shape_of(batch: int = BATCH, micro_batches: int = 1) -> Any:
 def layout_of(c: dict[str, Any]) -> Any:
     from parallelism.memory_model import Layout
     c = _norm(c)
-    return Layout(dp=c["dp"], tp=c["tp"], pp=c["pp"], zero=c["zero"],
+    return Layout(dp=c["dp"], tp=c["tp"], pp=c["pp"], zero=c["zero"], sp=c["sp"],
                   micro_batches=c["micro_batches"] if c["pp"] > 1 else 1, schedule=c["schedule"])
 
 
@@ -146,7 +153,7 @@ def _row(c: dict[str, Any], pred: dict[str, Any], runs: list[dict]) -> dict[str,
     pk = {k: pred["bytes_by_kind"].get(k, 0.0) for k in kinds}
     mk = {k: mk.get(k, 0.0) for k in kinds}
     pl = pred["bytes_by_link"]
-    return {"label": c["label"], "layout": {k: c[k] for k in ("dp", "tp", "pp", "zero", "micro_batches")},
+    return {"label": c["label"], "layout": {k: c[k] for k in ("dp", "tp", "sp", "pp", "zero", "micro_batches")},
             "placement": c["placement"], "predicted_s": pred["step_s"], "measured_s": meas,
             "measured_all_s": [r["step_s"] for r in runs], "ratio": pred["step_s"] / meas,
             "error_pct": abs(pred["step_s"] - meas) / meas * 100, "prediction": pred["prediction"],
