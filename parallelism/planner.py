@@ -10,7 +10,9 @@ The layouts (for `gpus` GPUs, default all of the cluster's):
     dp · tp · pp · cp · ep = gpus         ep = 1 (a dense Shape has no experts); cp ∈ `cp` (default 1)
     tp | heads,  tp ≤ max_tp              (default: no limit; a tp > gpus_per_node group crosses nodes: such
                                            layouts stay in the list, so that the explanation can say why they lose)
-    pp | layers                           (equal stages, as in Narayanan et al. 2021)
+    pp ≤ layers                           (stages of ⌈L/p⌉ or ⌊L/p⌋ layers, the extra ones on the first stages, as
+                                           pipeline.split_stages cuts; published runs put 70 layers on 12 stages;
+                                           the busiest stage sets the pace)
     b ∈ {1, 2, 4, 8},  m = B / (dp · b)   (micro-batch size and count: dp · m · b = the global batch B, m integer)
     ZeRO stage ∈ zero                     (only 0 when dp = 1: the stages differ only across dp ranks)
     recompute ∈ recompute                 (none, selective, full: Korthikanti et al. 2022)
@@ -93,7 +95,7 @@ def candidates(shape: Shape, gpus: int, global_batch: int, *, max_tp: int | None
         if shape.heads % tp or (max_tp is not None and tp > max_tp):
             continue
         for pp in divisors(gpus // tp):
-            if shape.layers % pp:
+            if pp > shape.layers:
                 continue
             for c in cp:
                 if (gpus // (tp * pp)) % c or shape.seq % c:
@@ -196,7 +198,7 @@ def _lean(out: Ranked, nbytes: float, c: Candidate) -> None:
 def _no_layout(shape: Shape, gpus: int, batch: int, bs: tuple) -> str:
     tps = [t for t in divisors(gpus) if shape.heads % t == 0]
     return (f"no layout of {gpus} GPUs: dp·tp·pp must be {gpus} with tp dividing the {shape.heads} heads "
-            f"(possible tp: {', '.join(map(str, tps))}), pp dividing the {shape.layers} layers, and dp·b dividing "
+            f"(possible tp: {', '.join(map(str, tps))}), pp at most the {shape.layers} layers, and dp·b dividing "
             f"the global batch {batch} for a micro-batch size b in {', '.join(map(str, bs))}: change --gpus or "
             f"--global-batch")
 
@@ -332,7 +334,7 @@ def explain(ranked: list, cluster: Cluster) -> str:
             tried = sum(n for (_, q), n in getattr(ranked, "tried", {}).items() if q < lay.pp)
             why = (f"none of the {tried} layouts with fewer pipeline stages fits in {_gb(cluster.gpu_memory_bytes)} "
                    f"per GPU" if tried else "no layout with fewer pipeline stages exists for these GPUs and batch "
-                   "(dp·tp·pp = GPUs, tp | heads, pp | layers)")
+                   "(dp·tp·pp = GPUs, tp | heads, pp ≤ layers)")
             lines.append(f"pp={lay.pp}: {why}; the bubble (p-1)/(m+p-1) costs {_pct(bd['bubble'], step)} with m="
                          f"{lay.micro_batches}.")
         else:

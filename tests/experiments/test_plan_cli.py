@@ -72,7 +72,7 @@ def test_published_table_text(capsys):
     (["--model", "gpt-1.7b", "--zero", "5"], "--zero must list"),
     (["--model", "gpt-1.7b", "--recompute", "some"], "--recompute must be"),
     (["--model", "gpt-1.7b", "--nodes", "2", "--gpus", "1000"], "exceeds the cluster"),
-    (["--layers", "5", "--hidden", "64", "--heads", "4", "--seq", "8", "--vocab", "16", "--nodes", "1",
+    (["--layers", "2", "--hidden", "48", "--heads", "3", "--seq", "8", "--vocab", "16", "--nodes", "1",
       "--global-batch", "3"], "no layout of 8 GPUs"),
     (["--model", "gpt-1.7b", "--precision", "fp8"], "unknown precision"),
     (["--model", "gpt-1.7b", "--top", "0"], "--top must be"),

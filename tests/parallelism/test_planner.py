@@ -32,7 +32,7 @@ def test_enumeration_respects_the_constraints_and_misses_nothing():
     for c in cands:
         lay, b = c.layout, c.shape.micro_batch
         assert lay.dp * lay.tp * lay.pp * lay.cp * lay.ep == gpus
-        assert SMALL.heads % lay.tp == 0 and SMALL.layers % lay.pp == 0
+        assert SMALL.heads % lay.tp == 0 and lay.pp <= SMALL.layers
         assert lay.dp * lay.micro_batches * b == batch
         assert lay.sp == (lay.tp > 1 and SMALL.seq % lay.tp == 0)      # SP splits the sequence over tp
         assert lay.zero == 0 or lay.dp > 1
@@ -41,7 +41,7 @@ def test_enumeration_respects_the_constraints_and_misses_nothing():
     assert len(seen) == len(cands)                      # no layout twice
     expect = set()                                      # independently: every integer split, filtered
     for dp, tp, pp in itertools.product(range(1, gpus + 1), repeat=3):
-        if dp * tp * pp != gpus or SMALL.heads % tp or SMALL.layers % pp:
+        if dp * tp * pp != gpus or SMALL.heads % tp or pp > SMALL.layers:
             continue
         for b in (1, 2, 4, 8):
             if batch % (dp * b):
@@ -66,7 +66,7 @@ def test_best_layout_equals_an_independent_brute_force():
     # brute force: every (dp, tp, pp, b, zero, recompute) with dp·tp·pp = 8, predicted, filtered by memory here
     feasible = []
     for dp, tp, pp in itertools.product((1, 2, 4, 8), repeat=3):
-        if dp * tp * pp != 8 or SMALL.heads % tp or SMALL.layers % pp:
+        if dp * tp * pp != 8 or SMALL.heads % tp or pp > SMALL.layers:
             continue
         for b, z, r in itertools.product((1, 2, 4, 8), (0, 1, 2, 3), ("none", "selective", "full")):
             if batch % (dp * b) or (dp == 1 and z):
@@ -102,8 +102,8 @@ def test_a_layout_that_does_not_fit_is_not_returned():
 
 
 def test_bad_requests_raise_plan_error():
-    odd = Shape(layers=5, hidden=384, heads=12, seq=256, vocab=1000)    # tp | 12, pp | 5: tp·pp = 8 impossible,
-    with pytest.raises(PlanError, match="no layout of 8 GPUs"):           # so dp >= 2, and dp·b never divides 3
+    odd = Shape(layers=2, hidden=384, heads=3, seq=256, vocab=1000)     # tp | 3, pp <= 2: tp·pp = 8 impossible,
+    with pytest.raises(PlanError, match="no layout of 8 GPUs"):           # so dp is 4 or 8, and dp·b never divides 3
         plan(odd, tiny_cluster(), 3)
     with pytest.raises(PlanError, match="exceeds the cluster"):
         plan(SMALL, tiny_cluster(), 16, gpus=64)
@@ -170,3 +170,20 @@ def test_published_table_is_consistent():
         l, h = r.layers, r.hidden
         p = 12 * l * h * h * (1 + 13 / (12 * h) + (51200 + 2048) / (12 * l * h))
         assert abs(p / 1e9 - r.params_b) <= 0.05 + 0.005 * r.params_b        # 1.65 printed as 1.7
+
+
+def test_uneven_stages_are_planned():
+    """pp need not divide the layers (published runs put 70 layers on 12 stages): the first 10 stages hold 6 layers,
+    the last 2 hold 5 (as pipeline.split_stages cuts); a stage's memory is that of a stage with as many layers in
+    an evenly cut model (stage 0 of 72 layers on 12, the last of 60 on 12), and the planner ranks such layouts."""
+    from parallelism.memory_model import stage_layers
+    big = replace(SMALL, layers=70, micro_batch=1)
+    assert [stage_layers(70, 12, k) for k in range(12)] == [6] * 10 + [5] * 2
+    lay = Layout(dp=2, tp=1, pp=12, micro_batches=24)
+    first = estimate(lay, "mixed", shape=big, stage=0).total
+    last = estimate(lay, "mixed", shape=big, stage=11).total
+    assert first == estimate(lay, "mixed", shape=replace(big, layers=72), stage=0).total
+    assert last == estimate(lay, "mixed", shape=replace(big, layers=60), stage=11).total
+    assert any(c.layout.pp == 12 for c in candidates(big, 24, 48))
+    ranked = plan(big, tiny_cluster(memory=1e12, nodes=3, per_node=8), 48)
+    assert any(p.layout.pp == 12 for p in ranked)
