@@ -300,7 +300,7 @@ def _split(p: ParallelConfig) -> bool:
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp, ZeRO 1 also with
-# tp and pp (the distributed optimizer); overlap on dp and pp (with or without tp).
+# tp and pp (the distributed optimizer); overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -331,14 +331,15 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
      lambda p, s: f"parallel.zero = {p.zero} shards gradients (and parameters) inside backward, over data "
                   "parallelism only: with tp or pp use zero = 1 (the distributed optimizer per (pp, tp) coordinate), "
                   "or set parallel.tp = 1 and parallel.pp = 1"),
-    (lambda p, s, sim: p.zero and p.activation_checkpointing,
+    (lambda p, s, sim: p.zero and p.activation_checkpointing and p.tp == 1 and p.pp == 1,
      lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
     (lambda p, s, sim: p.overlap and s.kind != "allreduce",
      lambda p, s: f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = allreduce, "
                   f"not {s.label}"),
-    (lambda p, s, sim: p.overlap and (p.zero or (p.tp > 1 and p.pp == 1)),
+    (lambda p, s, sim: p.overlap and (p.zero or p.tp > 1),
      lambda p, s: "parallel.overlap runs the dp all-reduce from backward's hooks in the data-parallel and pipeline "
-                  "engines (pp > 1: in the last micro-batch's backward), not with tp alone or zero"),
+                  "engines (pp > 1: in the last micro-batch's backward), not with zero or tp > 1 (tp's backward "
+                  "collectives would share the transport with the bucket thread)"),
 )
 
 

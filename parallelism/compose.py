@@ -102,6 +102,11 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     model = model_factory()
     if refuse_moe:
         _refuse_moe(model)
+    if sequence_parallel:
+        from .models import Embed
+        if not any(isinstance(m, Embed) for m in model.modules()):
+            raise EngineError("sequence parallelism splits the sequence at the embedding; build the model with "
+                              "parallelism.models.Embed first (e.g. tiny_transformer)")
     pp = Comm(mesh.group("pp"), log)
     stage = cut_pipeline(model, pp)                                         # 1. pp
     tp = Comm(mesh.group("tp"), log)

@@ -193,10 +193,16 @@ class PipelineReplica:
     def enable_overlapped_sync(self) -> None:
         """Used by AllReduceStrategy(overlap=True): the dp all-reduce runs in buckets from autograd hooks during
         the stage's last backward (the last micro-batch's: every earlier one only accumulates), as picotron and
-        Megatron fire it, overlapping that backward instead of following the whole step."""
+        Megatron fire it, overlapping that backward instead of following the whole step. A stage split over tp
+        gets one bucket (so nothing overlaps): its backward's own collectives and a bucket thread's would share
+        the transport, which is not for two threads at once."""
         if self.reducer is None:
-            from .data import GradReducer
-            self.reducer = GradReducer(self.stage, self.dp)
+            from .data import DEFAULT_BUCKET_BYTES, GradReducer
+            from .tensor import SHARD_ATTR
+            split = any(getattr(q, SHARD_ATTR, False) for q in self.stage.parameters()) or self.sp is not None
+            # under tp the backward itself talks (f, sp's gathers) on this process's one transport, which the
+            # bucket thread must not use at the same time: one bucket, launched when the last gradient is ready
+            self.reducer = GradReducer(self.stage, self.dp, (1 << 62) if split else DEFAULT_BUCKET_BYTES)
             self.reducer.require_sync = True
 
     def close(self) -> None:

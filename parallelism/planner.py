@@ -10,10 +10,10 @@ The layouts (for `gpus` GPUs, default all of the cluster's):
     dp · tp · pp · cp · ep = gpus         ep = 1 (a dense Shape has no experts); cp ∈ `cp` (default 1)
     tp | heads,  tp ≤ max_tp              (default: no limit; a tp > gpus_per_node group crosses nodes: such
                                            layouts stay in the list, so that the explanation can say why they lose)
-    pp ≤ layers                           (stages of ⌈L/p⌉ or ⌊L/p⌋ layers, the extra ones on the first stages —
-                                           pipeline.split_stages cuts by the same rule, the embedding and head
-                                           counted as units; published runs put 70 layers on 12 stages; the
-                                           busiest stage sets the pace)
+    pp ≤ layers                           (stages of ⌈L/p⌉ or ⌊L/p⌋ layers, the extra ones on the first stages;
+                                           published runs put 70 layers on 12 stages; the busiest stage sets the
+                                           pace. pslab's engines cut [Embed, Block × L, Head] as L + 2 units by
+                                           that rule: algorithm "pslab" follows their cut for compute and bytes)
     b ∈ {1, 2, 4, 8},  m = B / (dp · b)   (micro-batch size and count: dp · m · b = the global batch B, m integer)
     ZeRO stage ∈ zero                     (only 0 when dp = 1: the stages differ only across dp ranks)
     recompute ∈ recompute                 (none, selective, full: Korthikanti et al. 2022)

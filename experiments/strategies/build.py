@@ -105,6 +105,16 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
             raise ConfigError(f"parallel.pp cuts an nn.Sequential into stages; {wl.name!r} is not one")
         if p.pp > layers:
             raise ConfigError(f"parallel.pp = {p.pp} exceeds the {layers} layers of {wl.name}: use pp <= {layers}")
+        if p.tp > 1 and cfg.strategy.uses_ps:
+            from parallelism.models import MLP, Attention
+            from parallelism.pipeline import split_stages, stage_module
+            ok = [q for q in range(2, layers + 1) if all(
+                any(isinstance(m, (Attention, MLP)) for m in stage_module(model, b).modules())
+                for b in split_stages(model, q))]
+            if p.pp not in ok:
+                raise ConfigError(f"parallel.pp = {p.pp} with tp = {p.tp} under {cfg.strategy.label} leaves a stage "
+                                  "without an attention or MLP block, so its tp ranks > 0 would hold nothing of "
+                                  f"their own to push: use pp in {ok or [1]}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -23,7 +23,10 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.zero=1", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
      "not available with parallel.zero"),
     (["parallel.overlap=true"], "needs train.strategy = allreduce"),
-    (["parallel.overlap=true", "train.strategy=allreduce", "parallel.tp=2"], "not with tp alone or zero"),
+    (["parallel.overlap=true", "train.strategy=allreduce", "parallel.tp=2", "parallel.pp=2"],
+     "not with zero or tp > 1"),
+    (["train.strategy=ps-ssp:1", "train.workers=1", "parallel.tp=2", "parallel.pp=3"],
+     "leaves a stage without an attention or MLP"),
     (["parallel.pp=2", "parallel.micro_batches=64"], "exceeds workload.batch_size"),
     (["train.strategy=local", "parallel.tp=2"], "strategy local is one process"),
     (["parallel.tp=2", "simulate.enabled=true"], "the simulator models data parallelism only"),
@@ -78,3 +81,19 @@ def test_bad_parallel_value_is_one_line_and_exit_1(tmp_path, capsys, sets, fragm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pslab: error:") and fragment in err[0], err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing started
+
+
+def test_composed_layouts_the_table_admits():
+    """What the refusals no longer cover loads: 3D with sp, checkpointing and overlap-free ZeRO-1, and ps-* 3D."""
+    from experiments.config import load_config
+    from experiments.strategies.build import check_layout
+    from experiments.workloads import get_workload
+    for sets in (["train.strategy=allreduce", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
+                  "parallel.activation_checkpointing=true"],
+                 ["train.strategy=allreduce", "parallel.pp=2", "parallel.zero=1",
+                  "parallel.activation_checkpointing=true"],
+                 ["train.strategy=allreduce", "parallel.pp=2", "parallel.overlap=true"],
+                 ["train.strategy=ps-ssp:1", "parallel.tp=2", "parallel.pp=2"]):
+        cfg = load_config(None, ["workload.name=text-transformer"] + sets)
+        w = cfg.workload
+        check_layout(cfg, get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.overrides()))

@@ -271,6 +271,10 @@ def test_sp_accumulates_gradients_like_tp():
     with pytest.raises(EngineError, match="mixture-of-experts"):
         from parallelism.models import tiny_moe_transformer
         TensorParallelEngine(sequence_parallel=True).build(tiny_moe_transformer, _OneRankMesh())
+    with pytest.raises(EngineError, match="splits the sequence at the embedding"):
+        from parallelism.models import Block
+        TensorParallelEngine(sequence_parallel=True).build(lambda: torch.nn.Sequential(Block(16, 4)),
+                                                           _OneRankMesh())
 
 
 class _OneRankMesh:
