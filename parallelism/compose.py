@@ -10,7 +10,8 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
        sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py     every block
     3. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
                                                                                                replays step 2)
-    4. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), zero.py
+    4. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
+                   (ZeRO-1) reduce-scattered, updated in chunks, all-gathered  distributed_optimizer.py
     then one executor runs the step: the pipeline schedule over m micro-batches (pp > 1), or one forward/backward.
 
 Why this order (as picotron and torchtitan apply it): the pipeline cut is in units of the single-process model's
