@@ -113,6 +113,11 @@ class ParallelConfig:
     def model_parallel(self) -> int:
         return self.tp * self.pp * self.cp * self.ep
 
+    @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO on a split model (zero = 1 with tp or pp): parallelism/distributed_optimizer.py, not ZeroEngine."""
+        return bool(self.zero) and (self.tp > 1 or self.pp > 1)
+
     def unsplit(self) -> "ParallelConfig":
         """The same settings for the unsplit model (what `local`, the single-process reference, trains)."""
         return ParallelConfig(activation_checkpointing=self.activation_checkpointing)
@@ -261,7 +266,7 @@ class RunConfig:
             raise ConfigError(f"faults.on_failure = {self.faults.on_failure}: a run that splits the model "
                               f"({self.parallel.describe()}) cannot re-cut it around a lost rank; use abort (or auto) "
                               "and resume from an engine checkpoint (faults.checkpoint_every, pslab run --resume)")
-        if self.parallel.zero and (self.parallel.tp > 1 or self.parallel.pp > 1) and self.faults.checkpoint_every:
+        if self.parallel.distributed_optimizer and self.faults.checkpoint_every:
             raise ConfigError("faults.checkpoint_every: the distributed optimizer (parallel.zero = 1 with tp or pp) "
                               "keeps its state in chunks of tp shards, which engine checkpoints cannot hold yet: set "
                               "faults.checkpoint_every = 0, or zero = 0")
@@ -331,7 +336,7 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
      lambda p, s: f"parallel.zero = {p.zero} shards gradients (and parameters) inside backward, over data "
                   "parallelism only: with tp or pp use zero = 1 (the distributed optimizer per (pp, tp) coordinate), "
                   "or set parallel.tp = 1 and parallel.pp = 1"),
-    (lambda p, s, sim: p.zero and p.activation_checkpointing and p.tp == 1 and p.pp == 1,
+    (lambda p, s, sim: p.zero and p.activation_checkpointing and not p.distributed_optimizer,
      lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
     (lambda p, s, sim: p.overlap and s.kind != "allreduce",
      lambda p, s: f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = allreduce, "

@@ -86,7 +86,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
     elif cfg.strategy.kind == "allreduce" and D > 1:
-        if p.zero and (p.tp > 1 or p.pp > 1):      # the distributed optimizer: slot_bytes are whole slots
+        if p.distributed_optimizer:             # slot_bytes are whole slots, not ZeroEngine's shards
             out["zero RS + AG"] = (2 * (D - 1) / D * sum(slot_bytes),
                                    "Σ_r 2(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)")
         elif p.zero:

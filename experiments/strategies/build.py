@@ -128,7 +128,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     from parallelism.tensor import TensorParallelEngine
     from parallelism.zero import ZeroEngine
     p, loss = cfg.parallel, wl.loss_from_output
-    if p.zero and p.tp == 1 and p.pp == 1:
+    if p.zero and not p.distributed_optimizer:
         spec = optimizer_spec(cfg.train)
         return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
     if p.pp > 1:
@@ -163,7 +163,7 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
         from experiments.strategies.local import LocalStrategy
         return LocalStrategy(spec, cfg.train.workers)
     if s.kind == "allreduce":
-        if cfg.parallel.zero and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        if cfg.parallel.distributed_optimizer:
             from parallelism.distributed_optimizer import DistributedOptimizerStrategy
             return DistributedOptimizerStrategy(lambda params: torch_optimizer(spec, params))
         if cfg.parallel.zero:

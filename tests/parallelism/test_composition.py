@@ -4,6 +4,8 @@ backends; under sp each pipeline cut carries only the S/T sequence slice per ran
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import collectives
@@ -28,6 +30,16 @@ CASES = {   # name: (mesh, schedule, micro-batches, sequence parallel, activatio
 OPTS = {"sgd": sgd, "adam": adam_attention}
 
 
+def _launch_against_one_process(worker, case, mesh_shape, opt, backend):
+    """Run `worker` on the mesh's ranks; every rank's per-step losses must equal one process's. Returns the ranks'
+    results and the single-process final weights."""
+    ref_losses, ref_w = reference(TF_FACTORY, tf_batches(), opt=OPTS[opt], loss_fn=lm_loss)
+    out = collectives.launch(worker, math.prod(mesh_shape.values()), backend=backend, args=(case,), timeout=200)
+    for r in out:
+        assert_close(r["losses"], ref_losses, f"losses of rank {r.get('coords', '?')}")
+    return out, ref_w
+
+
 def _worker(group, case):
     from parallelism.engine import AllReduceStrategy
     mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
@@ -47,13 +59,7 @@ def test_3d_matches_single_process(backend, case):
     """Every step's loss and the final full model equal one process on the concatenated batch; with overlap the
     dp gradients go in buckets from the last backward's hooks ("bucket k"), without in one flat all-reduce."""
     mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
-    ref_losses, ref_w = reference(TF_FACTORY, tf_batches(), opt=OPTS[opt], loss_fn=lm_loss)
-    world = 1
-    for n in mesh_shape.values():
-        world *= n
-    out = collectives.launch(_worker, world, backend=backend, args=(case,), timeout=200)
-    for r in out:
-        assert_close(r["losses"], ref_losses, f"losses of rank {r['coords']}")
+    out, ref_w = _launch_against_one_process(_worker, case, mesh_shape, opt, backend)
     root = out[0]["state"]
     assert root is not None and all(r["state"] is None for r in out[1:])
     assert list(root) == list(ref_w)
@@ -108,13 +114,7 @@ def test_zero1_on_a_composed_replica_matches_single_process(backend, case):
     """The distributed optimizer (reduce-scatter the gradients over dp, update the owned chunk, all-gather) on dp x
     tp x pp equals one process, and each rank keeps optimizer state for 1/D of its slots' elements."""
     mesh_shape, sp, opt = ZERO_CASES[case]
-    ref_losses, ref_w = reference(TF_FACTORY, tf_batches(), opt=OPTS[opt], loss_fn=lm_loss)
-    world = 1
-    for n in mesh_shape.values():
-        world *= n
-    out = collectives.launch(_zero_worker, world, backend=backend, args=(case,), timeout=200)
-    for r in out:
-        assert_close(r["losses"], ref_losses, "losses")
+    out, ref_w = _launch_against_one_process(_zero_worker, case, mesh_shape, opt, backend)
     for n, w in ref_w.items():
         assert_close(out[0]["state"][n], w, n)
     per_state = 2 if opt == "adam" else 1                      # Adam: two moments; SGD with momentum: one buffer
