@@ -5,7 +5,8 @@
                   lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
                   target_acc
     [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
-    [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, zero, activation_checkpointing, overlap  (ParallelConfig)
+    [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, zero, activation_checkpointing,
+                  overlap  (ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
                   (experiments/faults/spec.py)
@@ -103,6 +104,8 @@ class ParallelConfig:
     pp: int = 1                      # pipeline stages: the model's layers cut into pp consecutive stages
     micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
     schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
+    virtual_stages: int = 1          # pp > 1, 1f1b: model chunks per stage; v > 1 is interleaved 1F1B (bubble
+                                     # (p-1)/(v·m+p-1), v times the boundary traffic; micro_batches a multiple of pp)
     zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only; with
                                      # tp or pp: 1, the distributed optimizer per (pp, tp) coordinate)
     activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
@@ -131,7 +134,8 @@ class ParallelConfig:
             if getattr(self, ax) > 1:
                 parts.append(f"{ax}={getattr(self, ax)}")
         if self.pp > 1:
-            parts.append(f"pp={self.pp}/{self.schedule}/m{self.micro_batches}")
+            parts.append(f"pp={self.pp}/{self.schedule}/m{self.micro_batches}"
+                         + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.activation_checkpointing:
@@ -338,6 +342,12 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                   "or set parallel.tp = 1 and parallel.pp = 1"),
     (lambda p, s, sim: p.zero and p.activation_checkpointing and not p.distributed_optimizer,
      lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
+    (lambda p, s, sim: p.virtual_stages > 1 and (p.pp == 1 or p.schedule != "1f1b"),
+     lambda p, s: f"parallel.virtual_stages = {p.virtual_stages} interleaves the stages of 1F1B: it needs "
+                  f"parallel.pp > 1 and parallel.schedule = \"1f1b\" (got pp = {p.pp}, schedule = {p.schedule!r})"),
+    (lambda p, s, sim: p.virtual_stages > 1 and p.micro_batches % p.pp != 0,
+     lambda p, s: f"parallel.virtual_stages = {p.virtual_stages}: interleaved 1F1B runs micro-batches in groups of "
+                  f"pp = {p.pp}, so parallel.micro_batches ({p.micro_batches}) must be a multiple of {p.pp}"),
     (lambda p, s, sim: p.overlap and s.kind != "allreduce",
      lambda p, s: f"parallel.overlap overlaps the all-reduce with backward: it needs train.strategy = allreduce, "
                   f"not {s.label}"),
@@ -351,7 +361,7 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
 def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulated: bool) -> None:
     """Values in range, then the table of refused combinations (_PARALLEL_RULES); what needs the model
     (divisibility, number of layers) is `experiments.strategies.build.check_layout`'s."""
-    for key in ("tp", "pp", "cp", "ep", "micro_batches"):
+    for key in ("tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")

@@ -27,11 +27,12 @@ Files, one idea each:
     sequence.py      sequence parallelism on the tp group: LayerNorm on sequence shards, all-gather/reduce-scatter
     ring_attention.py  ring attention: K/V blocks around the cp ring, online softmax, zig-zag causal balance
     context.py       context parallelism: the sequence split over cp ranks (the engine around ring attention)
-    schedule.py      GPipe and 1F1B as data; (p−1)/(m+p−1); virtual-time replay
+    schedule.py      GPipe, 1F1B and interleaved 1F1B as data; (p−1)/(v·m+p−1); virtual-time replay
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     memory_model.py  bytes per GPU of a layout: model state (ZeRO), activations (Korthikanti et al.) — `pslab memory`
     cluster.py       a cluster for the planner: nodes of GPUs, memory, achieved FLOP/s, intra/inter links; presets
+    comm_cost.py     where ranks sit (packed / spread) and the bytes per link and α-β seconds of each collective
     comm_model.py    bytes and α-β seconds per step of each kind of communication, per link class (textbook
                      ring rules, or pslab's own exact ones) under a placement of ranks on nodes
     step_model.py    step time of a layout: FLOPs (Narayanan et al. eq. 3), bubble, exposed comm, memory

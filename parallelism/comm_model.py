@@ -7,25 +7,13 @@ bytes: sent per training step, summed over all ranks (what `experiments/results/
 seconds: what this communication adds to one rank's critical path per step (the slowest group of the kind), α-β on
 the link the group spans: a message of B bytes costs α + B/β (cluster.link("intra" | "inter")).
 
-Where ranks sit (the mesh is dp, pp, cp, ep, tp with tp innermost: parallelism/mesh.py):
+Where ranks sit (packed | spread) and what each collective costs on its group: `comm_cost.py`.
 
-    packed   rank r on node r // gpus_per_node     (torchrun's packing: a tp group inside a node)
-    spread   rank r on node r % nodes, nodes = min(cluster.nodes, ranks)     (consecutive ranks on different nodes)
-
-A ring over a group (in group order) sends each hop's bytes over the link between its two ends, exactly as
-`collectives/ring.py` cuts the buffer (`chunk_bounds`); its time is its slowest hop's (the ring moves in lock-step):
-k·α + (the bytes one rank sends, on average)/β on the slower link class. Groups whose members sit on nodes in the
-same pattern (and on the same stage) cost the same: each is computed once (`Placement.group_classes`). Notation: b micro-batch, s sequence, h hidden, L layers,
-V vocabulary, m micro-batches per step (layout.micro_batches, default p), D/T/P/C/E the dp/tp/pp/cp/ep degrees,
-A = b·(s/C)·h·act_bytes (one micro-batch's activation on one rank), Ψ_k the parameters of a rank of pipeline stage k,
-g = grad_bytes, N the group's size, S a tensor's bytes.
-
-    ring all-reduce             per rank 2(N−1)/N·S, 2(N−1) latencies      (Patarasuk & Yuan 2009)
-    reduce-scatter, all-gather  per rank (N−1)/N·S, N−1 latencies
-    hierarchical all-reduce     a group spanning H nodes with the same L > 1 of its ranks on each: reduce-scatter
-                                inside ((L−1)/L·S per rank, intra), ring all-reduce across of each rank's S/L
-                                (2(H−1)/H·S/L, inter), all-gather inside: two terms, one per link
-                                (collectives/hierarchical.py)
+Groups whose members sit on nodes in the same pattern (and on the same stage) cost the same: each is computed once
+(`Placement.group_classes`). Notation: b micro-batch, s sequence, h hidden, L layers, V vocabulary, m micro-batches
+per step (layout.micro_batches, default p), D/T/P/C/E the dp/tp/pp/cp/ep degrees, v = layout.virtual_stages (model
+chunks per pipeline stage, interleaved 1F1B), A = b·(s/C)·h·act_bytes (one micro-batch's activation on one rank),
+Ψ_k the parameters of a rank of pipeline stage k, g = grad_bytes, N the group's size, S a tensor's bytes.
 
 Textbook rules (algorithm "ring", NCCL-like):
 
@@ -34,7 +22,8 @@ Textbook rules (algorithm "ring", NCCL-like):
                      parallelism: all-gathers + reduce-scatters, the same bytes. Σ = D·C·E·T·L·m·(4|6)·2(T−1)/T·A
     pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
                      of a stage sends its own A (under sp its S/T slice, A/T: Korthikanti et al.):
-                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β)
+                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β); interleaved 1F1B (v chunks
+                     per stage): P·v − 1 cuts, Σ = D·C·E·T·(P·v−1)·m·2·A, a rank's time 2v·m·(α + A/β)
     dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
     zero RS + AG     ZeRO 1: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g per
                      step; with m micro-batches of gradient accumulation ZeRO 2 reduce-scatters after each one:
@@ -54,7 +43,8 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
     all-reduce       S <= 32 KiB (collectives.zmq_group.SMALL_BYTES): one direct exchange, (N−1)·S per rank;
                      else hierarchical where it applies (any group, not only dp), else the ring
     stages           pipeline.split_stages: the L + 2 parameterised children [Embed, Block × L, Head] cut by
-                     chunk_bounds(L + 2, P)
+                     chunk_bounds(L + 2, P) (interleaved: by chunk_bounds(L + 2, P·v), rank k holding chunks
+                     k, k + P, …; a micro-batch crosses P·v − 1 cuts, rank P−1 sending on to rank 0)
     dp gradient sync one flat all-reduce of the stage's gradients (engine.allreduce_grads), or with overlap (the
                      data-parallel and pipeline engines) one per DDP bucket (data.py: ≤ 25 MiB, parameters in
                      reverse order; a pipeline stage's in its last micro-batch's backward)
@@ -74,25 +64,20 @@ dp/zero gradient terms are `overlappable` (they may hide behind backward compute
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 from collectives.group import chunk_bounds
 from collectives.zmq_group import SMALL_BYTES
 
 from .cluster import Cluster
-from .memory_model import Layout, MemoryModelError, Shape, stage_layers
+from .comm_cost import (PLACEMENTS, CommModelError, Cost, Placement, _slowest, all_reduce, all_to_all, ring,  # noqa: F401
+                        setup_barrier)
+from .memory_model import Layout, Shape, stage_layers
 
-AXES = ("dp", "pp", "cp", "ep", "tp")
-PLACEMENTS = ("packed", "spread")
 ALGORITHMS = ("ring", "pslab")
 KINDS = ("dp gradient sync", "zero RS + AG", "tp activations", "pp boundaries", "cp ring + grads",
          "ep all-to-all + grads")
 BUCKET_BYTES = 25 << 20        # parallelism/data.py DEFAULT_BUCKET_BYTES
 HEADER_BYTES = 8 * 8           # pipeline.py: a shape header is _MAX_DIMS + 2 int64
-
-
-class CommModelError(MemoryModelError):
-    """A layout, placement or algorithm the communication model cannot describe (the message says what to change)."""
 
 
 @dataclass(frozen=True)
@@ -108,186 +93,6 @@ class CommTerm:
         return asdict(self)
 
 
-# ---- where ranks sit -----------------------------------------------------------------------------------------
-
-class Placement:
-    """Node of each global rank, the link class between two ranks, and the mesh's groups along an axis."""
-
-    def __init__(self, layout: Layout, cluster: Cluster, placement: str = "packed") -> None:
-        if placement not in PLACEMENTS:
-            raise CommModelError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-        n = layout.gpus()
-        if n > cluster.gpus:
-            raise CommModelError(f"the layout needs {n} GPUs but cluster {cluster.name} has {cluster.gpus} "
-                                 f"({cluster.nodes} x {cluster.gpus_per_node}): add nodes or shrink the layout")
-        self.cluster, self.placement, self.world = cluster, placement, n
-        self.nodes = min(cluster.nodes, n)
-        self.sizes = {ax: getattr(layout, ax) for ax in AXES}
-        self.stride: dict[str, int] = {}
-        s = 1
-        for ax in reversed(AXES):
-            self.stride[ax] = s
-            s *= self.sizes[ax]
-
-    def node(self, r: int) -> int:
-        return r // self.cluster.gpus_per_node if self.placement == "packed" else r % self.nodes
-
-    def link(self, a: int, b: int) -> str:
-        return "intra" if self.node(a) == self.node(b) else "inter"
-
-    def coord(self, r: int, axis: str) -> int:
-        return (r // self.stride[axis]) % self.sizes[axis]
-
-    def group_classes(self, axis: str) -> list[tuple[list[int], int]]:
-        """One representative of each class of equivalent groups along `axis`, and how many there are: groups of
-        the same pipeline stage whose members sit on nodes in the same pattern cost the same (packed: node
-        (r0 + i·stride) // G, spread: (r0 + i·stride) % nodes, so the pattern is fixed by r0 mod G, resp. nodes)."""
-        st, n = self.stride[axis], self.sizes[axis]
-        period = self.cluster.gpus_per_node if self.placement == "packed" else self.nodes
-        seen: dict[tuple, list] = {}         # the node pattern of a group depends on its first rank mod `period`
-        for r in range(self.world):
-            if (r // st) % n:
-                continue
-            key = (0 if axis == "pp" else self.coord(r, "pp"), r % period)
-            if key in seen:
-                seen[key][1] += 1
-            else:
-                seen[key] = [[r + i * st for i in range(n)], 1]
-        return [(g, k) for g, k in seen.values()]
-
-    def hosts_of(self, group: list[int]) -> list[list[int]] | None:
-        """The group's positions per node when a hierarchical all-reduce applies (>= 2 nodes, the same number >= 2
-        of its ranks on each: collectives/hierarchical.layout), else None."""
-        by: dict[int, list[int]] = {}
-        for i, r in enumerate(group):
-            by.setdefault(self.node(r), []).append(i)
-        hosts = [by[h] for h in sorted(by)]
-        if len(group) < 4 or len(hosts) < 2 or len({len(h) for h in hosts}) != 1 or len(hosts[0]) < 2:
-            return None
-        return hosts
-
-
-# ---- the cost of collectives on one group: bytes per link (summed over members), seconds of one member ---------
-
-class Cost:
-    """Bytes sent per link class (summed over the group's members) and one member's seconds per link class."""
-
-    def __init__(self) -> None:
-        self.bytes = {"intra": 0, "inter": 0}
-        self.secs = {"intra": 0.0, "inter": 0.0}
-        self.hierarchical = False          # a hierarchical all-reduce ran: its set-up barrier is a one-off
-
-    def add(self, other: "Cost", times: int = 1) -> "Cost":
-        self.hierarchical |= other.hierarchical and times > 0
-        for k in self.bytes:
-            self.bytes[k] += times * other.bytes[k]
-            self.secs[k] += times * other.secs[k]
-        return self
-
-    def send(self, pl: Placement, a: int, b: int, nbytes: int) -> None:
-        self.bytes[pl.link(a, b)] += nbytes
-
-    def wait(self, pl: Placement, cls: str, messages: int, nbytes: float) -> None:
-        lat, bw = pl.cluster.link(cls)
-        self.secs[cls] += messages * lat + nbytes / bw
-
-
-def _slowest(links: Iterable[str]) -> str:
-    return "inter" if "inter" in set(links) else "intra"
-
-
-def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str) -> Cost:
-    """One ring pass (collectives/ring.py) over `numel` elements of `e` bytes: phase "ar" (all-reduce: member i
-    sends 2(N−1) chunks, all but chunks i+1 and i+2 twice), "rs" (reduce-scatter: all chunks but its own), "ag"
-    (all-gather: all but chunk i+1). Bytes per link exact (chunk_bounds); seconds: the textbook per-rank share
-    on the slowest hop's link, 2(N−1) (ar) or N−1 latencies."""
-    c, n = Cost(), len(group)
-    if n == 1:
-        return c
-    nodes = [pl.node(r) for r in group]
-    cross = [i for i in range(n) if nodes[i] != nodes[(i + 1) % n]]
-    total = (2 if phase == "ar" else 1) * (n - 1) * numel
-    if len(cross) in (0, n):
-        c.bytes["inter" if cross else "intra"] += total * e
-    else:
-        base, extra = divmod(numel, n)
-
-        def size(j: int) -> int:
-            return base + (1 if j % n < extra else 0)
-
-        def sent(i: int) -> int:
-            if phase == "ar":
-                return numel if n == 2 else 2 * numel - size(i + 1) - size(i + 2)
-            return numel - size(i if phase == "rs" else i + 1)
-        x = sum(sent(i) for i in cross)
-        c.bytes["inter"] += x * e
-        c.bytes["intra"] += (total - x) * e
-    c.wait(pl, "inter" if cross else "intra", 2 * (n - 1) if phase == "ar" else n - 1, total / n * e)
-    return c
-
-
-def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
-    """Every member sends its whole tensor to every other member (pslab's direct exchange, S <= 32 KiB).
-
-    Time: the N−1 sends go to N−1 different peers, each over its own link (the emulation has one link per ordered
-    pair, as a switch gives each pair its own path), so they travel side by side: one α + S/β on the slowest link
-    the group spans, plus the software cost of each further send — taken as the intra link's α, which calibration
-    measures as the per-message cost of one send + receive."""
-    c, n = Cost(), len(group)
-    if n == 1:
-        return c
-    per_node: dict[int, int] = {}
-    for r in group:
-        per_node[pl.node(r)] = per_node.get(pl.node(r), 0) + 1
-    inside = sum(k * (k - 1) for k in per_node.values())
-    c.bytes["intra"] += inside * nbytes
-    c.bytes["inter"] += (n * (n - 1) - inside) * nbytes
-    c.wait(pl, "inter" if len(per_node) > 1 else "intra", 1, nbytes)
-    c.secs["intra"] += (n - 2) * pl.cluster.intra_latency_s
-    return c
-
-
-def all_reduce(pl: Placement, group: list[int], numel: int, e: int, small: int = 0,
-               hierarchical: bool = True) -> Cost:
-    """All-reduce of numel·e bytes on every member: direct exchange when <= small, hierarchical where it applies
-    (and is allowed), else the ring."""
-    n = len(group)
-    if n == 1 or numel == 0:
-        return Cost()
-    if numel * e <= small:
-        return direct(pl, group, numel * e)
-    hosts = pl.hosts_of(group) if hierarchical else None
-    if hosts is None:
-        return ring(pl, group, numel, e, "ar")
-    c = Cost()
-    c.hierarchical = True
-    L = len(hosts[0])
-    for members in hosts:                                     # reduce-scatter + all-gather inside each node
-        sub = [group[i] for i in members]
-        inside = ring(pl, sub, numel, e, "rs").add(ring(pl, sub, numel, e, "ag"))
-        c.bytes["intra"] += inside.bytes["intra"]
-        c.bytes["inter"] += inside.bytes["inter"]
-        c.secs["intra"] = max(c.secs["intra"], inside.secs["intra"])
-    slowest = 0.0
-    for l, (a, b) in enumerate(chunk_bounds(numel, L)):      # local rank l's shard, across the nodes
-        across = ring(pl, [group[h[l]] for h in hosts], b - a, e, "ar")
-        c.bytes["intra"] += across.bytes["intra"]
-        c.bytes["inter"] += across.bytes["inter"]
-        slowest = max(slowest, across.secs["inter"])
-    c.secs["inter"] += slowest
-    return c
-
-
-def setup_barrier(pl: Placement, group: list[int]) -> Cost:
-    """The hierarchical all-reduce's one-off barrier on its first call: 1 byte from every member to every other."""
-    return direct(pl, group, 1)
-
-
-def all_to_all(pl: Placement, group: list[int], nbytes: int) -> Cost:
-    """Chunk j of an S-byte buffer to member j: (N−1)/N·S per member, one latency."""
-    return direct(pl, group, nbytes // len(group)) if len(group) > 1 else Cost()
-
-
 # ---- the model's parameters, as the engines hold them --------------------------------------------------------
 
 def layer_tensors(shape: Shape, t: int = 1) -> list[int]:
@@ -297,15 +102,21 @@ def layer_tensors(shape: Shape, t: int = 1) -> list[int]:
     return [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, 4 * h * h // t, 4 * h // t, 4 * h * h // t, h]
 
 
+def stage_units(shape: Shape, layout: Layout, stage: int) -> list[int]:
+    """The engines' units [Embed, Block × L, Head] (0 .. L+1) one rank of `stage` holds: pipeline.rank_chunks, the
+    L + 2 units cut by chunk_bounds(L + 2, P·v), chunks stage, stage + P, … (v = 1: chunk_bounds(L + 2, P))."""
+    p, v = layout.pp, layout.virtual_stages
+    bounds = chunk_bounds(shape.layers + 2, p * v)[stage::p]
+    return [u for a, b in bounds for u in range(a, b)]
+
+
 def stage_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> list[int]:
     """Elements of the parameters one rank of `stage` holds, in registration order."""
     h, t, p = shape.hidden, layout.tp, layout.pp
     embed, head = [shape.vocab * h, shape.seq * h], [h, h, shape.vocab * h, shape.vocab]
-    if algorithm == "pslab":           # pipeline.split_stages: [Embed, Block × L, Head] by chunk_bounds(L + 2, P)
-        a, b = chunk_bounds(shape.layers + 2, p)[stage]
-        units = range(a, b)
+    if algorithm == "pslab":
         out: list[int] = []
-        for u in units:
+        for u in stage_units(shape, layout, stage):
             out += embed if u == 0 else head if u == shape.layers + 1 else layer_tensors(shape, t)
         return out
     n = stage_layers(shape.layers, p, stage)
@@ -314,8 +125,7 @@ def stage_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> l
 
 def stage_blocks(shape: Shape, layout: Layout, stage: int, algorithm: str) -> int:
     if algorithm == "pslab":
-        a, b = chunk_bounds(shape.layers + 2, layout.pp)[stage]
-        return sum(1 for u in range(a, b) if 0 < u <= shape.layers)
+        return sum(1 for u in stage_units(shape, layout, stage) if 0 < u <= shape.layers)
     return stage_layers(shape.layers, layout.pp, stage)
 
 
@@ -404,26 +214,31 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
         out += kind.terms()
 
     if P > 1:
+        V = lay.virtual_stages                        # interleaved: a micro-batch crosses P·V − 1 cuts, wrapping
         cut = A // T if lay.sp and T > 1 else A       # sequence parallel: a tp rank's cut is its S/T slice
         loss_b = 8 if lay.sp and T > 1 else 4         # (and the loss it reports is float64)
-        kind = _Kind("pp boundaries", f"D·C·E·T·(P−1)·m·2·A{'/T' if cut != A else ''}, A = {A * act} B"
-                     + (f" + (P−1)·{loss_b} B loss broadcast + 64 B shape header per boundary once" if pslab else ""))
+        cuts = f"(P·v−1), v = {V}" if V > 1 else "(P−1)"
+        kind = _Kind("pp boundaries", f"D·C·E·T·{cuts}·m·2·A{'/T' if cut != A else ''}, A = {A * act} B"
+                     + (f" + (P−1)·{loss_b} B loss broadcast + 64 B shape header per cut once" if pslab else ""))
         for grp, times in pl.group_classes("pp"):
             c, header = Cost(), Cost()
-            for k in range(P - 1):
-                c.send(pl, grp[k], grp[k + 1], m * cut * act)
-                c.send(pl, grp[k + 1], grp[k], m * cut * act)
-                header.send(pl, grp[k], grp[k + 1], HEADER_BYTES)
+            for k in range(P * V - 1):                # cut k: rank k mod P -> rank (k+1) mod P
+                a, b = grp[k % P], grp[(k + 1) % P]
+                c.send(pl, a, b, m * cut * act)
+                c.send(pl, b, a, m * cut * act)
+                header.send(pl, a, b, HEADER_BYTES)
             if pslab:
                 for k in range(P - 1):
                     c.send(pl, grp[-1], grp[k], loss_b)
-            # one rank's time: a middle stage sends m activations forward and m gradients back
+            # one rank's time: a middle stage sends m activations forward and m gradients back per cut it owns
             for k in range(P):
                 t = Cost()
-                if k < P - 1:
-                    t.wait(pl, pl.link(grp[k], grp[k + 1]), m, m * cut * act)
-                if k > 0:
-                    t.wait(pl, pl.link(grp[k], grp[k - 1]), m, m * cut * act)
+                fwd = sum(1 for c_ in range(k, P * V - 1, P))
+                bwd = sum(1 for c_ in range(k, P * V, P) if c_ > 0)
+                if fwd:
+                    t.wait(pl, pl.link(grp[k], grp[(k + 1) % P]), m * fwd, m * fwd * cut * act)
+                if bwd:
+                    t.wait(pl, pl.link(grp[k], grp[(k - 1) % P]), m * bwd, m * bwd * cut * act)
                 if sum(t.secs.values()) > sum(c.secs.values()):
                     c.secs = t.secs
             kind.group(c, header if pslab else None, steps, times)

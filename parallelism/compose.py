@@ -5,7 +5,8 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
 
     model = factory()
     1. pp  cut     keep this rank's pipeline stage: whole top-level layers,    pipeline.py     talks on pp:
-                   a balanced cut of the parameterised ones                                    p2p at the cuts
+                   a balanced cut of the parameterised ones (interleaved:                      p2p at the cuts
+                   v chunks of a v·p-way cut, chunks s, s+p, …)
     2. tp  split   Attention / MLP → Megatron column- and row-parallel shards  tensor.py       talks on tp:
        sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py     every block
     3. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
@@ -52,6 +53,7 @@ class Composed:
     rank: int                                           # this rank's global rank (the slots' owner)
     sequence_parallel: bool = False
     replicated: list[torch.Tensor] = field(default_factory=list)   # summed over tp after backward (sp only)
+    chunk_bounds: list[tuple[int, int]] | None = None   # interleaved: the module's v chunks (child indices)
 
     def name_of(self, name: str, p: torch.Tensor) -> str:
         """The slot name: the full-model name, plus "#tp{t}/{T}" for a tensor-parallel shard."""
@@ -61,12 +63,17 @@ class Composed:
         return name
 
 
-def cut_pipeline(model: nn.Module, pp: Comm) -> nn.Module:
-    """Step 1: this rank's stage of `model` (an nn.Sequential) over the pp group; the model itself when pp = 1."""
+def cut_pipeline(model: nn.Module, pp: Comm, virtual_stages: int = 1) -> tuple[nn.Module, list[tuple[int, int]]]:
+    """Step 1: this rank's stage of `model` (an nn.Sequential) over the pp group, and its chunks' [start, end) child
+    indices: one chunk, or v of a v·p-way cut (chunks pp.rank, pp.rank + p, …: interleaved 1F1B). The model itself
+    when pp = 1."""
     if pp.size == 1:
-        return model
-    from .pipeline import split_stages, stage_module
-    return stage_module(model, split_stages(model, pp.size)[pp.rank])
+        if virtual_stages > 1:
+            raise EngineError("virtual_stages > 1 interleaves pipeline stages; it needs pp > 1")
+        return model, []
+    from .pipeline import rank_chunks, stage_module
+    mine = rank_chunks(model, pp.size, virtual_stages)[pp.rank]
+    return stage_module(model, mine), mine
 
 
 def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel: bool,
@@ -95,9 +102,11 @@ def _refuse_moe(model: nn.Module) -> None:
 
 
 def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequence_parallel: bool = False,
-            regather: bool = False, checkpoint_activations: bool = False, refuse_moe: bool = False) -> Composed:
+            regather: bool = False, checkpoint_activations: bool = False, refuse_moe: bool = False,
+            virtual_stages: int = 1) -> Composed:
     """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe: refuse a
-    mixture-of-experts model even at tp = 1 (the tensor-parallel engine's promise)."""
+    mixture-of-experts model even at tp = 1 (the tensor-parallel engine's promise); virtual_stages: model chunks
+    per pipeline rank (interleaved 1F1B)."""
     if regather and not sequence_parallel:
         raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs sequence_parallel=True")
     model = model_factory()
@@ -109,11 +118,12 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
             raise EngineError("sequence parallelism splits the sequence at the embedding; build the model with "
                               "parallelism.models.Embed first (e.g. tiny_transformer)")
     pp = Comm(mesh.group("pp"), log)
-    stage = cut_pipeline(model, pp)                                         # 1. pp
+    stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
     if checkpoint_activations:
         wrap_children(stage)                                                # 3. activation checkpointing
     dp = Comm(mesh.group("dp"), log)                                        # 4. dp: the strategy's, on dp
-    return Composed(stage, pp, tp, dp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1, replicated)
+    return Composed(stage, pp, tp, dp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1, replicated,
+                    chunks if virtual_stages > 1 else None)
 

@@ -60,7 +60,8 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
     """The full model's parameters {name: tensor} on the mesh's rank 0 (dp = pp = tp = 0); None on every other rank.
 
     Names and shapes are those of `model_factory().named_parameters()`, in the model's order for the engines here
-    (in general: first-seen order over the group's ranks); the tensors are fresh copies (detached, full shape).
+    (an nn.Sequential's by child index, else first-seen order over the group's ranks); the tensors are fresh copies
+    (detached, full shape).
 
     A collective. Non-ZeRO replicas (data, tensor, pipeline parallel and their dp × tp, dp × pp combinations): every
     rank of dp coordinate 0's model-parallel group must call it, the same number of times and at the same point
@@ -81,7 +82,16 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
         _send_pieces(mp, pieces)
         return None
     per_rank = [pieces] + [_recv_pieces(mp, src) for src in range(1, mp.size)]
-    return assemble([p for rank_pieces in per_rank for p in rank_pieces])
+    return _model_order(assemble([p for rank_pieces in per_rank for p in rank_pieces]))
+
+
+def _model_order(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An nn.Sequential's parameters ordered by their top-level child index (interleaved pipeline ranks hold
+    children 0, 2, … and 1, 3, …); any other naming is left in first-seen order."""
+    heads = [n.split(".", 1)[0] for n in state]
+    if not all(h.isdigit() for h in heads):
+        return state
+    return dict(sorted(state.items(), key=lambda kv: int(kv[0].split(".", 1)[0])))
 
 
 def _check_mesh(replica: Replica, mesh: DeviceMesh) -> None:

@@ -30,7 +30,10 @@ plus the output layer (§4.3): LayerNorm input and linear input 4sbh (/t with SP
 activation widths e scale the 16-bit figures by e/2 (fp32: ×2; the masks' 1-byte terms scale with them: an
 approximation). Context parallelism (ring attention) puts s/c tokens on each rank: s → s/c. Pipelines: with 1F1B
 stage k holds min(p − k, m) micro-batches in flight (Narayanan et al. 2021), GPipe all m; the first stage of 1F1B
-holds p micro-batches of L/p layers = L layers' worth, however many stages.
+holds p micro-batches of L/p layers = L layers' worth, however many stages. Interleaved 1F1B (v chunks of L/(pv)
+layers per stage) holds min(2(p−k−1) + (v−1)p + 1, v·m) chunk-micro-batches on stage k (its warm-up, schedule.py),
+i.e. that / v stage-micro-batches: p + (p−1)/v on the first stage, (1 + (p−1)/(pv)) times 1F1B's (Korthikanti et
+al. 2022, §4.2.3).
 
 For pslab's own fp32 `tiny_transformer` (no dropout, fused attention) the exact counts are
 `parallelism.sequence.model_activation_bytes` (dp, tp, tp + sp) and, derived here:
@@ -105,6 +108,7 @@ class Layout:
     recompute: str = "none"
     micro_batches: int | None = None    # per step (pipeline); None: p (the 1F1B steady state)
     schedule: str = "1f1b"
+    virtual_stages: int = 1             # model chunks per pipeline stage (v > 1: interleaved 1F1B)
 
     def __post_init__(self) -> None:
         for k in ("dp", "tp", "pp", "cp", "ep"):
@@ -118,6 +122,14 @@ class Layout:
             raise MemoryModelError(f"--schedule must be 1f1b or gpipe, got {self.schedule!r}")
         if self.sp and self.tp == 1:
             raise MemoryModelError("sequence parallelism splits over the tp ranks: use --tp > 1 with --sp")
+        v = self.virtual_stages
+        if type(v) is not int or v < 1:
+            raise MemoryModelError(f"--virtual-stages must be an integer >= 1, got {v!r}")
+        if v > 1 and (self.pp == 1 or self.schedule != "1f1b"):
+            raise MemoryModelError("--virtual-stages > 1 interleaves 1F1B: it needs --pp > 1 and --schedule 1f1b")
+        if v > 1 and (self.micro_batches or self.pp) % self.pp:
+            raise MemoryModelError(f"interleaved 1F1B runs micro-batches in groups of pp = {self.pp}: "
+                                   f"--micro-batches must be a multiple of {self.pp}")
 
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
@@ -126,11 +138,15 @@ class Layout:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * bool(self.zero)
         parts += [f"recompute={self.recompute}"] * (self.recompute != "none")
+        parts += [f"v={self.virtual_stages}"] * (self.virtual_stages > 1)
         return " ".join(parts) or "1 GPU"
 
-    def in_flight(self, stage: int = 0) -> int:
-        """Micro-batches whose activations stage `stage` holds at once: 1F1B min(p − k, m), GPipe m."""
-        m = self.micro_batches or self.pp
+    def in_flight(self, stage: int = 0) -> float:
+        """Micro-batches whose activations stage `stage` holds at once: 1F1B min(p − k, m), GPipe m; interleaved
+        min(2(p−k−1) + (v−1)p + 1, v·m) / v (chunks of 1/v of a stage's layers; module docstring)."""
+        m, p, v = self.micro_batches or self.pp, self.pp, self.virtual_stages
+        if v > 1:
+            return min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m) / v
         return m if self.schedule == "gpipe" else min(self.pp - stage, m)
 
 
@@ -223,7 +239,7 @@ def activation_terms(shape: Shape, layout: Layout, act_bytes: int = 2, stage: in
     per = layer_activation_bytes_16(s, b, h, a, t, lay.sp, lay.recompute) * scale
     form = {"none": "sbh/t(34+5as/h)" if lay.sp else "sbh(10+24/t+5as/(ht))",
             "selective": "sbh·34/t" if lay.sp else "sbh(10+24/t)", "full": "2sbh/t" if lay.sp else "2sbh"}
-    terms = [Term("activations", n * k * per, f"{n} layers × {k} in flight × {form[lay.recompute]}"
+    terms = [Term("activations", n * k * per, f"{n} layers × {k:g} in flight × {form[lay.recompute]}"
                   + (f" × {scale:g}" if scale != 1 else "") + (f", s/c (c={lay.cp})" if lay.cp > 1 else ""),
                   ACT_SRC)]
     if stage == lay.pp - 1:

@@ -1,20 +1,22 @@
 """Pipeline parallelism: an nn.Sequential cut into p stages on the p ranks of the pp group, run by one executor.
 
-The executor takes a schedule (`schedule.py`: GPipe or 1F1B, pure data) and, for its stage's action list, does
+The executor takes a schedule (`schedule.py`: GPipe, 1F1B or interleaved 1F1B, pure data) and, for its stage's
+action list, does (interleaved: for the action's chunk, virtual stage c = chunk·p + s, whose neighbours c ± 1 sit on
+ranks s ± 1 mod p; "first" and "last" below are virtual stages 0 and p·v − 1)
 
     F i:  receive activation i from stage s−1 (stage 0: micro-batch i of x), run the stage, send to s+1
           (last stage: loss_i = loss_fn(out, y_i) · b_i/B, so Σ loss_i is the full-batch mean)
     B i:  receive ∂L/∂out_i from s+1 (last stage: loss_i.backward()), backpropagate, send ∂L/∂in_i to s−1
 
-Sends are non-blocking (waited at the end of the step) and receives are tagged (2i forward, 2i+1 backward), so GPipe
-and 1F1B cannot deadlock; the first time a micro-batch shape is seen, a stage sends a small shape header before the
-activation so the receiver can allocate its buffer; gradients of all micro-batches accumulate in .grad. Only
-boundary activations and their gradients cross ranks: p2p bytes per step = 2·Σ_boundaries (activation bytes),
-nothing inside a stage.
+Sends are non-blocking (waited at the end of the step) and receives are tagged (2(c·m+i) forward, +1 backward, c the
+sender's virtual stage), so no schedule whose replay (`schedule.simulate`) finishes can deadlock; the first time a
+micro-batch shape crosses a cut, the sender sends a small shape header before the activation so the receiver can
+allocate its buffer; gradients of all micro-batches accumulate in .grad. Only boundary activations and their
+gradients cross ranks: p2p bytes per step = 2·Σ_cuts (activation bytes), nothing inside a stage.
 
 Measured per step: each action's compute span (time spent waiting in recv is idle), from which the bubble
-fraction 1 − busy/(p·makespan) is compared with (p−1)/(m+p−1); and the peak number of micro-batches whose
-activations the stage holds (GPipe: m; 1F1B: ≤ p). `stage_time=(t_f, t_b)` pads every action to fixed durations,
+fraction 1 − busy/(p·makespan) is compared with (p−1)/(v·m+p−1); and the peak number of (chunk,) micro-batches
+whose activations the stage holds (GPipe: m; 1F1B: ≤ p; interleaved: min(2(p−s−1) + (v−1)p + 1, v·m)). `stage_time=(t_f, t_b)` pads every action to fixed durations,
 the "equal stage times" assumption of the formula.
 """
 
@@ -53,15 +55,24 @@ def split_stages(model: nn.Sequential, stages: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(model)]))
 
 
-def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
-    """The children in `bounds`, keeping their indices as names (so parameter names match the full model)."""
-    a, b = bounds
-    return nn.Sequential(OrderedDict((str(i), model[i]) for i in range(a, b)))
+def stage_module(model: nn.Sequential, bounds: tuple[int, int] | list[tuple[int, int]]) -> nn.Sequential:
+    """The children in `bounds` (one [start, end), or a rank's chunks), keeping their indices as names (so
+    parameter names match the full model)."""
+    spans = [bounds] if isinstance(bounds, tuple) else bounds
+    return nn.Sequential(OrderedDict((str(i), model[i]) for a, b in spans for i in range(a, b)))
+
+
+def rank_chunks(model: nn.Sequential, stages: int, virtual_stages: int = 1) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank s, its chunks' [start, end): of a v·p-way cut, chunks s, s+p, …, s+(v−1)p."""
+    bounds = split_stages(model, stages * virtual_stages)
+    return [bounds[s::stages] for s in range(stages)]
 
 
 class PipelineReplica:
     """This rank's stage, its schedule and the executor.
 
+    stage: the rank's layers (an nn.Sequential named by full-model child indices); chunk_bounds (interleaved 1F1B,
+    v > 1): the [start, end) child indices of its v model chunks, virtual stages s, s+p, …, s+(v−1)p.
     sp (the tp group, when the stage runs under sequence parallelism): the last stage scores its S/T tokens,
     L_t/T per micro-batch; the replicated parameters' partial gradients (`replicated`) are summed over tp once,
     after the last backward; the reported loss is summed over tp. name_of: a slot's name (tp shards: "#tp{t}/{T}")."""
@@ -70,14 +81,19 @@ class PipelineReplica:
                  micro_batches: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  stage_time: tuple[float, float] | None = None, report_loss: bool = True,
                  measure: bool = False, sp: Comm | None = None, replicated: list[torch.Tensor] | None = None,
-                 name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+                 name_of: Callable[[str, torch.Tensor], str] | None = None,
+                 chunk_bounds: list[tuple[int, int]] | None = None) -> None:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
         self.sp, self.replicated = sp, replicated or []
         self.name_of = name_of or (lambda name, p: name)
-        self.reducer: Any = None          # overlapped dp sync (enable_overlapped_sync), armed for the last backward
+        self.reducers: dict[int, Any] = {}    # overlapped dp sync per chunk, armed before the chunk's last backward
         self.s, self.p = pp.rank, pp.size
         self.schedule_name, self.micro_batches = schedule, micro_batches
-        self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches)
+        self.v = len(chunk_bounds) if chunk_bounds else 1
+        self.schedule: PipelineSchedule = make_schedule(schedule, self.p, micro_batches, self.v)
+        # the chunks run the stage's (possibly tp-split, checkpoint-wrapped) children, looked up by name
+        self.chunks = [stage] if not chunk_bounds else [
+            nn.Sequential(OrderedDict((str(i), stage._modules[str(i)]) for i in range(a, b))) for a, b in chunk_bounds]
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.stage_time, self.report_loss, self.measure = stage_time, report_loss, measure
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
@@ -86,11 +102,17 @@ class PipelineReplica:
         self.step_start = 0.0
         self.peak_in_flight = 0
 
-    # ---- boundary shapes: sent once per new micro-batch shape as a small header message --------------------------
-    def _shape_key(self, i: int, xs: tuple[torch.Tensor, ...]) -> tuple:
-        return (tuple(xs[i].shape), xs[i].dtype)
+    @property
+    def reducer(self) -> Any:
+        """The overlapped dp sync of a non-interleaved stage (None until enable_overlapped_sync)."""
+        return self.reducers.get(0)
 
-    def _send_shape(self, key: tuple, out: torch.Tensor, i: int) -> None:
+    # ---- boundary shapes: sent once per (cut, new micro-batch shape) as a small header message -------------------
+    def _tag(self, c: int, i: int, backward: bool = False) -> int:
+        """Tag of what virtual stage c sends for micro-batch i: 2(c·m+i) forward, +1 backward."""
+        return 2 * (c * self.micro_batches + i) + int(backward)
+
+    def _send_shape(self, key: tuple, out: torch.Tensor, c: int, i: int) -> None:
         if key in self._sent_shapes:
             return
         self._sent_shapes.add(key)
@@ -99,25 +121,27 @@ class PipelineReplica:
         hdr = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
         hdr[0], hdr[1] = out.dim(), _DTYPES.index(out.dtype)
         hdr[2:2 + out.dim()] = torch.tensor(out.shape)
-        self.pp.isend(hdr, self.s + 1, tag=_SHAPE_TAG + i, site="shapes").wait()
+        self.pp.isend(hdr, (self.s + 1) % self.p, tag=_SHAPE_TAG + self._tag(c, i), site="shapes").wait()
 
-    def _recv_shape(self, key: tuple, i: int) -> tuple[torch.Size, torch.dtype]:
+    def _recv_shape(self, key: tuple, c: int, i: int) -> tuple[torch.Size, torch.dtype]:
         if key not in self._shapes:
-            hdr = self.pp.recv(torch.zeros(_MAX_DIMS + 2, dtype=torch.int64), self.s - 1, tag=_SHAPE_TAG + i)
+            hdr = self.pp.recv(torch.zeros(_MAX_DIMS + 2, dtype=torch.int64), (self.s - 1) % self.p,
+                               tag=_SHAPE_TAG + self._tag(c - 1, i))
             nd = int(hdr[0])
             self._shapes[key] = (torch.Size(hdr[2:2 + nd].tolist()), _DTYPES[int(hdr[1])])
         return self._shapes[key]
 
     def _pad(self, phase: str, t0: float) -> float:
-        """Stretch the compute that started at t0 to the fixed stage time, if any; return the end time."""
+        """Stretch the compute that started at t0 to the fixed stage time (÷ v per chunk), if any; return the end."""
         if self.stage_time is not None:
-            left = self.stage_time[0 if phase == "F" else 1] - (time.perf_counter() - t0)
+            left = self.stage_time[0 if phase == "F" else 1] / self.v - (time.perf_counter() - t0)
             if left > 0:
                 time.sleep(left)
         return time.perf_counter()
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         m, s, p = self.micro_batches, self.s, self.p
+        last = p * self.v - 1                              # the virtual stage that scores the loss
         if x.shape[0] < m:
             raise EngineError(f"batch of {x.shape[0]} cannot be split into {m} micro-batches")
         xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
@@ -128,55 +152,58 @@ class PipelineReplica:
             ys = tuple(t[:, a:b] for t in ys)           # the last stage scores this tp rank's tokens
             total *= sp.size                             # L = Σ_t L_t / T
             earlier = take_grads(self.replicated)
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[Any] = []
         losses: list[torch.Tensor] = []
         self.spans, self.peak_in_flight = [], 0
         actions = self.schedule.for_stage(s)
+        final_b = {a.chunk: n for n, a in enumerate(actions) if a.phase == "B"}   # each chunk's last backward
         if self.measure:
             self.pp.group.barrier()
         self.step_start = time.perf_counter()
         for n, a in enumerate(actions):
-            i = a.micro
-            if self.reducer is not None and n == len(actions) - 1:
-                self.reducer.prepare_forward()     # arm the dp all-reduce hooks for this stage's last backward
+            i, k = a.micro, a.chunk
+            c = a.virtual(p)
+            if k in self.reducers and n == final_b[k]:
+                self.reducers[k].prepare_forward()   # arm the dp all-reduce hooks for this chunk's last backward
             if a.phase == "F":
-                if s == 0:
+                if c == 0:
                     inp = xs[i]
                 else:
-                    shape, dtype = self._recv_shape(self._shape_key(i, xs), i)
-                    inp = self.pp.recv(torch.empty(shape, dtype=dtype), s - 1, tag=2 * i).requires_grad_()
+                    shape, dtype = self._recv_shape((c, self._shape_key(i, xs)), c, i)
+                    inp = self.pp.recv(torch.empty(shape, dtype=dtype), (s - 1) % p,
+                                       tag=self._tag(c - 1, i)).requires_grad_()
                 t0 = time.perf_counter()
-                out = self.stage(inp)
-                if s == p - 1:
+                out = self.chunks[k](inp)
+                if c == last:
                     out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
                     losses.append(out.detach())
                 t1 = self._pad(a.phase, t0)
-                if s < p - 1:
-                    self._send_shape(self._shape_key(i, xs), out, i)
-                    sends.append(self.pp.isend(out.detach().contiguous(), s + 1, tag=2 * i,
-                                               site=f"stage {s} -> {s + 1}"))
-                held[i] = (inp, out)
+                if c < last:
+                    self._send_shape((c, self._shape_key(i, xs)), out, c, i)
+                    sends.append(self.pp.isend(out.detach().contiguous(), (s + 1) % p, tag=self._tag(c, i),
+                                               site=f"stage {s} -> {(s + 1) % p}"))
+                held[(k, i)] = (inp, out)
                 self.peak_in_flight = max(self.peak_in_flight, len(held))
             else:
-                inp, out = held.pop(i)
-                if s == p - 1:
+                inp, out = held.pop((k, i))
+                if c == last:
                     t0 = time.perf_counter()
                     out.backward()
                 else:
-                    grad = self.pp.recv(torch.empty_like(out), s + 1, tag=2 * i + 1)
+                    grad = self.pp.recv(torch.empty_like(out), (s + 1) % p, tag=self._tag(c + 1, i, True))
                     t0 = time.perf_counter()
                     # == torch.autograd.backward(out, grad), whose first call imports sympy (~1 s per process)
                     (out * grad).sum().backward()
                 t1 = self._pad(a.phase, t0)
-                if s > 0:
-                    sends.append(self.pp.isend(inp.grad.contiguous(), s - 1, tag=2 * i + 1,
-                                               site=f"stage {s} -> {s - 1}"))
+                if c > 0:
+                    sends.append(self.pp.isend(inp.grad.contiguous(), (s - 1) % p, tag=self._tag(c, i, True),
+                                               site=f"stage {s} -> {(s - 1) % p}"))
             self.spans.append((a, t0 - self.step_start, t1 - self.step_start))
         for w in sends:
             w.wait()
-        if self.reducer is not None:
-            self.reducer.finish()                  # (parameters this step gave no gradient: reduced as zeros)
+        for r in self.reducers.values():
+            r.finish()                             # (parameters this step gave no gradient: reduced as zeros)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
         if sp is not None:
             from .sequence import LOSS_SITE, sum_partial_grads
@@ -190,24 +217,28 @@ class PipelineReplica:
             self.pp.broadcast(loss, p - 1, site="loss (report)")
         return float(loss.sum())
 
+    @staticmethod
+    def _shape_key(i: int, xs: tuple[torch.Tensor, ...]) -> tuple:
+        return (tuple(xs[i].shape), xs[i].dtype)
+
     def enable_overlapped_sync(self) -> None:
         """Used by AllReduceStrategy(overlap=True): the dp all-reduce runs in buckets from autograd hooks during
-        the stage's last backward (the last micro-batch's: every earlier one only accumulates), as picotron and
-        Megatron fire it, overlapping that backward instead of following the whole step. A stage split over tp
-        gets one bucket (so nothing overlaps): its backward's own collectives and a bucket thread's would share
-        the transport, which is not for two threads at once."""
-        if self.reducer is None:
+        each chunk's last backward (the last micro-batch's: every earlier one only accumulates), as picotron and
+        Megatron fire it, overlapping that backward instead of following the whole step (interleaved: one reducer
+        per chunk, each done before the next chunk's starts). A stage split over tp gets one bucket (so nothing
+        overlaps): its backward's own collectives and a bucket thread's would share the transport, which is not
+        for two threads at once."""
+        if not self.reducers:
             from .data import DEFAULT_BUCKET_BYTES, GradReducer
             from .tensor import SHARD_ATTR
             split = any(getattr(q, SHARD_ATTR, False) for q in self.stage.parameters()) or self.sp is not None
-            # under tp the backward itself talks (f, sp's gathers) on this process's one transport, which the
-            # bucket thread must not use at the same time: one bucket, launched when the last gradient is ready
-            self.reducer = GradReducer(self.stage, self.dp, (1 << 62) if split else DEFAULT_BUCKET_BYTES)
-            self.reducer.require_sync = True
+            for k, chunk in enumerate(self.chunks):
+                self.reducers[k] = GradReducer(chunk, self.dp, (1 << 62) if split else DEFAULT_BUCKET_BYTES)
+                self.reducers[k].require_sync = True
 
     def close(self) -> None:
-        if self.reducer is not None:
-            self.reducer.close()
+        for r in self.reducers.values():
+            r.close()
 
     def slots(self) -> list[ParamSlot]:
         return [ParamSlot(self.name_of(unwrap_name(n), prm), prm, self.rank)
@@ -218,14 +249,16 @@ class PipelineEngine:
     """Cut the factory's nn.Sequential over the mesh's pp axis, then split each stage over tp (`compose.py`: the
     steps and their order); replicas of a stage's slots are averaged over dp.
 
-    sequence_parallel: the stage's LayerNorm regions run on S/T tokens and each cut carries the (B, S/T, d) slice."""
+    sequence_parallel: the stage's LayerNorm regions run on S/T tokens and each cut carries the (B, S/T, d) slice.
+    virtual_stages v > 1: interleaved 1F1B, each rank holding v chunks of a v·p-way cut (schedule.py)."""
 
     def __init__(self, schedule: str = "1f1b", micro_batches: int = 4, loss_fn: Any = None,
                  stage_time: tuple[float, float] | None = None, checkpoint_activations: bool = False,
                  report_loss: bool = True, measure: bool = False, log: CommLog | None = None,
-                 sequence_parallel: bool = False, regather: bool = False) -> None:
+                 sequence_parallel: bool = False, regather: bool = False, virtual_stages: int = 1) -> None:
         self.kw = dict(schedule=schedule, micro_batches=micro_batches, loss_fn=loss_fn, stage_time=stage_time,
                        report_loss=report_loss, measure=measure)
+        self.virtual_stages = virtual_stages
         self.checkpoint_activations = checkpoint_activations
         self.sequence_parallel, self.regather = sequence_parallel, regather
         self.log = log
@@ -233,7 +266,7 @@ class PipelineEngine:
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> PipelineReplica:
         from .compose import compose
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
-                    self.regather, self.checkpoint_activations)
+                    self.regather, self.checkpoint_activations, virtual_stages=self.virtual_stages)
         if not isinstance(c.module, nn.Sequential):
             raise EngineError(f"pipeline parallelism cuts an nn.Sequential into stages; got {type(c.module).__name__}")
         kw = dict(self.kw)
@@ -241,7 +274,7 @@ class PipelineEngine:
             from .models import lm_loss
             kw["loss_fn"] = lm_loss
         return PipelineReplica(c.module, c.pp, c.dp, c.rank, sp=c.tp if c.sequence_parallel else None,
-                               replicated=c.replicated, name_of=c.name_of, **kw)
+                               replicated=c.replicated, name_of=c.name_of, chunk_bounds=c.chunk_bounds, **kw)
 
 
 def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:
@@ -252,28 +285,29 @@ def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) ->
 
 
 def measure_step(group: Any, schedule: str, micro_batches: int, stage_time: tuple[float, float],
-                 width: int = 32, batch: int = 64) -> dict[str, Any]:
-    """Run one padded pipeline step of a small MLP (one Linear per stage) on the ranks of `group`; for `launch`.
+                 width: int = 32, batch: int = 64, virtual_stages: int = 1) -> dict[str, Any]:
+    """Run one padded pipeline step of a small MLP (one Linear per stage; interleaved: per chunk) on the ranks of
+    `group`; for `launch`.
 
     Returns this stage's spans on the shared monotonic clock (perf_counter), its peak in-flight count, and the step
     start — gather them from all ranks and pass to `bubble_fraction` / `plot.draw_timeline`."""
     from .models import mlp
     torch.manual_seed(0)
     mesh = DeviceMesh(group, pp=group.world_size)
-    factory = lambda: mlp([width] * (group.world_size + 1), seed=0)
+    factory = lambda: mlp([width] * (group.world_size * virtual_stages + 1), seed=0)
     rep = PipelineEngine(schedule, micro_batches, stage_time=stage_time, measure=True,
-                         report_loss=False).build(factory, mesh)
+                         report_loss=False, virtual_stages=virtual_stages).build(factory, mesh)
     x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
     rep.stage_time = None
     rep.forward_backward(x, y)               # warm-up: shape headers, first connections
     rep.stage_time = stage_time
     rep.forward_backward(x, y)
     t0 = rep.step_start
-    return {"spans": [(a.stage, a.micro, a.phase, t0 + b, t0 + e) for a, b, e in rep.spans],
+    return {"spans": [(a.stage, a.micro, a.phase, a.chunk, t0 + b, t0 + e) for a, b, e in rep.spans],
             "peak_in_flight": rep.peak_in_flight, "start": t0}
 
 
 def gather_spans(results: list[dict[str, Any]]) -> list[list[tuple[Action, float, float]]]:
     """Per-stage spans from `measure_step` results of all ranks, relative to the earliest step start."""
     start = min(r["start"] for r in results)
-    return [[(Action(s, i, ph), b - start, e - start) for s, i, ph, b, e in r["spans"]] for r in results]
+    return [[(Action(s, i, ph, k), b - start, e - start) for s, i, ph, k, b, e in r["spans"]] for r in results]

@@ -19,10 +19,12 @@ The layouts (for `gpus` GPUs, default all of the cluster's):
     recompute ∈ recompute                 (none, selective, full: Korthikanti et al. 2022)
     SP with every tp > 1                  (same bytes as TP's all-reduce, activations /t: it is never worse)
     schedule ∈ schedules                  (1F1B; GPipe optional; one schedule when pp = 1)
+    v ∈ virtual_stages                    (interleaved 1F1B, v model chunks per stage: pp > 1, 1f1b, m a multiple
+                                           of pp, v·pp ≤ layers; default only v = 1, `--virtual-stages 1,2,4`)
     placement "packed"                    (tp innermost, a tp group fills a node before the next)
 
 Each layout goes through `step_model.predict` (compute = Narayanan et al.'s FLOPs at the cluster's achieved rate,
-the bubble (p−1)/(m+p−1), each communication α-β on the link its group spans, DP's gradient sync overlapped with
+the bubble (p−1)/(m+p−1) (interleaved: (p−1)/(v·m+p−1), with v times the boundary traffic), each communication α-β on the link its group spans, DP's gradient sync overlapped with
 backward; memory per GPU = the worst pipeline stage of `memory_model.estimate`). The layouts that fit (memory ≤ the
 GPU's) are ranked by step time; ties by memory per GPU, then by fewer model-parallel ranks.
 
@@ -88,9 +90,10 @@ def divisors(n: int) -> list[int]:
 def candidates(shape: Shape, gpus: int, global_batch: int, *, max_tp: int | None = None,
                schedules: Iterable[str] = ("1f1b",), recompute: Iterable[str] = ("none", "selective", "full"),
                zero: Iterable[int] = (0, 1, 2, 3), micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES,
-               cp: Iterable[int] = (1,), sp: bool = True) -> Iterator[Candidate]:
-    """Every layout of the module docstring's table, in a fixed order (tp, pp, cp, b, zero, recompute, schedule)."""
-    zero, recompute, schedules = tuple(zero), tuple(recompute), tuple(schedules)
+               cp: Iterable[int] = (1,), sp: bool = True, virtual_stages: Iterable[int] = (1,)) -> Iterator[Candidate]:
+    """Every layout of the module docstring's table, in a fixed order (tp, pp, cp, b, zero, recompute, schedule,
+    v)."""
+    zero, recompute, schedules, vs = tuple(zero), tuple(recompute), tuple(schedules), tuple(virtual_stages)
     shapes = {b: replace(shape, micro_batch=b) for b in micro_batch_sizes}
     for tp in divisors(gpus):
         if shape.heads % tp or (max_tp is not None and tp > max_tp):
@@ -110,8 +113,12 @@ def candidates(shape: Shape, gpus: int, global_batch: int, *, max_tp: int | None
                     for z in (zero if dp > 1 else (0,)):
                         for r in recompute:
                             for s in (schedules if pp > 1 else schedules[:1]):
-                                yield Candidate(sh, Layout(dp=dp, tp=tp, pp=pp, cp=c, zero=z, sp=use_sp, recompute=r,
-                                                           micro_batches=m, schedule=s))
+                                for v in vs:
+                                    if v > 1 and (pp == 1 or s != "1f1b" or m % pp or pp * v > shape.layers):
+                                        continue
+                                    yield Candidate(sh, Layout(dp=dp, tp=tp, pp=pp, cp=c, zero=z, sp=use_sp,
+                                                               recompute=r, micro_batches=m, schedule=s,
+                                                               virtual_stages=v))
 
 
 def _check(shape: Shape, cluster: Cluster, global_batch: int, precision: str, gpus: int,
@@ -140,19 +147,20 @@ def plan(shape: Shape, cluster: Cluster, global_batch: int, *, precision: str = 
          recompute: Iterable[str] = ("none", "selective", "full"), zero: Iterable[int] = (0, 1, 2, 3),
          progress: bool = False, micro_batch_sizes: Iterable[int] = MICRO_BATCH_SIZES, cp: Iterable[int] = (1,),
          sp: bool = True, where: Callable[[Layout], bool] | None = None, placement: str = "packed",
-         algorithm: str = "ring", overlap: bool = True) -> Ranked:
+         algorithm: str = "ring", overlap: bool = True, virtual_stages: Iterable[int] = (1,)) -> Ranked:
     """The feasible layouts of `shape` on `gpus` GPUs of `cluster` for a global batch of sequences, fastest first
     (`where`: keep only the layouts it accepts, e.g. a published run's own tp and pp)."""
     from .step_model import predict
     gpus = cluster.gpus if gpus is None else gpus
     schedules, recompute, zero = tuple(schedules), tuple(recompute), tuple(zero)
-    micro_batch_sizes, cp = tuple(micro_batch_sizes), tuple(cp)
+    micro_batch_sizes, cp, virtual_stages = tuple(micro_batch_sizes), tuple(cp), tuple(virtual_stages)
     _check(shape, cluster, global_batch, precision, gpus, schedules, recompute, zero)
-    if not micro_batch_sizes or not cp or min(micro_batch_sizes + cp) < 1:
-        raise PlanError("micro-batch sizes and cp degrees must be non-empty lists of integers >= 1")
+    if not micro_batch_sizes or not cp or not virtual_stages or min(micro_batch_sizes + cp + virtual_stages) < 1:
+        raise PlanError("micro-batch sizes, cp degrees and virtual stages must be non-empty lists of integers >= 1")
     t0 = time.perf_counter()
     cands = [c for c in candidates(shape, gpus, global_batch, max_tp=max_tp, schedules=schedules, recompute=recompute,
-                                   zero=zero, micro_batch_sizes=micro_batch_sizes, cp=cp, sp=sp)
+                                   zero=zero, micro_batch_sizes=micro_batch_sizes, cp=cp, sp=sp,
+                                   virtual_stages=virtual_stages)
              if where is None or where(c.layout)]
     out = Ranked()
     out.enumerated, out.gpus, out.shape, out.precision = len(cands), gpus, shape, precision
@@ -210,6 +218,7 @@ def describe(p) -> str:
     parts = [f"dp={lay.dp}", f"tp={lay.tp}", f"pp={lay.pp}"] + [f"cp={lay.cp}"] * (lay.cp > 1)
     parts += ["sp"] * lay.sp + [f"zero{lay.zero}"] * bool(lay.zero)
     parts += [f"rc={lay.recompute}"] * (lay.recompute != "none") + ["gpipe"] * (lay.schedule == "gpipe")
+    parts += [f"v={lay.virtual_stages}"] * (lay.virtual_stages > 1)
     parts += [f"b={micro_batch(p)}", f"m={lay.micro_batches}"]
     return " ".join(parts)
 
@@ -336,7 +345,9 @@ def explain(ranked: list, cluster: Cluster) -> str:
             why = (f"none of the {tried} layouts with fewer pipeline stages fits in {_gb(cluster.gpu_memory_bytes)} "
                    f"per GPU" if tried else "no layout with fewer pipeline stages exists for these GPUs and batch "
                    "(dp·tp·pp = GPUs, tp | heads, pp ≤ layers)")
-            lines.append(f"pp={lay.pp}: {why}; the bubble (p-1)/(m+p-1) costs {_pct(bd['bubble'], step)} with m="
+            v = lay.virtual_stages
+            rule = f"(p-1)/(v*m+p-1) with v={v}" if v > 1 else "(p-1)/(m+p-1)"
+            lines.append(f"pp={lay.pp}: {why}; the bubble {rule} costs {_pct(bd['bubble'], step)} with m="
                          f"{lay.micro_batches}.")
         else:
             s = shallower[0]

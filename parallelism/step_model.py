@@ -21,14 +21,16 @@ B/(D·b) when not given):
                 pslab's stage cut, and its head replicated over tp unless sp)
     stage_s     compute_s + tp_s + pp_s: the tp activations' and pp boundaries' seconds, communication on the
                 critical path (comm_model.step_comm; not overlapped)
-    bubble_s    (p − 1)/m · stage_s     (GPipe and 1F1B alike: p − 1 idle micro-batch slots of stage_s/m each, so
-                the bubble is (p − 1)/(m + p − 1) of the pipeline's time; Narayanan et al. §2.2)
+    bubble_s    (p − 1)/(v·m) · stage_s (GPipe and 1F1B alike: p − 1 idle micro-batch slots of stage_s/m each, so
+                the bubble is (p − 1)/(m + p − 1) of the pipeline's time; Narayanan et al. §2.2; interleaved 1F1B
+                with v chunks per stage: slots of stage_s/(v·m), (p − 1)/(v·m + p − 1); its v-fold boundary
+                traffic is in pp_s)
     exposed_comm_s  tp_s + pp_s + cp/ep seconds (not hidden) + the overlappable dp/zero gradient terms' dp_s:
                 max(0, dp_s − f·compute_s) with overlap, f = cluster.overlap_fraction (2/3 in the presets: they
                 run during backward, ≈ 2/3 of the compute; a pipeline's last backward is shorter: optimistic
                 there; calibrated here, where ranks share cores), dp_s without
     step_s      compute_s + bubble_s + exposed_comm_s + cluster.step_overhead_s
-                = stage_s · (m + p − 1)/m + cp/ep + exposed dp + overhead
+                = stage_s · (v·m + p − 1)/(v·m) + cp/ep + exposed dp + overhead
     memory      memory_model.estimate(layout, precision, shape=, stage=k), the max over the stages k; fits when
                 it is <= cluster.gpu_memory_bytes
     tokens_per_s  B · s / step_s
@@ -90,7 +92,8 @@ class Prediction:
         return {"layout": self.layout.describe(), "dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp,
                 "cp": self.layout.cp, "ep": self.layout.ep, "zero": self.layout.zero, "sp": self.layout.sp,
                 "recompute": self.layout.recompute, "micro_batches": self.layout.micro_batches,
-                "schedule": self.layout.schedule, "global_batch": self.global_batch, "compute_s": self.compute_s,
+                "schedule": self.layout.schedule, "virtual_stages": self.layout.virtual_stages,
+                "global_batch": self.global_batch, "compute_s": self.compute_s,
                 "bubble_s": self.bubble_s, "exposed_comm_s": self.exposed_comm_s, "overhead_s": self.overhead_s,
                 "step_s": self.step_s, "memory_bytes": self.memory_bytes, "fits": self.fits,
                 "model_flops": self.model_flops, "tflops_per_gpu": self.tflops_per_gpu,
@@ -141,9 +144,9 @@ def predict(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int, *
     hideable = sum(t.seconds for t in comm if t.overlappable)
     rest = sum(t.seconds for t in comm if t.kind not in CRITICAL_KINDS and not t.overlappable)
     dp_exposed = max(0.0, hideable - cluster.overlap_fraction * compute) if overlap else hideable
-    m, p = lay.micro_batches or 1, lay.pp
+    m, p, v = lay.micro_batches or 1, lay.pp, lay.virtual_stages
     stage = compute + critical
-    bubble = (p - 1) / m * stage
+    bubble = (p - 1) / (v * m) * stage
     exposed = critical + rest + dp_exposed
     step = compute + bubble + exposed + cluster.step_overhead_s
     mem = max(estimate(lay, precision, shape=shape, stage=k).total for k in range(p))

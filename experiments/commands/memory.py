@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--recompute", default="none", help="activation recompute: none | selective | full")
     lay.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches per step (default p)")
     lay.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe")
+    lay.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage: v > 1 is "
+                     "interleaved 1F1B, holding p + (p-1)/v micro-batches' activations on the first stage (default 1)")
     lay.add_argument("--stage", type=int, default=0, help="pipeline stage to report (default 0, the first)")
     p.add_argument("--precision", default="mixed", help="fp32 | mixed | bf16-pure | fp32-sgd | fp32-sgd0 "
                    "(default mixed)")
@@ -101,8 +103,11 @@ def _model_args(args: argparse.Namespace) -> tuple[float | None, Any]:
 def _layout(args: argparse.Namespace, **over: Any) -> Any:
     from parallelism.memory_model import Layout
     kw = dict(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, sp=args.sp,
-              recompute=args.recompute, micro_batches=args.micro_batches, schedule=args.schedule)
+              recompute=args.recompute, micro_batches=args.micro_batches, schedule=args.schedule,
+              virtual_stages=args.virtual_stages)
     kw.update(over)
+    if over and (kw["pp"] == 1 or (kw["micro_batches"] or kw["pp"]) % kw["pp"]):
+        kw["virtual_stages"] = 1             # a comparison row the user's v does not apply to (the user's own: checked)
     return Layout(**kw)
 
 

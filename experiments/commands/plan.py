@@ -21,6 +21,7 @@ Cluster: --cluster a preset (dgx-a100-80gb, dgx-h100, hgx-h200: parallelism/clus
 (default all). A preset's compute is efficiency 0.5 x peak: an assumption, not a measurement.
 
 Search: --max-tp, --zero 0,1,2,3, --recompute none,selective,full, --schedules 1f1b[,gpipe], --cp 1[,2,4],
+--virtual-stages 1[,2,4] (interleaved 1F1B),
 --micro-batch-sizes 1,2,4,8; SP goes with every tp > 1 (--no-sp: never); placement packed (tp innermost: a tp
 group inside a node). Megatron-LM's knobs of 2021: --zero 0 --recompute full --no-sp.
 
@@ -75,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--recompute", default="none,selective,full", help="recompute modes (default all three)")
     s.add_argument("--schedules", default="1f1b", help="pipeline schedules: 1f1b and/or gpipe (default 1f1b)")
     s.add_argument("--cp", default="1", help="context-parallel degrees to consider (default 1)")
+    s.add_argument("--virtual-stages", default="1", help="model chunks per pipeline stage to consider: v > 1 is "
+                   "interleaved 1F1B, bubble (p-1)/(v*m+p-1) for v times the boundary traffic (default 1)")
     s.add_argument("--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes b (default 1,2,4,8)")
     s.add_argument("--no-sp", action="store_true", help="no sequence parallelism (default: SP with every tp > 1)")
     o = p.add_argument_group("output")
@@ -172,7 +175,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
                 recompute=_words(args.recompute, "--recompute", ("none", "selective", "full")),
                 schedules=_words(args.schedules, "--schedules", ("1f1b", "gpipe")),
                 cp=_ints(args.cp, "--cp"), micro_batch_sizes=_ints(args.micro_batch_sizes, "--micro-batch-sizes"),
-                sp=not args.no_sp)
+                sp=not args.no_sp, virtual_stages=_ints(args.virtual_stages, "--virtual-stages"))
 
 
 # ---- the command -----------------------------------------------------------------------------------------------

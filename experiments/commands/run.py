@@ -112,6 +112,13 @@ def _report(rd) -> int:
         m = act.get("model_bytes")
         print(f"\n  peak saved activations: {act['measured_peak_bytes'] / 1e3:.1f} kB per rank (max) measured"
               + (f", {m / 1e3:.1f} kB by formula ({act['formula']})" if m is not None else ""), end="")
+    pipe = s.get("pipeline")
+    if pipe:
+        v = f", v={pipe['virtual_stages']}" if pipe["virtual_stages"] > 1 else ""
+        print(f"\n  pipeline bubble ({pipe['schedule']}, p={pipe['stages']}, m={pipe['micro_batches']}{v}): "
+              f"{pipe['bubble_measured']:.3f} measured (the stages' idle share: the bubble and every wait on a "
+              f"message), {pipe['formula']} = {pipe['bubble_formula']:.3f} with equal stage times and free "
+              "messages", end="")
     moe = s.get("moe")
     if moe:
         print(f"\n  experts: {moe['routed']} token assignments routed, {moe['dropped']} dropped "

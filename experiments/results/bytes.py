@@ -113,19 +113,24 @@ def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: in
     from parallelism.comm_model import HEADER_BYTES
     from parallelism.pipeline import split_stages
     p, D, T = cfg.parallel, cfg.train.workers, cfg.parallel.tp
-    bounds = split_stages(model, p.pp)
+    v = p.virtual_stages
+    bounds = split_stages(model, p.pp * v)                 # interleaved: every cut of the v·P-way cut crosses ranks
     cuts = sum(acts[end - 1] for _, end in bounds[:-1])
     lines = D * T                                          # pipelines: one per (dp, tp) coordinate
     sp = p.sp and T > 1
     act = lines * 2.0 * cuts / (T if sp else 1)
     loss_b = 8 if sp else 4
-    shapes = len(set(_micro_sizes(cfg)))                   # a header per new micro-batch shape, once per run
-    extra = lines * (p.pp - 1) * (loss_b + HEADER_BYTES * shapes / steps)
+    shapes = len(set(_micro_sizes(cfg)))                   # a header per cut and new micro-batch shape, once a run
+    extra = lines * ((p.pp - 1) * loss_b + (p.pp * v - 1) * HEADER_BYTES * shapes / steps)
     how = ("each tp rank sends its S/T slice (sequence parallel)" if sp else
            "every tp rank of a stage sends all of it to its peer of the next" if T > 1 else "")
+    cut_n = "P·v−1" if v > 1 else "P−1"
+    if v > 1:
+        how += ("; " if how else "") + f"the P·v−1 cuts of v = {v} chunks per stage"
     return (act + extra, f"{'D·T' if T > 1 else 'D'} pipelines · (Σ_cuts 2·A_cut{'/T' if sp else ''} (activation "
-                         f"forward, gradient back{'; ' + how if how else ''}) + (P−1)·({loss_b} B loss broadcast + "
-                         f"{HEADER_BYTES} B × {shapes} shape header(s) / {steps} steps))")
+                         f"forward, gradient back{'; ' + how if how else ''}) "
+                         f"+ (P−1)·{loss_b} B loss broadcast + ({cut_n})·{HEADER_BYTES} B × {shapes} shape header(s) / "
+                         f"{steps} steps)")
 
 
 def _micro_sizes(cfg: RunConfig) -> list[int]:
@@ -151,9 +156,9 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
         act = regions * per_region * (T - 1) / T * sum(micro)
         grads, grule = 0.0, ""
         if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
-            from parallelism.pipeline import split_stages, stage_module
-            for bounds in split_stages(model, p.pp):
-                g, grule = _allreduce(_replicated_bytes(stage_module(model, bounds)), T, "T", "R_s")
+            from parallelism.pipeline import rank_chunks, stage_module
+            for chunks in rank_chunks(model, p.pp, p.virtual_stages):
+                g, grule = _allreduce(_replicated_bytes(stage_module(model, chunks)), T, "T", "R_s")
                 grads += g
         else:
             grads, grule = _allreduce(_replicated_bytes(model), T, "T", "R")

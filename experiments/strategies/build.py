@@ -6,8 +6,9 @@
 Engines, chosen in this fixed order (the first that applies; config.py's table refuses what none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
       (with tp or pp: zero = 1, the engine below and DistributedOptimizerStrategy: ZeRO-1 per (pp, tp) coordinate)
-    parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages, then each stage split
-                                                    over tp (+ sp) and checkpointed: dp × tp × pp, 3D
+    parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages (virtual_stages v: P·v
+                                                    chunks, v per stage), then each stage split over tp (+ sp)
+                                                    and checkpointed: dp × tp × pp, 3D
                                                     (parallelism/compose.py: the steps and their order)
     parallel.cp > 1     ContextParallelEngine       the sequence split over C ranks (zig-zag), ring attention
     parallel.ep > 1     ExpertParallelEngine        each MoE layer's experts over E ranks, all-to-all dispatch
@@ -105,12 +106,16 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
             raise ConfigError(f"parallel.pp cuts an nn.Sequential into stages; {wl.name!r} is not one")
         if p.pp > layers:
             raise ConfigError(f"parallel.pp = {p.pp} exceeds the {layers} layers of {wl.name}: use pp <= {layers}")
+        v = p.virtual_stages
+        if p.pp * v > layers:
+            raise ConfigError(f"parallel.virtual_stages = {v} cuts {wl.name}'s {layers} layers into pp x v = "
+                              f"{p.pp * v} chunks, more than it has: use virtual_stages <= {layers // p.pp}")
         if p.tp > 1 and cfg.strategy.uses_ps:
             from parallelism.models import MLP, Attention
-            from parallelism.pipeline import split_stages, stage_module
-            ok = [q for q in range(2, layers + 1) if all(
-                any(isinstance(m, (Attention, MLP)) for m in stage_module(model, b).modules())
-                for b in split_stages(model, q))]
+            from parallelism.pipeline import rank_chunks, stage_module
+            ok = [q for q in range(2, layers // v + 1) if all(          # every rank's chunks hold a block to split
+                any(isinstance(m, (Attention, MLP)) for m in stage_module(model, chunks).modules())
+                for chunks in rank_chunks(model, q, v))]
             if p.pp not in ok:
                 raise ConfigError(f"parallel.pp = {p.pp} with tp = {p.tp} under {cfg.strategy.label} leaves a stage "
                                   "without an attention or MLP block, so its tp ranks > 0 would hold nothing of "
@@ -132,7 +137,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
         spec = optimizer_spec(cfg.train)
         return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
     if p.pp > 1:
-        return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss,
+        return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss, virtual_stages=p.virtual_stages,
                               checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp)
     if p.cp > 1:
         from parallelism.context import ContextParallelEngine

@@ -97,6 +97,10 @@ def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     moe = moe_summary(cfg, wl, finished)
     if moe:
         out["moe"] = moe
+    from experiments.results.pipeline import pipeline_summary
+    pipe = pipeline_summary(cfg, finished)
+    if pipe:
+        out["pipeline"] = pipe
     if len(finished) < len(results):
         out["finished_ranks"] = len(finished)
     if cfg.topology.enabled:        # bytes per link class over the training steps, summed over ranks (loop.py)

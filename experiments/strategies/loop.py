@@ -164,6 +164,8 @@ class _Worker(ElasticMember):
                                 x, y, idx = self.wl.batch(w, step)
                                 done.append((w, self.replica.forward_backward(x, y), batch_digest(idx)))
                         compute = (time.perf_counter() - tc) / len(self.workers)  # local's K passes: in parallel
+                        if step > first_step:    # (the first step connects and sends the shape headers)
+                            self._pipeline_spans()
                         for w, loss, _ in done:
                             if not math.isfinite(loss):
                                 raise DivergedError(f"worker {w}'s loss is {loss} at step {step}: {DIVERGED} (try a "
@@ -251,6 +253,14 @@ class _Worker(ElasticMember):
             self.peak_activations = max(getattr(self, "peak_activations", 0), meter.peak)
         return run()
 
+    def _pipeline_spans(self) -> None:
+        """A pipeline rank's step: busy = its actions' compute spans, span = its step start to its last action's end
+        (results/pipeline.py turns the sums into the measured bubble)."""
+        spans = getattr(self.replica, "spans", None)
+        if spans:
+            self.pipe_busy = getattr(self, "pipe_busy", 0.0) + sum(e - b for _, b, e in spans)
+            self.pipe_span = getattr(self, "pipe_span", 0.0) + max(e for _, _, e in spans)
+
     def _finish(self, measured: dict[str, int], steps: int, ran: int) -> dict[str, Any]:
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
         stats (from the current rank 0). `ran`: the steps this process took, over which `measured` was counted."""
@@ -260,6 +270,8 @@ class _Worker(ElasticMember):
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent)}
+        if getattr(self, "pipe_span", 0.0) > 0:
+            out["pipeline_busy_s"], out["pipeline_span_s"] = self.pipe_busy, self.pipe_span
         moe = _moe_stats(replica)
         if moe:
             out["moe"] = moe

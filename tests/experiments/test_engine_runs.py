@@ -60,6 +60,13 @@ LAYOUTS = {
                                             {"zero RS + AG", "tp activations", "pp boundaries"}),
     "allreduce dp=2 x pp=2 overlap": ("allreduce", 2, ["parallel.pp=2", "parallel.overlap=true"],
                                       {"dp gradient sync", "pp boundaries"}),
+    "allreduce dp=2 x pp=2 v2 overlap": ("allreduce", 2, ["parallel.pp=2", "parallel.virtual_stages=2",
+                                                           "parallel.overlap=true"],
+                                         {"dp gradient sync", "pp boundaries"}),
+    "allreduce tp=2 sp x pp=2 v2 torch": ("allreduce", 1, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
+                                                            "parallel.virtual_stages=2", "train.backend=torch"],
+                                          {"tp activations", "pp boundaries"}),
+    "ps-bsp pp=2 v2": ("ps-bsp", 1, ["parallel.pp=2", "parallel.virtual_stages=2"], {"ps push + pull", "pp boundaries"}),
     "allreduce cp=2": ("allreduce", 1, ["parallel.tp=1", "parallel.cp=2"], {"cp ring + grads"}),
     "allreduce dp=2 x cp=2 torch": ("allreduce", 2, ["parallel.cp=2", "train.backend=torch"],
                                     {"dp gradient sync", "cp ring + grads"}),
@@ -125,6 +132,20 @@ def test_every_layout_reports_peak_activations(runs, label):
         assert act["model_bytes"] == act["measured_peak_bytes"], (label, act)
     else:
         assert any(k in label for k in ("pp=", "zero", "ckpt")), (label, act)
+
+
+@pytest.mark.parametrize("label", [k for k, v in LAYOUTS.items() if "parallel.pp=2" in v[2]])
+def test_pipeline_runs_report_their_bubble_next_to_the_formula(runs, label):
+    """A pipeline run's summary has the stages' measured idle share (a fraction of their step time, from the
+    executor's spans) next to (p−1)/(v·m+p−1) for its own p, m and v; a run without a pipeline has none."""
+    extra = LAYOUTS[label][2]
+    v = 2 if "parallel.virtual_stages=2" in extra else 1
+    m = next((int(e.split("=")[1]) for e in extra if e.startswith("parallel.micro_batches=")), 4)
+    pipe = runs[label][1]["pipeline"]
+    assert (pipe["stages"], pipe["micro_batches"], pipe["virtual_stages"]) == (2, m, v)
+    assert pipe["bubble_formula"] == pytest.approx(1 / (v * m + 1), rel=1e-12)
+    assert 0.0 < pipe["bubble_measured"] < 1.0
+    assert "pipeline" not in runs["allreduce tp=2"][1]
 
 
 def test_activation_memory_falls_with_sp_and_cp(runs):
@@ -286,7 +307,8 @@ def test_the_planners_pslab_comm_model_equals_the_measured_bytes_per_kind(runs):
         shape = Shape(layers=kw["layers"], hidden=kw["dim"], heads=kw["heads"], seq=x.shape[1],
                       vocab=wl.data.num_classes, micro_batch=x.shape[0] // m)
         layout = Layout(dp=workers, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, micro_batches=m,
-                        recompute="full" if p.activation_checkpointing else "none", schedule=p.schedule)
+                        recompute="full" if p.activation_checkpointing else "none", schedule=p.schedule,
+                        virtual_stages=p.virtual_stages)
         here = Cluster("here", layout.gpus(), 1, 1e12, 1e12)
         terms = step_comm(shape, layout, here, algorithm="pslab", act_bytes=4, grad_bytes=4, overlap=p.overlap,
                           steps=cfg.train.steps)

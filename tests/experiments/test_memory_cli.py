@@ -43,6 +43,19 @@ def test_shape_with_activations_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_interleaving_holds_p_plus_p_minus_1_over_v_micro_batches_on_the_first_stage(capsys):
+    """--virtual-stages 2, pp = 4, m = 8: stage 0 holds 4 + 3/2 = 5.5 stage-micro-batches of activations (1F1B: 4)."""
+    shape = ["--layers", "32", "--hidden", "1024", "--heads", "16", "--seq", "512", "--vocab", "1000", "--pp", "4",
+             "--micro-batches", "8", "--json"]
+    acts = []
+    for v in ("1", "2"):
+        assert main(["memory", *shape, "--virtual-stages", v]) == 0
+        d = json.loads(capsys.readouterr().out)
+        acts.append([t for t in d["terms"] if t["term"] == "activations"][0])
+    assert "× 4 in flight" in acts[0]["formula"] and "× 5.5 in flight" in acts[1]["formula"]
+    assert acts[1]["bytes"] == pytest.approx(acts[0]["bytes"] * 5.5 / 4, rel=1e-12)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--params", "-3"], "--params must be > 0"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
@@ -50,6 +63,8 @@ def test_shape_with_activations_and_plot(tmp_path, capsys):
     (["--precision", "fp8"], "unknown precision"),
     (["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "16", "--tp", "3"], "divide"),
     (["--measure", "--configs", "dp=9"], "unknown --configs"),
+    (["--virtual-stages", "2"], "--virtual-stages > 1 interleaves 1F1B"),
+    (["--pp", "4", "--micro-batches", "6", "--virtual-stages", "2"], "must be a multiple of 4"),
 ])
 def test_bad_input_is_one_line_exit_1(argv, fragment, capsys):
     assert main(["memory", *argv]) == 1

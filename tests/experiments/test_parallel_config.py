@@ -28,6 +28,11 @@ TF = ["--set", "workload.name=text-transformer"]
     (["train.strategy=ps-ssp:1", "train.workers=1", "parallel.tp=2", "parallel.pp=3"],
      "leaves a stage without an attention or MLP"),
     (["parallel.pp=2", "parallel.micro_batches=64"], "exceeds workload.batch_size"),
+    (["parallel.virtual_stages=0"], "parallel.virtual_stages must be a positive integer"),
+    (["parallel.virtual_stages=2"], "it needs parallel.pp > 1 and parallel.schedule"),
+    (["parallel.virtual_stages=2", "parallel.pp=2", "parallel.schedule=gpipe"], "interleaves the stages of 1F1B"),
+    (["parallel.virtual_stages=2", "parallel.pp=2", "parallel.micro_batches=3"], "must be a multiple of 2"),
+    (["parallel.virtual_stages=3", "parallel.pp=2"], "use virtual_stages <= 2"),
     (["train.strategy=local", "parallel.tp=2"], "strategy local is one process"),
     (["parallel.tp=2", "simulate.enabled=true"], "the simulator models data parallelism only"),
     (["parallel.tp=3"], "must divide the attention heads (4)"),
@@ -93,6 +98,8 @@ def test_composed_layouts_the_table_admits():
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.zero=1",
                   "parallel.activation_checkpointing=true"],
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.overlap=true"],
+                 ["train.strategy=allreduce", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.tp=2",
+                  "parallel.sp=true"],
                  ["train.strategy=ps-ssp:1", "parallel.tp=2", "parallel.pp=2"]):
         cfg = load_config(None, ["workload.name=text-transformer"] + sets)
         w = cfg.workload

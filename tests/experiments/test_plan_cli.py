@@ -77,11 +77,22 @@ def test_published_table_text(capsys):
     (["--model", "gpt-1.7b", "--precision", "fp8"], "unknown precision"),
     (["--model", "gpt-1.7b", "--top", "0"], "--top must be"),
     (["--check"], "needs a calibration"),
+    (["--model", "gpt-1.7b", "--virtual-stages", "0"], "--virtual-stages must be a non-empty list"),
 ])
 def test_bad_input_is_one_line_exit_1(argv, fragment, capsys):
     assert main(["plan", *argv, "-q"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
+
+
+def test_virtual_stages_are_searched_when_asked(capsys):
+    """--virtual-stages 1,2: interleaved layouts join the ranking (each row says its v; v = 2 only with pp > 1)."""
+    assert main(["plan", *SHAPE, "--nodes", "2", "--global-batch", "64", "--top", "400", "--json",
+                 "--virtual-stages", "1,2", "--zero", "0", "--recompute", "none"]) == 0
+    rows = json.loads(capsys.readouterr().out)["top"]
+    inter = [r for r in rows if r["virtual_stages"] == 2]
+    assert inter and all(r["pp"] > 1 and r["micro_batches"] % r["pp"] == 0 and "v=2" in r["layout"] for r in inter)
+    assert any(r["virtual_stages"] == 1 and r["pp"] > 1 for r in rows)
 
 
 def test_nothing_fits_is_exit_1_with_the_reason(tmp_path, capsys):

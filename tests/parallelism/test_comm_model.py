@@ -141,6 +141,22 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1_of_the_pipeline_time():
             assert pr.bubble_s / pr.step_s == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
 
 
+def test_interleaving_divides_the_bubble_by_v_and_multiplies_the_boundary_bytes():
+    """Interleaved 1F1B (v chunks per stage): bubble / step = (p−1)/(v·m+p−1) on free links; the pp boundaries
+    carry (p·v−1)/(p−1) times 1F1B's bytes (every cut of the p·v-way cut crosses ranks)."""
+    from dataclasses import replace
+    c, deep = _cluster(8), replace(GPT, layers=12)
+    for p, m, v in ((2, 2, 2), (4, 8, 2), (4, 8, 3)):
+        lay = Layout(pp=p, micro_batches=m, virtual_stages=v)
+        pr = predict(deep, lay, c, global_batch=m * GPT.micro_batch)
+        assert pr.layout.virtual_stages == v and pr.exposed_comm_s == 0
+        assert pr.bubble_s / pr.step_s == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+        plain_ = step_comm(deep, Layout(pp=p, micro_batches=m), c)
+        inter = step_comm(deep, lay, c)
+        assert bytes_by_kind(inter)["pp boundaries"] == pytest.approx(
+            bytes_by_kind(plain_)["pp boundaries"] * (p * v - 1) / (p - 1), rel=1e-12)
+
+
 def test_predict_states_compute_throughput_and_memory():
     """compute_s = the busiest stage's FLOPs / (dp·tp) / achieved FLOP/s; tflops and tokens from step_s; memory is
     memory_model's max over stages; a layout that needs more memory than the GPU has does not fit."""

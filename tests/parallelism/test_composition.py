@@ -1,6 +1,6 @@
-"""Composed layouts (parallelism/compose.py): dp × tp × pp (3D), with and without sequence parallelism, equal a
-single process on the concatenated batch — every step's loss and the final full model (rtol 1e-5) — on both
-backends; under sp each pipeline cut carries only the S/T sequence slice per rank."""
+"""Composed layouts (parallelism/compose.py): dp × tp × pp (3D), with and without sequence parallelism, plain or
+interleaved 1F1B, equal a single process on the concatenated batch — every step's loss and the final full model
+(rtol 1e-5) — on both backends; under sp each pipeline cut carries only the S/T sequence slice per rank."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ CASES = {   # name: (mesh, schedule, micro-batches, sequence parallel, activatio
     "tp2-pp2-sp": ({"tp": 2, "pp": 2}, "1f1b", 4, True, False, "adam", False),
     "dp2-tp2-pp2-sp": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, True, False, "sgd", True),
     "tp2-pp2-ac": ({"tp": 2, "pp": 2}, "1f1b", 2, False, True, "sgd", False),
+    # interleaved 1F1B: v = 2 chunks per stage (the 4 units [Embed, Block, Block, Head] cut 4 ways)
+    "dp2-tp2-pp2-sp-v2": ({"dp": 2, "tp": 2, "pp": 2}, "1f1b", 2, True, False, "adam", True, 2),
+    "tp2-pp2-ac-v2": ({"tp": 2, "pp": 2}, "1f1b", 4, False, True, "sgd", False, 2),
 }
 OPTS = {"sgd": sgd, "adam": adam_attention}
 
@@ -40,10 +43,16 @@ def _launch_against_one_process(worker, case, mesh_shape, opt, backend):
     return out, ref_w
 
 
+def _case(case):
+    mesh_shape, schedule, m, sp, ac, opt, overlap, *v = CASES[case]
+    return mesh_shape, schedule, m, sp, ac, opt, overlap, (v[0] if v else 1)
+
+
 def _worker(group, case):
     from parallelism.engine import AllReduceStrategy
-    mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
-    engine = PipelineEngine(schedule, m, loss_fn=lm_loss, sequence_parallel=sp, checkpoint_activations=ac)
+    mesh_shape, schedule, m, sp, ac, opt, overlap, v = _case(case)
+    engine = PipelineEngine(schedule, m, loss_fn=lm_loss, sequence_parallel=sp, checkpoint_activations=ac,
+                            virtual_stages=v)
     strategy = AllReduceStrategy(OPTS[opt], overlap=overlap)
     mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, strategy=strategy)
     state = gather_full_state(replica, mesh)
@@ -54,26 +63,31 @@ def _worker(group, case):
 
 @pytest.mark.parametrize("backend,case", [("zmq", "dp2-tp2-pp2"), ("torch", "dp2-tp2-pp2"),
                                           ("zmq", "dp2-tp2-pp2-overlap"), ("zmq", "dp2-tp2-pp2-adam"),
-                                          ("zmq", "tp2-pp2-sp"), ("torch", "dp2-tp2-pp2-sp"), ("zmq", "tp2-pp2-ac")])
+                                          ("zmq", "tp2-pp2-sp"), ("torch", "dp2-tp2-pp2-sp"), ("zmq", "tp2-pp2-ac"),
+                                          ("zmq", "dp2-tp2-pp2-sp-v2"), ("torch", "tp2-pp2-ac-v2")])
 def test_3d_matches_single_process(backend, case):
     """Every step's loss and the final full model equal one process on the concatenated batch; with overlap the
-    dp gradients go in buckets from the last backward's hooks ("bucket k"), without in one flat all-reduce."""
-    mesh_shape, schedule, m, sp, ac, opt, overlap = CASES[case]
+    dp gradients go in buckets from the last backward's hooks ("bucket k"; interleaved: each chunk's last
+    backward), without in one flat all-reduce."""
+    mesh_shape, schedule, m, sp, ac, opt, overlap, v = _case(case)
     out, ref_w = _launch_against_one_process(_worker, case, mesh_shape, opt, backend)
     root = out[0]["state"]
     assert root is not None and all(r["state"] is None for r in out[1:])
     assert list(root) == list(ref_w)
     for n, w in ref_w.items():
         assert_close(root[n], w, n)
-    # the cut between stage 0 and 1 carries B/D · S · d floats per rank forward (and as many back), or the
-    # S/T slice of it under sequence parallelism
+    # each cut carries B/D · S · d floats per rank forward (and as many back), or the S/T slice of it under sequence
+    # parallelism; interleaved, rank s sends forward from each of its virtual stages c < 2v − 1 and back from each
+    # c > 0 (c = s, s + 2, …), all to the other rank
     x, _ = tf_batches()[0]
     d = TF_FACTORY().get_submodule("0").tok.embedding_dim
     seq = x.shape[1] // (mesh_shape.get("tp", 1) if sp else 1)
     want = STEPS * (x.shape[0] // mesh_shape.get("dp", 1)) * seq * d * 4
     for r in out:
-        site = "stage 0 -> 1" if r["coords"]["pp"] == 0 else "stage 1 -> 0"
-        assert r["sites"][site] == want, (r["coords"], r["sites"])
+        s = r["coords"]["pp"]
+        site = "stage 0 -> 1" if s == 0 else "stage 1 -> 0"
+        sends = sum((c < 2 * v - 1) + (c > 0) for c in range(s, 2 * v, 2))
+        assert r["sites"][site] == sends * want, (r["coords"], r["sites"])
         if mesh_shape.get("dp", 1) > 1:
             assert ("bucket 0" in r["dp_sites"]) == overlap and ("grads" in r["dp_sites"]) == (not overlap), r
 

@@ -3,36 +3,49 @@ and communication only at stage boundaries."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import collectives
-from parallelism.models import lm_loss
+from parallelism.models import lm_loss, mlp
 from parallelism.pipeline import PipelineEngine, bubble_fraction, gather_spans, measure_step
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, TF_FACTORY, assert_close, mlp_batches, plain,
                                           reference, tf_batches, train_engine)
 
-CASES = {  # name: (factory, batches, loss_fn, mesh, schedule, micro-batches)
+MLP6_FACTORY = functools.partial(mlp, [8, 16, 16, 16, 16, 16, 4])
+CASES = {  # name: (factory, batches, loss_fn, mesh, schedule, micro-batches[, virtual stages])
     "mlp-pp4-1f1b": (MLP_FACTORY, mlp_batches, None, {"pp": 4}, "1f1b", 4),
     "mlp-dp2pp2-1f1b": (MLP_FACTORY, mlp_batches, None, {"dp": 2, "pp": 2}, "1f1b", 2),
     "tf-pp2-gpipe": (TF_FACTORY, tf_batches, lm_loss, {"pp": 2}, "gpipe", 4),
     "tf-dp2pp2-1f1b": (TF_FACTORY, tf_batches, lm_loss, {"dp": 2, "pp": 2}, "1f1b", 2),
+    "mlp-pp2-v2": (MLP_FACTORY, mlp_batches, None, {"pp": 2}, "1f1b", 4, 2),
+    "mlp-pp2-v3": (MLP6_FACTORY, mlp_batches, None, {"pp": 2}, "1f1b", 2, 3),
+    "tf-dp2pp2-v2": (TF_FACTORY, tf_batches, lm_loss, {"dp": 2, "pp": 2}, "1f1b", 4, 2),
 }
 
 
+def _case(case):
+    factory, batches, loss_fn, mesh_shape, schedule, m, *v = CASES[case]
+    return factory, batches, loss_fn, mesh_shape, schedule, m, (v[0] if v else 1)
+
+
 def _pp_worker(group, case):
-    factory, batches, loss_fn, mesh_shape, schedule, m = CASES[case]
-    engine = PipelineEngine(schedule=schedule, micro_batches=m, loss_fn=loss_fn)
+    factory, batches, loss_fn, mesh_shape, schedule, m, v = _case(case)
+    engine = PipelineEngine(schedule=schedule, micro_batches=m, loss_fn=loss_fn, virtual_stages=v)
     return train_engine(group, engine, factory, batches(), mesh_shape)
 
 
 @pytest.mark.parametrize("backend,case", [("zmq", "mlp-pp4-1f1b"), ("torch", "mlp-dp2pp2-1f1b"),
-                                          ("torch", "tf-pp2-gpipe"), ("zmq", "tf-dp2pp2-1f1b")])
+                                          ("torch", "tf-pp2-gpipe"), ("zmq", "tf-dp2pp2-1f1b"),
+                                          ("zmq", "mlp-pp2-v2"), ("torch", "mlp-pp2-v3"), ("zmq", "tf-dp2pp2-v2")])
 def test_pp_matches_single_process(backend, case):
-    """Pipeline (and dp x pp on 4 ranks) gives the single-process per-step losses and final weights; each rank
-    holds exactly its stage's parameters under their full-model names (rtol 1e-5)."""
-    factory, batches, loss_fn, mesh_shape, schedule, m = CASES[case]
+    """Pipeline (and dp x pp on 4 ranks; interleaved 1F1B with v = 2, 3 chunks per rank) gives the single-process
+    per-step losses and final weights; each rank holds exactly its stage's parameters under their full-model names
+    (rtol 1e-5)."""
+    factory, batches, loss_fn, mesh_shape, schedule, m, v = _case(case)
     ref_losses, ref_w = reference(factory, batches(), loss_fn=loss_fn)
     world = mesh_shape.get("dp", 1) * mesh_shape["pp"]
     out = collectives.launch(_pp_worker, world, backend=backend, args=(case,), timeout=120)
@@ -47,17 +60,18 @@ def test_pp_matches_single_process(backend, case):
     for r in out:
         stage_sets.setdefault(r["coords"]["pp"], set(r["slots"]))
     assert sum(len(s) for s in stage_sets.values()) == len(ref_w)  # stages are disjoint
-    check_boundary_traffic(out, mesh_shape, factory, batches)
+    check_boundary_traffic(out, mesh_shape, factory, batches, v)
 
 
-def check_boundary_traffic(out, mesh_shape, factory, batches) -> None:
+def check_boundary_traffic(out, mesh_shape, factory, batches, v: int = 1) -> None:
     """Pipeline traffic is point-to-point between neighbouring stages only: per step each boundary carries the
-    activations forward and their gradients back (2 x activation bytes); collectives only for the dp gradient
-    all-reduce (none when dp = 1) and the 4-byte loss report; plus one-off shape headers on the first step."""
+    activations forward and their gradients back (2 x activation bytes; interleaved: every cut of the v·p-way
+    cut, rank p−1 sending on to rank 0); collectives only for the dp gradient all-reduce (none when dp = 1) and the
+    4-byte loss report; plus one-off shape headers on the first step."""
     p = mesh_shape["pp"]
     model = factory()
     from parallelism.pipeline import split_stages
-    bounds = split_stages(model, p)
+    bounds = split_stages(model, p * v)
     x, _ = batches()[0]
     x = torch.tensor_split(x, mesh_shape.get("dp", 1))[0]
     widths = []
@@ -69,12 +83,15 @@ def check_boundary_traffic(out, mesh_shape, factory, batches) -> None:
             widths.append(h.numel() * 4)
     for r in out:
         s = r["coords"]["pp"]
-        sites = {k: v for k, v in r["by_site"].items() if k.startswith("stage")}
-        expected = {}
-        if s < p - 1:
-            expected[f"stage {s} -> {s + 1}"] = STEPS * widths[s]
-        if s > 0:
-            expected[f"stage {s} -> {s - 1}"] = STEPS * widths[s - 1]
+        sites = {k: n for k, n in r["by_site"].items() if k.startswith("stage")}
+        expected: dict[str, int] = {}
+        for c in range(s, p * v, p):                       # the virtual stages of rank s
+            if c < p * v - 1:
+                key = f"stage {s} -> {(s + 1) % p}"
+                expected[key] = expected.get(key, 0) + STEPS * widths[c]
+            if c > 0:
+                key = f"stage {s} -> {(s - 1) % p}"
+                expected[key] = expected.get(key, 0) + STEPS * widths[c - 1]
         assert sites == expected
         assert r["by_kind"]["all_gather"] == r["by_kind"]["reduce_scatter"] == 0
         assert set(r["by_site"]) - set(expected) <= {"grads", "bucket 0", "loss (report)", "shapes"}
@@ -108,6 +125,28 @@ def test_bubble_and_in_flight(p):
                 assert peaks == [m] * p
             else:
                 assert peaks == [min(p - s, m) for s in range(p)] and max(peaks) <= p
+
+
+def _interleaved_bubble_worker(group, cases, t_f):
+    return {c: measure_step(group, "1f1b", c[0], (t_f, 2 * t_f), virtual_stages=c[1]) for c in cases}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_interleaved_bubble_and_in_flight(p):
+    """Interleaved 1F1B (v = 2 chunks per stage, m = p and 2p): the measured bubble is within 0.05 of
+    (p−1)/(v·m+p−1) and below 1F1B's (p−1)/(m+p−1) (at least 0.08 above it in theory); each stage holds exactly
+    min(2(p−s−1) + (v−1)p + 1, v·m) chunk-micro-batches at its peak."""
+    cases = [(m, 2) for m in (p, 2 * p)]
+    t_f = 0.08             # per stage; a chunk's action takes t_f / v (the same padding rule as the test above)
+    out = collectives.launch(_interleaved_bubble_worker, p, backend="zmq", args=(cases, t_f), timeout=120)
+    for m, v in cases:
+        measured = bubble_fraction(gather_spans([out[s][(m, v)] for s in range(p)]))
+        theory = (p - 1) / (v * m + p - 1)
+        print(f"bubble interleaved p={p} m={m} v={v}: measured {measured:.4f} theory {theory:.4f} "
+              f"(1F1B {(p - 1) / (m + p - 1):.4f})")
+        assert abs(measured - theory) <= 0.05 and measured < (p - 1) / (m + p - 1), (p, m, v, measured, theory)
+        peaks = [out[s][(m, v)]["peak_in_flight"] for s in range(p)]
+        assert peaks == [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
 
 
 def _torch_pipelining_worker(group, schedule):

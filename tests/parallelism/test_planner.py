@@ -12,7 +12,7 @@ import pytest
 
 from parallelism.cluster import Cluster, preset
 from parallelism.memory_model import Layout, Shape, estimate
-from parallelism.planner import (PUBLISHED, PlanError, breakdown, candidates, compare_published, explain,
+from parallelism.planner import (PUBLISHED, PlanError, breakdown, candidates, compare_published, describe, explain,
                                  link_seconds, micro_batch, plan, tp_on_intra)
 from parallelism.step_model import predict
 
@@ -187,3 +187,22 @@ def test_uneven_stages_are_planned():
     assert any(c.layout.pp == 12 for c in candidates(big, 24, 48))
     ranked = plan(big, tiny_cluster(memory=1e12, nodes=3, per_node=8), 48)
     assert any(p.layout.pp == 12 for p in ranked)
+
+
+def test_interleaved_layouts_are_planned_when_asked():
+    """--virtual-stages 1,2: the planner adds interleaved 1F1B layouts (pp > 1, 1f1b, m a multiple of pp, pp·v ≤
+    layers) and ranks them; with a bubble-dominated pipeline (tiny m) an interleaved one wins; by default none."""
+    sh = replace(SMALL, layers=8, micro_batch=1)
+    got = list(candidates(sh, 8, 8, virtual_stages=(1, 2)))
+    inter = [c.layout for c in got if c.layout.virtual_stages > 1]
+    assert inter and all(lay.pp > 1 and lay.schedule == "1f1b" and lay.micro_batches % lay.pp == 0
+                         and lay.pp * lay.virtual_stages <= sh.layers for lay in inter)
+    assert not any(c.layout.virtual_stages > 1 for c in candidates(sh, 8, 8))
+    big = tiny_cluster(memory=1e12, nodes=1, per_node=8)
+    ranked = plan(sh, big, 8, virtual_stages=(1, 2), where=lambda lay: lay.pp == 4 and lay.tp == 1, zero=(0,),
+                  recompute=("none",))
+    by_v = {p.layout.virtual_stages: p for p in ranked if p.layout.micro_batches == 4}
+    assert set(by_v) == {1, 2} and "v=2" in describe(by_v[2]) and "v=" not in describe(by_v[1])
+    # m = 4, p = 4: bubble 3/7 of the step with 1F1B, 3/11 interleaved; the extra transfers cost far less here
+    assert by_v[2].bubble_s < by_v[1].bubble_s and by_v[2].step_s < by_v[1].step_s
+    assert ranked[0].layout.virtual_stages == 2

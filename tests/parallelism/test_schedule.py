@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallelism.schedule import (Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b,
-                                  simulate)
+from parallelism.schedule import (Action, PipelineSchedule, ScheduleError, gpipe, interleaved_1f1b, make_schedule,
+                                  one_f_one_b, simulate)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -37,6 +37,39 @@ def test_1f1b_shape():
     assert last[:4] == ["F0", "B0", "F1", "B1"]
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_interleaved_replay_bubble_equals_formula(p, v, k):
+    """Interleaved 1F1B, m = k·p micro-batches, v chunks per stage each taking 1/v of a stage's time: the replay never
+    deadlocks, its makespan is (m + (p−1)/v)(t_f + t_b) and its bubble exactly (p−1)/(v·m+p−1) — v times smaller
+    a fill and drain than 1F1B's; stage s holds min(2(p−s−1) + (v−1)p + 1, v·m) chunk-micro-batches at its peak
+    (Megatron-LM's warm-up + 1), the figure memory_model.Layout.in_flight divides by v."""
+    from parallelism.memory_model import Layout
+    m = k * p
+    sched = make_schedule("1f1b", p, m, v)
+    assert sched.name == "interleaved-1f1b" and sched.virtual_stages == v
+    for tb in (1.0, 2.0):
+        tl = simulate(sched, 1.0, tb)
+        assert tl.makespan == pytest.approx((m + (p - 1) / v) * (1 + tb))
+        assert tl.bubble_fraction() == pytest.approx((p - 1) / (v * m + p - 1))
+    assert sched.theoretical_bubble() == pytest.approx((p - 1) / (v * m + p - 1))
+    peaks = sched.peak_in_flight()
+    assert peaks == [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
+    lay = Layout(pp=p, micro_batches=m, virtual_stages=v)
+    assert [lay.in_flight(s) * v for s in range(p)] == pytest.approx(peaks)
+
+
+def test_interleaved_order_is_megatrons():
+    """p = 2, m = 4, v = 2 on stage 0: forwards in groups of p per chunk (F0 F1 on chunk 0, then chunk 1), warm-up
+    2(p−1) + (v−1)p = 4, backwards with the chunks reversed; a micro-batch's chunk 0 on stage 1 feeds chunk 1 on
+    stage 0 (the wrap)."""
+    acts = [str(a) for a in interleaved_1f1b(2, 4, 2).for_stage(0)]
+    assert acts[:4] == ["F0@s0", "F1@s0", "F0@s0.1", "F1@s0.1"]
+    assert acts[4:8] == ["F2@s0", "B0@s0.1", "F3@s0", "B1@s0.1"]
+    assert [a.virtual(2) for a in interleaved_1f1b(2, 4, 2).for_stage(1)][:2] == [1, 1]
+
+
 def test_invalid_schedules_are_rejected():
     """Bad sizes, unknown names, missing actions and backward-before-forward raise ScheduleError; a schedule whose
     stages wait on each other forever is reported as a deadlock by the replay."""
@@ -44,6 +77,16 @@ def test_invalid_schedules_are_rejected():
         gpipe(2, 0)
     with pytest.raises(ScheduleError, match="unknown schedule"):
         make_schedule("zigzag", 2, 2)
+    with pytest.raises(ScheduleError, match="multiple of 4"):
+        make_schedule("1f1b", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="no interleaved form"):
+        make_schedule("gpipe", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="at least 2 pipeline stages"):
+        make_schedule("1f1b", 1, 4, 2)
+    with pytest.raises(ScheduleError, match="virtual_stages must be >= 1"):
+        make_schedule("1f1b", 2, 4, 0)
+    with pytest.raises(ScheduleError, match="of chunks 0..1"):      # chunk 1 of micro-batch 0 missing
+        PipelineSchedule("bad", 1, 1, ((Action(0, 0, "F"), Action(0, 0, "B")),), 2)
     with pytest.raises(ScheduleError, match="exactly once"):
         PipelineSchedule("bad", 1, 2, ((Action(0, 0, "F"), Action(0, 0, "B")),))
     with pytest.raises(ScheduleError, match="before F0"):
@@ -65,6 +108,19 @@ def test_schedule_command_draws_picture(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "bubble=0.2727" in text and "peak in-flight per stage=[4, 3, 2, 1]" in text
     assert main(["schedule", "--stages", "0", "-o", str(tmp_path / "x.png")]) == 1
+
+
+def test_schedule_command_draws_interleaved(tmp_path, capsys):
+    """`pslab schedule -v 2` replays interleaved 1F1B next to (p−1)/(v·m+p−1); m not a multiple of p: exit 1."""
+    from experiments.cli import main
+    out = tmp_path / "inter.png"
+    assert main(["schedule", "-p", "4", "-m", "8", "-v", "2", "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    text = capsys.readouterr().out
+    assert "interleaved-1f1b: p=4 m=8 v=2 bubble=0.1579 (theory (p-1)/(v*m+p-1)=0.1579)" in text
+    assert "peak in-flight per stage=[11, 9, 7, 5] (chunk-micro-batches" in text
+    assert main(["schedule", "-p", "4", "-m", "6", "-v", "2", "-o", str(out)]) == 1
+    assert "multiple of 4" in capsys.readouterr().err
 
 
 def test_schedule_command_run_measures(tmp_path, capsys):
