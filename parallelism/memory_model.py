@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .mesh import MeshLayout
 from .zero_memory import StateBytes, zero_bytes_per_rank
 
 PRECISIONS: dict[str, tuple[tuple[int, int, int], int]] = {   # name: ((p, g, K), activation bytes per element)
@@ -95,14 +96,10 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How one model is laid out: degrees, ZeRO stage, recompute, pipeline schedule."""
+class Layout(MeshLayout):
+    """How one model is laid out: the mesh's degrees (dp, pp, tp, cp, ep: mesh.MeshLayout, whose coordinates and
+    groups it shares), ZeRO stage, recompute, pipeline schedule."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
     zero: int = 0
     sp: bool = False
     recompute: str = "none"
@@ -132,7 +129,7 @@ class Layout:
                                    f"--micro-batches must be a multiple of {self.pp}")
 
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        return self.world_size
 
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]

@@ -94,30 +94,24 @@ def _scatter_seq(z: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:
     return out
 
 
-class _GatherSequence(torch.autograd.Function):
-    """ḡ: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:  # type: ignore[override]
+def _conjugate(name: str, forward: Callable[..., torch.Tensor], backward: Callable[..., torch.Tensor],
+               doc: str) -> type[torch.autograd.Function]:
+    """An autograd Function running `forward(x, comm, site)` forward and its conjugate `backward(grad, comm, site)`
+    backward (all-gather ↔ reduce-scatter along the sequence)."""
+    def fwd(ctx, x: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:
         ctx.comm, ctx.site = comm, site
-        return _gather_seq(x, comm, site)
+        return forward(x, comm, site)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _scatter_seq(grad, ctx.comm, ctx.site), None, None
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.comm, ctx.site), None, None
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "forward": staticmethod(fwd),
+                                                   "backward": staticmethod(bwd)})
 
 
-class _ScatterSequence(torch.autograd.Function):
-    """ḡ*: reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, comm: Comm, site: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.site = comm, site
-        return _scatter_seq(z, comm, site)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _gather_seq(grad, ctx.comm, ctx.site), None, None
+_GatherSequence = _conjugate("_GatherSequence", _gather_seq, _scatter_seq,
+                             "ḡ: all-gather along the sequence forward, reduce-scatter backward.")
+_ScatterSequence = _conjugate("_ScatterSequence", _scatter_seq, _gather_seq,
+                              "ḡ*: reduce-scatter along the sequence forward, all-gather backward.")
 
 
 class _GatherLinear(torch.autograd.Function):
