@@ -298,8 +298,13 @@ def _others(p: ParallelConfig, ax: str) -> str:
 
 
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp or ep, if set together with another split axis (not composed yet), else None."""
-    return next((ax for ax in ("cp", "ep") if getattr(p, ax) > 1 and _others(p, ax)), None)
+    """cp with pp, ep or zero, or ep with any other split axis (not composed yet), else None."""
+    if p.cp > 1 and (p.pp > 1 or p.ep > 1 or p.zero):
+        return "cp"
+    return "ep" if p.ep > 1 and _others(p, "ep") else None
+
+
+_COMPOSES_WITH = {"cp": "data and tensor parallelism", "ep": "data parallelism"}
 
 
 def _split(p: ParallelConfig) -> bool:
@@ -308,21 +313,28 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*; dp x cp and dp x ep (allreduce; ep also under ps-*); ZeRO 1-3 over dp, ZeRO 1 also with
-# tp and pp (the distributed optimizer); overlap on dp and pp (without tp).
+# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x cp (allreduce, with checkpointing); dp x ep
+# (allreduce and ps-*); ZeRO 1-3 over dp, ZeRO 1 also with tp and pp (the distributed optimizer); overlap on dp and
+# pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
     (lambda p, s, sim: p.sp and p.tp == 1,
      lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
                   "parallel.tp > 1"),
-    # context and expert parallelism are not composed with the model-parallel axes yet (issue 22's next step)
+    # context parallelism composes with tp; with pp, ep and ZeRO, and expert parallelism with anything, not yet
     (lambda p, s, sim: _uncomposed(p) is not None,
-     lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with data parallelism only "
-                  f"(train.workers), not with {_others(p, _uncomposed(p))}: set the others to 1 (and zero = 0)"),
-    (lambda p, s, sim: (p.cp > 1 or p.ep > 1) and (p.activation_checkpointing or p.overlap),
-     lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: activation_checkpointing and overlap "
-                  "apply to the data, tensor and pipeline engines; drop them"),
+     lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
+                  f"{_COMPOSES_WITH[_uncomposed(p)]} only, not with {_others(p, _uncomposed(p))}: set the others "
+                  "to 1 (and zero = 0)"),
+    (lambda p, s, sim: p.sp and p.cp > 1,
+     lambda p, s: f"parallel.sp and parallel.cp = {p.cp} both split the sequence (over tp, over cp) and are not "
+                  "composed with each other yet: drop parallel.sp (tp x cp runs)"),
+    (lambda p, s, sim: (p.ep > 1 and p.activation_checkpointing) or (p.overlap and (p.cp > 1 or p.ep > 1)),
+     lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: "
+                  + ("overlap applies to the data and pipeline engines" if p.overlap else
+                     "activation_checkpointing would detach the mixture of experts' load-balancing loss")
+                  + "; drop it"),
     (lambda p, s, sim: p.cp > 1 and s.uses_ps,
      lambda p, s: f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the same "
                   f"parameters and would push the same averaged gradient to the shards ({s.label})"),

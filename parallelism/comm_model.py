@@ -277,17 +277,19 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
         out += kind.terms()
 
     if C > 1:
-        block = b * s * h * act
-        kind = _Kind("cp ring + grads", f"D·C·(L·m·(6C−4)·block + AR_C(Ψ_k·{g} B)"
-                     + (" + AR_C(8 B loss)" if pslab else "") + f"), block = b·(s/C)·h·{act} B = {block} B", False)
+        block = b * s * (h // T) * act                # under tp × cp each tp rank's ring carries its heads' d/T
+        kind = _Kind("cp ring + grads", f"D·C·T·(L·m·(6C−4 | 8C−6 with full recompute)·block + AR_C(Ψ_k·{g} B)"
+                     + (" + AR_C(8 B loss)" if pslab else "") + f"), block = b·(s/C)·(h/T)·{act} B = {block} B",
+                     False)
+        blocks = 8 * C - 6 if lay.recompute == "full" else 6 * C - 4   # full recompute replays the forward ring
         for grp, times in pl.group_classes("cp"):
             k = stage(grp)
             layers = stage_blocks(shape, lay, k, algorithm) * m
             c = Cost()
             for i in range(C):
-                c.send(pl, grp[i], grp[(i + 1) % C], layers * (6 * C - 4) * block)
-            c.wait(pl, _slowest(pl.link(grp[i], grp[(i + 1) % C]) for i in range(C)), layers * (3 * C - 2),
-                   layers * (6 * C - 4) * block)
+                c.send(pl, grp[i], grp[(i + 1) % C], layers * blocks * block)
+            c.wait(pl, _slowest(pl.link(grp[i], grp[(i + 1) % C]) for i in range(C)), layers * blocks // 2,
+                   layers * blocks * block)
             c.add(all_reduce(pl, grp, psi[k], g, small))
             if pslab:
                 c.add(all_reduce(pl, grp, 1, 8, small))

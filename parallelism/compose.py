@@ -9,9 +9,12 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
                    v chunks of a v·p-way cut, chunks s, s+p, …)
     2. tp  split   Attention / MLP → Megatron column- and row-parallel shards  tensor.py       talks on tp:
        sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py     every block
-    3. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
-                                                                                               replays step 2)
-    4. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
+    3. cp  ring    attention (each tp rank's heads) by ring attention over     context.py      talks on cp:
+                   the cp group, every layer on the rank's S/C tokens                          K/V blocks, then
+                                                                                               gradients, loss
+    4. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
+                                                                                               replays 2 and 3)
+    5. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
                    (ZeRO-1) reduce-scattered, updated in chunks, all-gathered  distributed_optimizer.py
     then one executor runs the step: the pipeline schedule over m micro-batches (pp > 1), or one forward/backward.
 
@@ -39,7 +42,7 @@ from .comm import Comm, CommLog
 from .engine import EngineError, ModelFactory
 from .mesh import DeviceMesh
 
-ORDER = ("pp", "tp", "ac", "dp")       # the steps, in the order they are applied (module docstring)
+ORDER = ("pp", "tp", "cp", "ac", "dp")       # the steps, in the order they are applied (module docstring)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Composed:
     pp: Comm
     tp: Comm
     dp: Comm
+    cp: Comm
     rank: int                                           # this rank's global rank (the slots' owner)
     sequence_parallel: bool = False
     replicated: list[torch.Tensor] = field(default_factory=list)   # summed over tp after backward (sp only)
@@ -103,7 +107,7 @@ def _refuse_moe(model: nn.Module) -> None:
 
 def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequence_parallel: bool = False,
             regather: bool = False, checkpoint_activations: bool = False, refuse_moe: bool = False,
-            virtual_stages: int = 1) -> Composed:
+            virtual_stages: int = 1, context_layout: str = "zigzag") -> Composed:
     """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe: refuse a
     mixture-of-experts model even at tp = 1 (the tensor-parallel engine's promise); virtual_stages: model chunks
     per pipeline rank (interleaved 1F1B)."""
@@ -121,9 +125,16 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
+    cp = Comm(mesh.group("cp"), log)
+    if cp.size > 1:
+        if sequence_parallel:
+            raise EngineError("sequence parallelism splits the sequence over tp, context parallelism over cp: the "
+                              "two are not composed yet; use one of them")
+        from .context import context_parallelize
+        context_parallelize(stage, cp, context_layout, require=pp.size == 1)  # 3. cp
     if checkpoint_activations:
-        wrap_children(stage)                                                # 3. activation checkpointing
-    dp = Comm(mesh.group("dp"), log)                                        # 4. dp: the strategy's, on dp
-    return Composed(stage, pp, tp, dp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1, replicated,
-                    chunks if virtual_stages > 1 else None)
+        wrap_children(stage)                                                # 4. activation checkpointing
+    dp = Comm(mesh.group("dp"), log)                                        # 5. dp: the strategy's, on dp
+    return Composed(stage, pp, tp, dp, cp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1,
+                    replicated, chunks if virtual_stages > 1 else None)
 

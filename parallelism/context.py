@@ -1,6 +1,7 @@
 """Context parallelism: the sequence split over the C ranks of the cp group, attention by ring attention.
 
-Every cp rank holds the whole model (replicated, like TP's LayerNorm weights) and receives the data-parallel
+Every cp rank holds the whole model (or, under tp × cp, its tp rank's shards: each tp rank runs its own heads on
+the ring of its cp group; everything else as below) and receives the data-parallel
 worker's full batch (B, S). It keeps only its zig-zag chunks (`ring_attention.local_positions`: chunks i and
 2C−1−i of 2C) of the tokens x and targets y, so every layer but attention runs on S/C tokens with no communication:
 
@@ -77,13 +78,19 @@ class GlobalPositionEmbed(nn.Module):
         return self.tok(idx) + self.pos(self.positions.to(idx.device))
 
 
-def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag") -> nn.Module:
+def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag", require: bool = True) -> nn.Module:
     """Swap every `Attention` for a `RingAttentionBlock` and every `Embed` for a `GlobalPositionEmbed` (in place;
-    parameter names unchanged). Raises EngineError if the model has no Attention to run on the ring."""
+    parameter names unchanged); a tensor-parallel attention (tp × cp) keeps its head shards and runs them on the
+    ring. Raises EngineError if the model has no Attention to run on the ring (unless require=False: a pipeline
+    stage may hold none)."""
+    from .tensor import TensorParallelAttention
     chunks_of(0, comm.size, layout)
     found = False
     for name, child in list(model.named_modules()):
-        if isinstance(child, (Attention, Embed)):
+        if isinstance(child, TensorParallelAttention):
+            child.ring = (comm, layout, name)
+            found = True
+        elif isinstance(child, (Attention, Embed)):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if isinstance(child, Attention):
@@ -91,7 +98,7 @@ def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag") ->
                 found = True
             else:
                 setattr(parent, attr, GlobalPositionEmbed(child))
-    if not found:
+    if require and not found:
         raise EngineError("context parallelism found no parallelism.models.Attention to run as ring attention; "
                           "build the model from parallelism.models blocks (tiny_transformer)")
     return model
@@ -121,8 +128,8 @@ class ContextParallelReplica(LocalReplica):
     """The whole model on each cp rank, fed that rank's zig-zag chunks of the full (B, S) batch."""
 
     def __init__(self, module: nn.Module, cp: Comm, dp: Comm, rank: int, loss_fn: LossFn | None,
-                 layout: str) -> None:
-        super().__init__(module, dp, rank, loss_fn)
+                 layout: str, name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+        super().__init__(module, dp, rank, loss_fn, name_of)
         self.cp, self.layout = cp, layout
         self.embeds = [m for m in module.modules() if isinstance(m, GlobalPositionEmbed)]
 
@@ -151,25 +158,31 @@ class ContextParallelReplica(LocalReplica):
 
 
 class ContextParallelEngine:
-    """Split the sequence over the mesh's cp axis (ring attention); replicas are averaged over dp as usual.
+    """Split the sequence over the mesh's cp axis (ring attention), after splitting the heads over tp if the mesh
+    has tp > 1 (`compose.py`: tp × cp, each tp rank's heads on the ring of its cp group); replicas are averaged over
+    dp as usual.
 
-    Slot names are the full model's; the mesh must have tp = pp = ep = 1 (cp and dp only)."""
+    Slot names are the full model's (tp shards: "#tp{t}/{T}"); the mesh must have pp = ep = 1."""
 
-    def __init__(self, loss_fn: LossFn | None = None, log: CommLog | None = None, layout: str = "zigzag") -> None:
+    def __init__(self, loss_fn: LossFn | None = None, log: CommLog | None = None, layout: str = "zigzag",
+                 checkpoint_activations: bool = False) -> None:
         chunks_of(0, 1, layout)
         self.loss_fn, self.log, self.layout = loss_fn, log, layout
+        self.checkpoint_activations = checkpoint_activations
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> ContextParallelReplica:
-        other = {ax: mesh.size(ax) for ax in ("pp", "ep", "tp") if mesh.size(ax) > 1}
+        from .compose import compose
+        other = {ax: mesh.size(ax) for ax in ("pp", "ep") if mesh.size(ax) > 1}
         if other:
-            raise EngineError(f"ContextParallelEngine combines cp with dp only; this mesh also has "
+            raise EngineError(f"ContextParallelEngine combines cp with dp and tp; this mesh also has "
                               f"{', '.join(f'{a}={n}' for a, n in other.items())}: set them to 1")
-        log = self.log if self.log is not None else CommLog()
-        cp = Comm(mesh.group("cp"), log)
-        full = model_factory()
-        if moe_layers(full):
-            raise EngineError("ContextParallelEngine does not add a mixture-of-experts model's load-balancing "
-                              "loss: use the data or expert-parallel engine for MoE models")
-        model = context_parallelize(full, cp, self.layout)
-        return ContextParallelReplica(model, cp, Comm(mesh.group("dp"), log), mesh.world.ranks[mesh.rank],
-                                      self.loss_fn or lm_loss, self.layout)
+
+        def checked() -> nn.Module:
+            full = model_factory()
+            if moe_layers(full):
+                raise EngineError("ContextParallelEngine does not add a mixture-of-experts model's load-balancing "
+                                  "loss: use the data or expert-parallel engine for MoE models")
+            return full
+        c = compose(checked, mesh, self.log if self.log is not None else CommLog(),
+                    checkpoint_activations=self.checkpoint_activations, context_layout=self.layout)
+        return ContextParallelReplica(c.module, c.cp, c.dp, c.rank, self.loss_fn or lm_loss, self.layout, c.name_of)

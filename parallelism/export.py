@@ -76,8 +76,8 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
     if mesh.coord("dp") != 0:
         return None
     mp = Comm(mesh.group("mp"), replica.log)
-    pieces = local_pieces(replica.slots(), send_replicated=mesh.coord("tp") == 0 and mesh.coord("ep") == 0
-                          and mesh.coord("cp") == 0)   # cp ranks hold copies (context.py)
+    pieces = [] if mesh.coord("cp") else local_pieces(   # cp ranks > 0 hold copies of cp rank 0's (context.py)
+        replica.slots(), send_replicated=mesh.coord("tp") == 0 and mesh.coord("ep") == 0)
     if mp.rank != 0:
         _send_pieces(mp, pieces)
         return None

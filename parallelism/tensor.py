@@ -204,6 +204,7 @@ class TensorParallelAttention(nn.Module):
         self.proj = RowParallelLinear.from_full(full.proj, comm, cols=own, site=site,
                                                 sequence_parallel=sequence_parallel)
         self.local_heads, self.head_dim = h1 - h0, hd
+        self.ring: tuple[Comm, str, str] | None = None   # (cp group, layout, site): context parallelism's ring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)                  # (B, S, 3w); under SP x is the (B, S/T, d) shard, qkv the full S
@@ -211,7 +212,12 @@ class TensorParallelAttention(nn.Module):
         w = self.local_heads * self.head_dim
         q, k, v = qkv.split(w, dim=-1)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.ring is not None:          # tp × cp: this rank's heads, its S/C tokens, K/V around the cp ring
+            from .ring_attention import ring_attention
+            cp, layout, site = self.ring
+            y = ring_attention(q, k, v, cp, True, layout, site)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, w))
 
 

@@ -18,8 +18,10 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
                           slice under sequence parallelism
                                                                          D · (T | 1) · Σ_k 2 · A_k
     cp ring + grads       ring attention: per layer 2(C−1) K/V blocks forward, 2(C−1) + 2C backward (block
-                          b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed
-                                                                         D·C · (L · ring + AR_C(M) + AR_C(8 B))
+                          b·(S/C)·d·4 B), then the gradients averaged over cp and the loss summed; under tp × cp
+                          every tp rank runs its heads' ring (blocks of d/T) and averages its own slots, and tp's
+                          all-reduces act on the S/C tokens (A/C, D·C·T ranks)
+                                                                  D·C·T · (L · ring + AR_C(R + (M−R)/T) + AR_C(8 B))
     ep all-to-all + grads expert parallelism over ep ranks: per MoE layer dispatch + combine forward and backward,
                           each an all-to-all of the (b/ep sequences, experts, capacity, d) buffer; then the
                           replicated (non-expert) parameters' gradients and the loss summed over ep (R + 4 bytes)
@@ -100,7 +102,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if p.tp > 1:
         out["tp activations"] = _tensor(cfg, wl, model, acts)
     if p.cp > 1:
-        out["cp ring + grads"] = _context(wl, D, p.cp)
+        out["cp ring + grads"] = _context(wl, D, p.cp, p.tp, p.activation_checkpointing)
     if p.ep > 1:
         out["ep all-to-all + grads"] = _experts(cfg, wl, D, p.ep)
     if p.pp > 1:
@@ -144,9 +146,10 @@ def _micro_sizes(cfg: RunConfig) -> list[int]:
 def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
     """Tensor (+ sequence) parallelism, also inside pipeline stages: every Attention and MLP region communicates
     per micro-batch (of a_i = A · b_i/b bytes), activation checkpointing replays its forward collectives."""
-    p, D, T = cfg.parallel, cfg.train.workers, cfg.parallel.tp
+    p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
+    D *= C                                  # tp × cp: D·C tp groups, each on its S/C tokens
     regions = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
-    A = acts[1] if len(acts) > 1 else acts[0]
+    A = (acts[1] if len(acts) > 1 else acts[0]) / C
     b = cfg.workload.batch_size
     micro = [A * n / b for n in _micro_sizes(cfg)]
     ac = p.activation_checkpointing
@@ -172,28 +175,34 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
         per_region = 3 if ac else 2
         parts = [_allreduce(a, T, "T", "a_i" if mtext else "A") for a in micro]
         total = D * T * regions * per_region * sum(x for x, _ in parts)
-        formula = (f"D·T ranks · {regions * per_region} all-reduces (g forward, f backward"
+        formula = (f"D·{'C·' if C > 1 else ''}T ranks · {regions * per_region} all-reduces (g forward, f backward"
                    + (", g recomputed" if ac else "") + f", per attention and MLP) · {parts[0][1]}{mtext}; "
-                   "A = b·S·d·4 B")
+                   + ("A = b·(S/C)·d·4 B" if C > 1 else "A = b·S·d·4 B"))
     if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
         total += D * (T - 1) * _replicated_bytes(model)
         formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
     return total, formula
 
 
-def _context(wl: Workload, D: int, C: int) -> tuple[float, str]:
-    """Context parallelism (parallelism/context.py): the ring's K/V traffic, the cp gradient and loss averages."""
+def _context(wl: Workload, D: int, C: int, T: int = 1, ac: bool = False) -> tuple[float, str]:
+    """Context parallelism (parallelism/context.py): the ring's K/V traffic, the cp gradient and loss averages;
+    under tp × cp each tp rank runs the ring over its d/T of the heads and averages its own slots (R + (M−R)/T);
+    activation checkpointing replays the forward ring in backward."""
     from parallelism.ring_attention import ring_bytes
     model = wl.make_model()
     x, _, _ = wl.batch(0, 0)
     att = [m for m in model.modules() if isinstance(m, Attention)]
-    ring = ring_bytes(x.shape[0], x.shape[1], att[0].d, C)["total"] if att else 0
+    rb = ring_bytes(x.shape[0], x.shape[1], att[0].d // T, C) if att else {"total": 0, "forward": 0}
+    ring = rb["total"] + (rb["forward"] if ac else 0)
     M = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads, rule = _allreduce(M, C, "C", "M")
+    R = _replicated_bytes(model) if T > 1 else M
+    grads, rule = _allreduce(R + (M - R) // T, C, "C", "(R + (M−R)/T)" if T > 1 else "M")
     loss, _ = _allreduce(8, C, "C", "8 B")
-    return (D * C * (len(att) * ring + grads + loss),
-            f"D·C ranks · ({len(att)} layers · ring {ring} B (K, V: 2(C−1) blocks forward, 2(C−1)+2C backward) "
-            f"+ gradients {rule} + loss (C−1)·8 B)")
+    ranks = "D·C·T" if T > 1 else "D·C"
+    return (D * C * T * (len(att) * ring + grads + loss),
+            f"{ranks} ranks · ({len(att)} layers · ring {ring} B (K, V{' of d/T' if T > 1 else ''}: 2(C−1) blocks "
+            f"forward, 2(C−1)+2C backward{', 2(C−1) recomputed' if ac else ''}) + gradients {rule} + loss "
+            "(C−1)·8 B)")
 
 
 def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]:

@@ -9,6 +9,7 @@ Formulas (fp32, the tiny transformer with `lm_loss`, PyTorch's fused CPU attenti
     + sequence parallel     sbh(8 + 56/t) + 16sb/t + 4asb/t per layer: LayerNorm regions on S/t tokens
     context parallel        every saved activation on S/C tokens (ring attention keeps q, k, v, out and the
                             log-sum-exp of the rank's chunks): (M₁ − 4)/C + 4, M₁ the one-process figure, 4 B the loss
+                            (tp × cp: M_t, the tensor-parallel rank's figure, in place of M₁)
 
 Other engines (pipeline, ZeRO, experts) are measured only: their figure depends on the schedule or the routing.
 """
@@ -33,9 +34,11 @@ def modelled(cfg: RunConfig, wl: Workload) -> tuple[int | None, str]:
     b, s = x.shape
     d, heads, L, V = att[0].d, att[0].heads, len(att), wl.data.num_classes
     from parallelism.sequence import model_activation_bytes
-    if p.cp > 1:
-        one = model_activation_bytes(b, s, d, heads, L, V)
-        return (one - 4) // p.cp + 4, f"(M₁ − 4)/C + 4, M₁ = {one} B (one process, b={b}, S={s}, d={d}, L={L})"
+    if p.cp > 1:                 # under tp × cp: the tp rank's figure, on S/C tokens
+        one = model_activation_bytes(b, s, d, heads, L, V, t=p.tp)
+        m = "M_t" if p.tp > 1 else "M₁"
+        who = f"one tp rank, t={p.tp}" if p.tp > 1 else "one process"
+        return (one - 4) // p.cp + 4, f"({m} − 4)/C + 4, {m} = {one} B ({who}, b={b}, S={s}, d={d}, L={L})"
     t = p.tp
     what = "tp + sp" if p.sp else "tp" if t > 1 else "one process"
     return (model_activation_bytes(b, s, d, heads, L, V, t=t, sp=p.sp),

@@ -141,7 +141,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
                               checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp)
     if p.cp > 1:
         from parallelism.context import ContextParallelEngine
-        return ContextParallelEngine(loss_fn=loss)
+        return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
     if p.ep > 1:
         from parallelism.expert import ExpertParallelEngine
         return ExpertParallelEngine(loss_fn=loss)

@@ -70,6 +70,10 @@ LAYOUTS = {
     "allreduce cp=2": ("allreduce", 1, ["parallel.tp=1", "parallel.cp=2"], {"cp ring + grads"}),
     "allreduce dp=2 x cp=2 torch": ("allreduce", 2, ["parallel.cp=2", "train.backend=torch"],
                                     {"dp gradient sync", "cp ring + grads"}),
+    "allreduce tp=2 x cp=2": ("allreduce", 1, ["parallel.tp=2", "parallel.cp=2"], {"tp activations", "cp ring + grads"}),
+    "allreduce dp=2 x tp=2 x cp=2 ckpt": ("allreduce", 2, ["parallel.tp=2", "parallel.cp=2",
+                                                            "parallel.activation_checkpointing=true"],
+                                          {"dp gradient sync", "tp activations", "cp ring + grads"}),
 }
 
 

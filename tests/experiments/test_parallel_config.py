@@ -47,13 +47,14 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.sp=true"], "it needs parallel.tp > 1"),
     (["parallel.sp=yes"], "parallel.sp must be true or false"),
     (["parallel.cp=0"], "parallel.cp must be a positive integer"),
-    (["parallel.cp=2", "parallel.tp=2", "train.strategy=allreduce"], "combines with data parallelism only"),
-    (["parallel.cp=2", "parallel.zero=1", "train.strategy=allreduce"], "combines with data parallelism only"),
+    (["parallel.cp=2", "parallel.pp=2", "train.strategy=allreduce"], "combines with data and tensor parallelism"),
+    (["parallel.cp=2", "parallel.zero=1", "train.strategy=allreduce"], "combines with data and tensor parallelism"),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.strategy=allreduce"], "both split the sequence"),
     (["parallel.cp=2"], "needs train.strategy = allreduce"),
     (["parallel.cp=3", "train.strategy=allreduce"], "choose cp in [2, 4, 8"),
     (["parallel.cp=2", "train.strategy=allreduce", "workload.name=digits-mlp"], "has no attention"),
-    (["parallel.cp=2", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
-     "activation_checkpointing and overlap apply"),
+    (["parallel.cp=2", "train.strategy=allreduce", "parallel.overlap=true"],
+     "overlap applies to the data and pipeline engines"),
     (["parallel.tp=4", "parallel.sp=true", "workload.seq_len=30"], "choose tp in [2]"),
     (["parallel.tp=2", "parallel.sp=true", "workload.seq_len=31"], "no tp > 1 divides both"),
     (["workload.name=text-moe", "workload.experts=1000"], "at most 256 experts"),
@@ -100,6 +101,7 @@ def test_composed_layouts_the_table_admits():
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.overlap=true"],
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.tp=2",
                   "parallel.sp=true"],
+                 ["train.strategy=allreduce", "parallel.tp=2", "parallel.cp=2", "parallel.activation_checkpointing=true"],
                  ["train.strategy=ps-ssp:1", "parallel.tp=2", "parallel.pp=2"]):
         cfg = load_config(None, ["workload.name=text-transformer"] + sets)
         w = cfg.workload

@@ -1,5 +1,5 @@
-"""Context parallel engine (ring attention over the cp axis): parity with single-process training, ring traffic,
-export and snapshots of a CP replica, and the layout errors."""
+"""Context parallel engine (ring attention over the cp axis, alone or after tp's head split: tp × cp, dp × tp × cp):
+parity with single-process training, ring traffic, export and snapshots of a CP replica, and the layout errors."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def batches(seq: int, batch: int = BATCH, steps: int = STEPS):
             for _ in range(steps + 1)]          # the last batch: the step repeated after restore_into
 
 
-def _cp_worker(group, mesh_shape, opt, seq):
+def _cp_worker(group, mesh_shape, opt, seq, ac=False):
     torch.set_num_threads(1)
     data = batches(seq, BATCH * mesh_shape.get("dp", 1))
     strategy = AllReduceStrategy(OPTS[opt])
-    mesh, replica, losses = run_training(group, ContextParallelEngine(loss_fn=lm_loss), factory(seq), data[:-1],
-                                         mesh_shape, strategy=strategy)
+    engine = ContextParallelEngine(loss_fn=lm_loss, checkpoint_activations=ac)
+    mesh, replica, losses = run_training(group, engine, factory(seq), data[:-1], mesh_shape, strategy=strategy)
     p2p = replica.log.by_site("p2p")
     full = gather_full_state(replica, mesh)
     slots = {s.name: s.param.detach().clone() for s in replica.slots()}
@@ -66,35 +66,44 @@ def _cp_worker(group, mesh_shape, opt, seq):
                   "restore_repeats": same})
 
 
-@pytest.mark.parametrize("backend,mesh_shape,opt,seq", [
-    ("zmq", {"cp": 2}, "sgd", 12),
-    ("torch", {"cp": 2}, "adam", 12),
-    ("zmq", {"cp": 4}, "adam", 24),
-    ("zmq", {"dp": 2, "cp": 2}, "sgd", 12),
-    ("torch", {"dp": 2, "cp": 2}, "adam", 12),
+@pytest.mark.parametrize("backend,mesh_shape,opt,seq,ac", [
+    ("zmq", {"cp": 2}, "sgd", 12, False),
+    ("torch", {"cp": 2}, "adam", 12, False),
+    ("zmq", {"cp": 4}, "adam", 24, False),
+    ("zmq", {"dp": 2, "cp": 2}, "sgd", 12, False),
+    ("torch", {"dp": 2, "cp": 2}, "adam", 12, False),
+    ("zmq", {"tp": 2, "cp": 2}, "adam", 12, False),
+    ("torch", {"tp": 2, "cp": 2}, "sgd", 12, True),
+    ("zmq", {"dp": 2, "tp": 2, "cp": 2}, "sgd", 12, True),
 ])
-def test_cp_matches_single_process(backend, mesh_shape, opt, seq):
-    """Per-step losses and every rank's parameters (full-model names) equal single-process training on the same
-    batches (S = 12 or 24: not powers of two); gather_full_state gives the reference model on rank 0; each layer's
-    ring sends exactly `ring_bytes` per step; capture/restore_into repeats a step bitwise; a checkpoint stores the
-    parameters on cp rank 0 of dp rank 0 only."""
+def test_cp_matches_single_process(backend, mesh_shape, opt, seq, ac):
+    """Per-step losses and every rank's parameters (full-model names; under tp × cp its head shards) equal
+    single-process training on the same batches (S = 12 or 24: not powers of two); gather_full_state gives the
+    reference model on rank 0; each layer's ring sends exactly `ring_bytes` per step (tp × cp: over the rank's d/T
+    of the heads; checkpointing replays the forward ring); capture/restore_into repeats a step bitwise; a
+    checkpoint stores the parameters on cp rank 0 of dp rank 0 only."""
     data = batches(seq, BATCH * mesh_shape.get("dp", 1))
     ref_losses, ref_w = reference(factory(seq), data[:-1], opt=OPTS[opt], loss_fn=lm_loss)
-    world = mesh_shape.get("dp", 1) * mesh_shape["cp"]
-    out = collectives.launch(_cp_worker, world, backend=backend, args=(mesh_shape, opt, seq), timeout=120)
-    cp = mesh_shape["cp"]
-    per_layer = STEPS * ring_bytes(BATCH, seq, D, cp)["total"]
+    world = mesh_shape.get("dp", 1) * mesh_shape.get("tp", 1) * mesh_shape["cp"]
+    out = collectives.launch(_cp_worker, world, backend=backend, args=(mesh_shape, opt, seq, ac), timeout=150)
+    cp, tp = mesh_shape["cp"], mesh_shape.get("tp", 1)
+    rb = ring_bytes(BATCH, seq, D // tp, cp)
+    per_layer = STEPS * (rb["total"] + (rb["forward"] if ac else 0))
     for r in out:
         assert_close(r["losses"], ref_losses, "losses")
-        assert set(r["slots"]) == set(ref_w)
-        for n, w in ref_w.items():
-            assert_close(r["slots"][n], w, n)
+        if tp == 1:
+            assert set(r["slots"]) == set(ref_w)
+            for n, w in ref_w.items():
+                assert_close(r["slots"][n], w, n)
         assert r["p2p"] == {"1.attn": per_layer, "2.attn": per_layer}
-        assert set(r["by_site"]) <= {"1.attn", "2.attn", "cp grads", "cp loss", "grads", "export"}
+        assert set(r["by_site"]) <= {"1.attn", "2.attn", "1.mlp", "2.mlp", "cp grads", "cp loss", "grads", "export"}
         assert r["by_kind"]["all_gather"] == r["by_kind"]["reduce_scatter"] == 0
         assert r["restore_repeats"]
-        assert r["stored"] == (len(ref_w) if r["coords"]["cp"] == r["coords"]["dp"] == 0 else 0)
-        if r["coords"]["cp"] == r["coords"]["dp"] == 0:
+        if tp == 1:
+            assert r["stored"] == (len(ref_w) if r["coords"]["cp"] == r["coords"]["dp"] == 0 else 0)
+        else:
+            assert (r["stored"] > 0) == (r["coords"]["cp"] == r["coords"]["dp"] == 0)
+        if r["coords"]["cp"] == r["coords"]["dp"] == r["coords"]["tp"] == 0:
             assert list(r["full"]) == list(ref_w)
             for n, w in ref_w.items():
                 assert_close(r["full"][n], w, f"export {n}")
@@ -142,11 +151,11 @@ def test_cp1_equals_plain_model_and_meter():
 
 
 def test_engine_refuses_other_axes():
-    """cp combines with dp only in this engine: a mesh with tp > 1 is refused before any group is used."""
+    """cp combines with dp and tp in this engine: a mesh with pp > 1 is refused before any group is used."""
     class _Mesh:
         def size(self, ax: str) -> int:
-            return 2 if ax == "tp" else 1
-    with pytest.raises(EngineError, match="tp=2: set them to 1"):
+            return 2 if ax == "pp" else 1
+    with pytest.raises(EngineError, match="pp=2: set them to 1"):
         ContextParallelEngine(loss_fn=lm_loss).build(factory(8), _Mesh())
 
 
