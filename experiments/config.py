@@ -298,13 +298,13 @@ def _others(p: ParallelConfig, ax: str) -> str:
 
 
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp with pp, ep or zero, or ep with any other split axis (not composed yet), else None."""
-    if p.cp > 1 and (p.pp > 1 or p.ep > 1 or p.zero):
+    """cp with ep or zero, or ep with any other split axis (not composed yet), else None."""
+    if p.cp > 1 and (p.ep > 1 or p.zero):
         return "cp"
     return "ep" if p.ep > 1 and _others(p, "ep") else None
 
 
-_COMPOSES_WITH = {"cp": "data and tensor parallelism", "ep": "data parallelism"}
+_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data parallelism"}
 
 
 def _split(p: ParallelConfig) -> bool:
@@ -313,7 +313,7 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x cp (allreduce, with checkpointing); dp x ep
+# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce, with checkpointing); dp x ep
 # (allreduce and ps-*); ZeRO 1-3 over dp, ZeRO 1 also with tp and pp (the distributed optimizer); overlap on dp and
 # pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
@@ -322,7 +322,7 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.sp and p.tp == 1,
      lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
                   "parallel.tp > 1"),
-    # context parallelism composes with tp; with pp, ep and ZeRO, and expert parallelism with anything, not yet
+    # context parallelism composes with tp and pp; with ep and ZeRO, and expert parallelism with anything, not yet
     (lambda p, s, sim: _uncomposed(p) is not None,
      lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
                   f"{_COMPOSES_WITH[_uncomposed(p)]} only, not with {_others(p, _uncomposed(p))}: set the others "

@@ -3,6 +3,7 @@
     mesh = DeviceMesh(world_group, dp=2, tp=2)                  # named axes; tp groups on adjacent ranks
     replica = TensorParallelEngine(loss_fn=lm_loss).build(model_factory, mesh)
     # or 3D: DeviceMesh(world, dp=2, pp=2, tp=2); PipelineEngine("1f1b", 4, loss_fn=lm_loss).build(...)
+    # 4D: DeviceMesh(world, dp=2, pp=2, cp=2, tp=2), the same PipelineEngine (virtual_stages=2: interleaved)
     strategy = AllReduceStrategy(lambda ps: torch.optim.SGD(ps, lr=0.1))   # or a parameter-server strategy
     strategy.attach(replica)
     loss = train_step(replica, strategy, x, y)
@@ -11,14 +12,16 @@
 A replica is the single-process model with the axes applied in one fixed order (`compose.py`), each step on its
 own group of the mesh:
 
-    1. pp  cut the model into stages of whole layers          talks on pp  (p2p at the cuts, same tp coordinate)
+    1. pp  cut the model into stages of whole layers          talks on pp  (p2p at the cuts, same tp and cp coordinate;
+           (interleaved: v chunks per stage)                               wrapping from the last stage to the first)
     2. tp  Attention / MLP → Megatron shards (+ sp)           talks on tp  (every block)
-    3. ac  activation checkpointing of the stage's layers     (its recompute replays step 2's collectives)
-    4. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
-    (cp and ep are their own engines, composed with dp only so far.)
+    3. cp  each tp rank's heads by ring attention             talks on cp  (K/V blocks; then gradients, loss)
+    4. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
+    5. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
+    (ep is its own engine, composed with dp only so far; cp does not compose with sp, ep or ZeRO yet.)
 
 Files, one idea each:
-    compose.py       the ordered axis steps above: one replica, dp × tp × pp (3D) with sp and checkpointing
+    compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D) with sp or checkpointing
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
     mesh.py          dp × pp × cp × ep × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread

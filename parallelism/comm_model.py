@@ -216,17 +216,17 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
     if P > 1:
         V = lay.virtual_stages                        # interleaved: a micro-batch crosses P·V − 1 cuts, wrapping
         cut = A // T if lay.sp and T > 1 else A       # sequence parallel: a tp rank's cut is its S/T slice
-        loss_b = 8 if lay.sp and T > 1 else 4         # (and the loss it reports is float64)
+        loss_b = 8 if (lay.sp and T > 1) or C > 1 else 4   # (and the loss it reports is float64 under sp, cp)
         cuts = f"(P·v−1), v = {V}" if V > 1 else "(P−1)"
         kind = _Kind("pp boundaries", f"D·C·E·T·{cuts}·m·2·A{'/T' if cut != A else ''}, A = {A * act} B"
                      + (f" + (P−1)·{loss_b} B loss broadcast + 64 B shape header per cut once" if pslab else ""))
         for grp, times in pl.group_classes("pp"):
             c, header = Cost(), Cost()
             for k in range(P * V - 1):                # cut k: rank k mod P -> rank (k+1) mod P
-                a, b = grp[k % P], grp[(k + 1) % P]
-                c.send(pl, a, b, m * cut * act)
-                c.send(pl, b, a, m * cut * act)
-                header.send(pl, a, b, HEADER_BYTES)
+                src, dst = grp[k % P], grp[(k + 1) % P]
+                c.send(pl, src, dst, m * cut * act)
+                c.send(pl, dst, src, m * cut * act)
+                header.send(pl, src, dst, HEADER_BYTES)
             if pslab:
                 for k in range(P - 1):
                     c.send(pl, grp[-1], grp[k], loss_b)
@@ -291,7 +291,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
             c.wait(pl, _slowest(pl.link(grp[i], grp[(i + 1) % C]) for i in range(C)), layers * blocks // 2,
                    layers * blocks * block)
             c.add(all_reduce(pl, grp, psi[k], g, small))
-            if pslab:
+            if pslab and k == P - 1:                   # the loss: scored on the last stage only
                 c.add(all_reduce(pl, grp, 1, 8, small))
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()

@@ -131,6 +131,10 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
             raise EngineError("sequence parallelism splits the sequence over tp, context parallelism over cp: the "
                               "two are not composed yet; use one of them")
         from .context import context_parallelize
+        from .moe import moe_layers
+        if moe_layers(model):
+            raise EngineError("context parallelism does not add a mixture-of-experts model's load-balancing loss: "
+                              "use the data or expert-parallel engine for MoE models")
         context_parallelize(stage, cp, context_layout, require=pp.size == 1)  # 3. cp
     if checkpoint_activations:
         wrap_children(stage)                                                # 4. activation checkpointing

@@ -177,7 +177,7 @@ class ContextParallelEngine:
             raise EngineError(f"ContextParallelEngine combines cp with dp and tp; this mesh also has "
                               f"{', '.join(f'{a}={n}' for a, n in other.items())}: set them to 1")
 
-        def checked() -> nn.Module:
+        def checked() -> nn.Module:         # refused at any cp, as compose refuses it at cp > 1
             full = model_factory()
             if moe_layers(full):
                 raise EngineError("ContextParallelEngine does not add a mixture-of-experts model's load-balancing "

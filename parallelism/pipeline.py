@@ -75,16 +75,21 @@ class PipelineReplica:
     v > 1): the [start, end) child indices of its v model chunks, virtual stages s, s+p, …, s+(v−1)p.
     sp (the tp group, when the stage runs under sequence parallelism): the last stage scores its S/T tokens,
     L_t/T per micro-batch; the replicated parameters' partial gradients (`replicated`) are summed over tp once,
-    after the last backward; the reported loss is summed over tp. name_of: a slot's name (tp shards: "#tp{t}/{T}")."""
+    after the last backward; the reported loss is summed over tp. name_of: a slot's name (tp shards: "#tp{t}/{T}").
+    cp (the cp group, when the stage's attention runs on its ring, `context.py`): every micro-batch is cut to the
+    rank's zig-zag tokens (first stage: x and its global positions; last stage: y), the gradients are averaged over
+    cp once after the last backward, and the reported loss is the mean over cp."""
 
     def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b",
                  micro_batches: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  stage_time: tuple[float, float] | None = None, report_loss: bool = True,
                  measure: bool = False, sp: Comm | None = None, replicated: list[torch.Tensor] | None = None,
                  name_of: Callable[[str, torch.Tensor], str] | None = None,
-                 chunk_bounds: list[tuple[int, int]] | None = None) -> None:
+                 chunk_bounds: list[tuple[int, int]] | None = None, cp: Comm | None = None,
+                 cp_layout: str = "zigzag") -> None:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
         self.sp, self.replicated = sp, replicated or []
+        self.cp, self.cp_layout = (cp, cp_layout) if cp is not None and cp.size > 1 else (None, cp_layout)
         self.name_of = name_of or (lambda name, p: name)
         self.reducers: dict[int, Any] = {}    # overlapped dp sync per chunk, armed before the chunk's last backward
         self.s, self.p = pp.rank, pp.size
@@ -152,6 +157,8 @@ class PipelineReplica:
             ys = tuple(t[:, a:b] for t in ys)           # the last stage scores this tp rank's tokens
             total *= sp.size                             # L = Σ_t L_t / T
             earlier = take_grads(self.replicated)
+        if self.cp is not None:                          # this cp rank's tokens; L = Σ_r L_r / C via the grads
+            xs, ys = self._cp_tokens(x.shape[1], xs, ys)
         held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list[Any] = []
         losses: list[torch.Tensor] = []
@@ -205,6 +212,13 @@ class PipelineReplica:
         for r in self.reducers.values():
             r.finish()                             # (parameters this step gave no gradient: reduced as zeros)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
+        if self.cp is not None:
+            from .context import average_grads_in_place
+            average_grads_in_place(self.cp, self.slots(), site="cp grads")   # mean over cp: ∇ of the full loss
+            loss = loss.reshape(1).to(torch.float64)
+            if s == p - 1:
+                self.cp.all_reduce(loss, "sum", site="cp loss")
+                loss /= self.cp.size
         if sp is not None:
             from .sequence import LOSS_SITE, sum_partial_grads
             sum_partial_grads(self.replicated, sp)
@@ -216,6 +230,19 @@ class PipelineReplica:
             loss = loss.reshape(1).clone()
             self.pp.broadcast(loss, p - 1, site="loss (report)")
         return float(loss.sum())
+
+    def _cp_tokens(self, seq: int, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
+        """The micro-batches at this cp rank's zig-zag tokens; the stage's embeddings get their global positions."""
+        from .context import GlobalPositionEmbed
+        from .ring_attention import LayoutError, local_positions
+        try:
+            pos = local_positions(self.cp.rank, self.cp.size, seq, self.cp_layout)
+        except LayoutError as e:
+            raise EngineError(f"context parallelism over cp = {self.cp.size}: {e}") from None
+        for e in self.stage.modules():
+            if isinstance(e, GlobalPositionEmbed):
+                e.positions = pos
+        return tuple(t[:, pos] for t in xs), tuple(t[:, pos] for t in ys)
 
     @staticmethod
     def _shape_key(i: int, xs: tuple[torch.Tensor, ...]) -> tuple:
@@ -274,7 +301,8 @@ class PipelineEngine:
             from .models import lm_loss
             kw["loss_fn"] = lm_loss
         return PipelineReplica(c.module, c.pp, c.dp, c.rank, sp=c.tp if c.sequence_parallel else None,
-                               replicated=c.replicated, name_of=c.name_of, chunk_bounds=c.chunk_bounds, **kw)
+                               replicated=c.replicated, name_of=c.name_of, chunk_bounds=c.chunk_bounds, cp=c.cp,
+                               **kw)
 
 
 def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:

@@ -102,7 +102,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if p.tp > 1:
         out["tp activations"] = _tensor(cfg, wl, model, acts)
     if p.cp > 1:
-        out["cp ring + grads"] = _context(wl, D, p.cp, p.tp, p.activation_checkpointing)
+        out["cp ring + grads"] = _context(cfg, wl, D)
     if p.ep > 1:
         out["ep all-to-all + grads"] = _experts(cfg, wl, D, p.ep)
     if p.pp > 1:
@@ -114,14 +114,14 @@ def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: in
     """The cuts' activations and gradients, the loss the last stage broadcasts, the one-off shape headers."""
     from parallelism.comm_model import HEADER_BYTES
     from parallelism.pipeline import split_stages
-    p, D, T = cfg.parallel, cfg.train.workers, cfg.parallel.tp
+    p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
     v = p.virtual_stages
     bounds = split_stages(model, p.pp * v)                 # interleaved: every cut of the v·P-way cut crosses ranks
     cuts = sum(acts[end - 1] for _, end in bounds[:-1])
-    lines = D * T                                          # pipelines: one per (dp, tp) coordinate
+    lines = D * T * C                                      # pipelines: one per (dp, tp, cp) coordinate
     sp = p.sp and T > 1
-    act = lines * 2.0 * cuts / (T if sp else 1)
-    loss_b = 8 if sp else 4
+    act = lines * 2.0 * cuts / (T if sp else 1) / C        # cp: a rank's cut holds its S/C tokens
+    loss_b = 8 if sp or C > 1 else 4
     shapes = len(set(_micro_sizes(cfg)))                   # a header per cut and new micro-batch shape, once a run
     extra = lines * ((p.pp - 1) * loss_b + (p.pp * v - 1) * HEADER_BYTES * shapes / steps)
     how = ("each tp rank sends its S/T slice (sequence parallel)" if sp else
@@ -129,7 +129,8 @@ def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: in
     cut_n = "P·v−1" if v > 1 else "P−1"
     if v > 1:
         how += ("; " if how else "") + f"the P·v−1 cuts of v = {v} chunks per stage"
-    return (act + extra, f"{'D·T' if T > 1 else 'D'} pipelines · (Σ_cuts 2·A_cut{'/T' if sp else ''} (activation "
+    return (act + extra, f"{'D·' + ('T·' if T > 1 else '') + ('C' if C > 1 else '')} pipelines · (Σ_cuts "
+                         f"2·A_cut{'/T' if sp else ''}{'/C' if C > 1 else ''} (activation "
                          f"forward, gradient back{'; ' + how if how else ''}) "
                          f"+ (P−1)·{loss_b} B loss broadcast + ({cut_n})·{HEADER_BYTES} B × {shapes} shape header(s) / "
                          f"{steps} steps)")
@@ -184,24 +185,33 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
     return total, formula
 
 
-def _context(wl: Workload, D: int, C: int, T: int = 1, ac: bool = False) -> tuple[float, str]:
+def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     """Context parallelism (parallelism/context.py): the ring's K/V traffic, the cp gradient and loss averages;
     under tp × cp each tp rank runs the ring over its d/T of the heads and averages its own slots (R + (M−R)/T);
-    activation checkpointing replays the forward ring in backward."""
+    under pp each stage's ranks average their stage's slots (the loss: the last stage's); activation checkpointing
+    replays the forward ring in backward."""
+    from parallelism.pipeline import rank_chunks, stage_module
     from parallelism.ring_attention import ring_bytes
+    p = cfg.parallel
+    C, T, ac = p.cp, p.tp, p.activation_checkpointing
     model = wl.make_model()
     x, _, _ = wl.batch(0, 0)
     att = [m for m in model.modules() if isinstance(m, Attention)]
     rb = ring_bytes(x.shape[0], x.shape[1], att[0].d // T, C) if att else {"total": 0, "forward": 0}
     ring = rb["total"] + (rb["forward"] if ac else 0)
-    M = sum(p.numel() * p.element_size() for p in model.parameters())
-    R = _replicated_bytes(model) if T > 1 else M
-    grads, rule = _allreduce(R + (M - R) // T, C, "C", "(R + (M−R)/T)" if T > 1 else "M")
+    stages = [stage_module(model, ch) for ch in rank_chunks(model, p.pp, p.virtual_stages)] if p.pp > 1 else [model]
+    grads = 0.0
+    for st in stages:
+        M = sum(q.numel() * q.element_size() for q in st.parameters())
+        R = _replicated_bytes(st) if T > 1 else M
+        g, rule = _allreduce(R + (M - R) // T, C, "C", ("(R + (M−R)/T)" if T > 1 else "M") + ("_s" if p.pp > 1 else ""))
+        grads += g
     loss, _ = _allreduce(8, C, "C", "8 B")
     ranks = "D·C·T" if T > 1 else "D·C"
     return (D * C * T * (len(att) * ring + grads + loss),
-            f"{ranks} ranks · ({len(att)} layers · ring {ring} B (K, V{' of d/T' if T > 1 else ''}: 2(C−1) blocks "
-            f"forward, 2(C−1)+2C backward{', 2(C−1) recomputed' if ac else ''}) + gradients {rule} + loss "
+            f"{ranks} ranks{' (of each stage)' if p.pp > 1 else ''} · ({len(att)} layers · ring {ring} B (K, V"
+            f"{' of d/T' if T > 1 else ''}: 2(C−1) blocks forward, 2(C−1)+2C backward"
+            f"{', 2(C−1) recomputed' if ac else ''}) + gradients {rule}{' per stage' if p.pp > 1 else ''} + loss "
             "(C−1)·8 B)")
 
 
