@@ -298,13 +298,13 @@ def _others(p: ParallelConfig, ax: str) -> str:
 
 
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp with ep or zero, or ep with any other split axis (not composed yet), else None."""
+    """cp with ep or zero, or ep with tp, cp or zero (not composed yet), else None."""
     if p.cp > 1 and (p.ep > 1 or p.zero):
         return "cp"
-    return "ep" if p.ep > 1 and _others(p, "ep") else None
+    return "ep" if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.zero) else None
 
 
-_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data parallelism"}
+_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data and pipeline parallelism"}
 
 
 def _split(p: ParallelConfig) -> bool:
@@ -313,8 +313,8 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce, with checkpointing); dp x ep
-# (allreduce and ps-*); ZeRO 1-3 over dp, ZeRO 1 also with tp and pp (the distributed optimizer); overlap on dp and
+# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce, with checkpointing); dp x pp x
+# ep (allreduce and ps-*); ZeRO 1-3 over dp, ZeRO 1 also with tp and pp (the distributed optimizer); overlap on dp and
 # pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
@@ -322,7 +322,7 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.sp and p.tp == 1,
      lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
                   "parallel.tp > 1"),
-    # context parallelism composes with tp and pp; with ep and ZeRO, and expert parallelism with anything, not yet
+    # context parallelism composes with tp and pp, expert parallelism with pp; the rest not yet
     (lambda p, s, sim: _uncomposed(p) is not None,
      lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
                   f"{_COMPOSES_WITH[_uncomposed(p)]} only, not with {_others(p, _uncomposed(p))}: set the others "
@@ -441,11 +441,11 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"parallel.ep = {p.ep} places the experts of MoE layers; workload {w.name!r} has none: "
                               "use workload.name = text-moe")
         return
-    others = [f"{ax} = {getattr(p, ax)}" for ax in ("tp", "pp", "cp") if getattr(p, ax) > 1] + \
+    others = [f"{ax} = {getattr(p, ax)}" for ax in ("tp", "cp") if getattr(p, ax) > 1] + \
         ([f"zero = {p.zero}"] if p.zero else [])
     if others:
-        raise ConfigError(f"workload text-moe runs data parallel or expert parallel (parallel.ep), not with "
-                          f"{', '.join(others)}: set them to 1 (zero = 0)")
+        raise ConfigError(f"workload text-moe runs data, pipeline or expert parallel (parallel.pp, parallel.ep), "
+                          f"not with {', '.join(others)}: set them to 1 (zero = 0)")
     if p.activation_checkpointing:
         raise ConfigError("parallel.activation_checkpointing would detach text-moe's load-balancing loss (the "
                           "checkpointed forward runs without gradients): drop it for the MoE workload")

@@ -16,12 +16,13 @@ own group of the mesh:
            (interleaved: v chunks per stage)                               wrapping from the last stage to the first)
     2. tp  Attention / MLP → Megatron shards (+ sp)           talks on tp  (every block)
     3. cp  each tp rank's heads by ring attention             talks on cp  (K/V blocks; then gradients, loss)
-    4. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
-    5. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
-    (ep is its own engine, composed with dp only so far; cp does not compose with sp, ep or ZeRO yet.)
+    4. ep  each MoE layer's experts over the ep ranks         talks on ep  (all-to-alls; then gradients, loss)
+    5. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
+    6. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
+    (not yet: cp with sp, ep or ZeRO; ep with tp, cp or ZeRO; an MoE model with tp or checkpointing.)
 
 Files, one idea each:
-    compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D) with sp or checkpointing
+    compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × pp × ep
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
     mesh.py          dp × pp × cp × ep × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread

@@ -12,9 +12,12 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
     3. cp  ring    attention (each tp rank's heads) by ring attention over     context.py      talks on cp:
                    the cp group, every layer on the rank's S/C tokens                          K/V blocks, then
                                                                                                gradients, loss
-    4. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
+    4. ep  experts each MoE layer's experts over the ep group (a sample       expert.py       talks on ep:
+                   chunk per ep rank, all-to-all dispatch and combine)                         all-to-alls, then
+                                                                                               gradients
+    5. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
                                                                                                replays 2 and 3)
-    5. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
+    6. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
                    (ZeRO-1) reduce-scattered, updated in chunks, all-gathered  distributed_optimizer.py
     then one executor runs the step: the pipeline schedule over m micro-batches (pp > 1), or one forward/backward.
 
@@ -42,7 +45,7 @@ from .comm import Comm, CommLog
 from .engine import EngineError, ModelFactory
 from .mesh import DeviceMesh
 
-ORDER = ("pp", "tp", "cp", "ac", "dp")       # the steps, in the order they are applied (module docstring)
+ORDER = ("pp", "tp", "cp", "ep", "ac", "dp")       # the steps, in the order they are applied (module docstring)
 
 
 @dataclass
@@ -54,10 +57,12 @@ class Composed:
     tp: Comm
     dp: Comm
     cp: Comm
+    ep: Comm
     rank: int                                           # this rank's global rank (the slots' owner)
     sequence_parallel: bool = False
     replicated: list[torch.Tensor] = field(default_factory=list)   # summed over tp after backward (sp only)
     chunk_bounds: list[tuple[int, int]] | None = None   # interleaved: the module's v chunks (child indices)
+    moe: bool = False                                   # the model (not only this stage) has MoE layers
 
     def name_of(self, name: str, p: torch.Tensor) -> str:
         """The slot name: the full-model name, plus "#tp{t}/{T}" for a tensor-parallel shard."""
@@ -136,9 +141,14 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
             raise EngineError("context parallelism does not add a mixture-of-experts model's load-balancing loss: "
                               "use the data or expert-parallel engine for MoE models")
         context_parallelize(stage, cp, context_layout, require=pp.size == 1)  # 3. cp
+    ep = Comm(mesh.group("ep"), log)
+    if ep.size > 1:
+        from .expert import expert_parallelize
+        expert_parallelize(stage, ep, require=pp.size == 1)               # 4. ep
     if checkpoint_activations:
-        wrap_children(stage)                                                # 4. activation checkpointing
-    dp = Comm(mesh.group("dp"), log)                                        # 5. dp: the strategy's, on dp
-    return Composed(stage, pp, tp, dp, cp, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1,
-                    replicated, chunks if virtual_stages > 1 else None)
+        wrap_children(stage)                                                # 5. activation checkpointing
+    dp = Comm(mesh.group("dp"), log)                                        # 6. dp: the strategy's, on dp
+    from .moe import moe_layers
+    return Composed(stage, pp, tp, dp, cp, ep, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1,
+                    replicated, chunks if virtual_stages > 1 else None, bool(moe_layers(model)))
 

@@ -123,22 +123,9 @@ class ExpertParallelReplica(LocalReplica):
         earlier = take_grads(params)           # accumulated by earlier calls: already summed over ep
         loss = self.loss_fn(self.module(xs), ys) + moe_aux_loss(self.module)
         (loss / n).backward()
-        out = self._sum_over_ep(params, loss.detach() / n)
+        out = sum_over_ep(self.ep, params, loss.detach() / n)
         add_back_grads(params, earlier)
         return out
-
-    def _sum_over_ep(self, params: list[nn.Parameter], loss: torch.Tensor) -> float:
-        """Sum this call's gradients of the replicated parameters (and the loss) over ep, into new tensors."""
-        if self.ep.size == 1:
-            return float(loss)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [loss.reshape(1).to(params[0].dtype)])
-        self.ep.all_reduce(flat, "sum", site=SITE_GRADS)
-        off = 0
-        for p in params:
-            p.grad = flat[off:off + p.numel()].view_as(p).clone()
-            off += p.numel()
-        return float(flat[-1])
 
     def moe_stats(self, reduce: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """Per MoE layer name: {"routed": (E,) assignments per expert before dropping, "dropped": (E,)} accumulated
@@ -167,20 +154,42 @@ class ExpertParallelEngine:
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> ExpertParallelReplica:
         others = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "tp") if mesh.size(ax) > 1]
         if others:
-            raise EngineError(f"ExpertParallelEngine runs on dp x ep meshes; this one also has {', '.join(others)}")
+            raise EngineError(f"ExpertParallelEngine runs on dp x ep meshes; this one also has {', '.join(others)} "
+                              "(pp x ep: PipelineEngine)")
         log = self.log if self.log is not None else CommLog()
         ep = Comm(mesh.group("ep"), log)
-        model = model_factory()
-        layers = [(n, m) for n, m in moe_layers(model) if isinstance(m, MoE)]
-        if not layers:
-            raise EngineError("ExpertParallelEngine found no MoE layer in the model; build it with "
-                              "parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
-        for name, m in layers:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, ExpertParallelMoE(m, ep, site=name))
+        model = expert_parallelize(model_factory(), ep)
         return ExpertParallelReplica(model, Comm(mesh.group("dp"), log), ep, mesh.world.ranks[mesh.rank],
                                      self.loss_fn)
+
+
+def expert_parallelize(model: nn.Module, ep: Comm, require: bool = True) -> nn.Module:
+    """Swap every `MoE` layer for an `ExpertParallelMoE` over `ep` (in place; names unchanged). EngineError if the
+    model has none (unless require=False: a pipeline stage may hold none)."""
+    layers = [(n, m) for n, m in moe_layers(model) if isinstance(m, MoE)]
+    if require and not layers:
+        raise EngineError("ExpertParallelEngine found no MoE layer in the model; build it with "
+                          "parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
+    for name, m in layers:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, ExpertParallelMoE(m, ep, site=name))
+    return model
+
+
+def sum_over_ep(ep: Comm, params: list[nn.Parameter], loss: torch.Tensor) -> float:
+    """Sum the params' gradients (and the loss, riding along as the last element) over ep, into new tensors; returns
+    the summed loss. The replicated parameters' step: each rank back-propagated L_r / ep (module docstring)."""
+    if ep.size == 1:
+        return float(loss)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                     + [loss.reshape(1).to(params[0].dtype if params else torch.float32)])
+    ep.all_reduce(flat, "sum", site=SITE_GRADS)
+    off = 0
+    for p in params:
+        p.grad = flat[off:off + p.numel()].view_as(p).clone()
+        off += p.numel()
+    return float(flat[-1])
 
 
 def all_to_all_message_bytes(groups_per_rank: int, experts: int, capacity: int, d: int, elem_bytes: int = 4) -> int:

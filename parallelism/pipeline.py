@@ -78,7 +78,12 @@ class PipelineReplica:
     after the last backward; the reported loss is summed over tp. name_of: a slot's name (tp shards: "#tp{t}/{T}").
     cp (the cp group, when the stage's attention runs on its ring, `context.py`): every micro-batch is cut to the
     rank's zig-zag tokens (first stage: x and its global positions; last stage: y), the gradients are averaged over
-    cp once after the last backward, and the reported loss is the mean over cp."""
+    cp once after the last backward, and the reported loss is the mean over cp.
+    moe (the model has mixture-of-experts layers): each stage adds its MoE layers' load-balancing loss of every
+    micro-batch (× b_i/B) to that micro-batch's backward on the stage, and the reported loss is summed over the
+    stages (an all-reduce over pp instead of the last stage's broadcast). ep (the ep group, `expert.py`): the rank
+    takes sample chunk ep.rank of the worker's batch (then its micro-batches), back-propagates L_r/ep, and sums its
+    non-expert gradients (and the loss) over ep after the last backward."""
 
     def __init__(self, stage: nn.Sequential, pp: Comm, dp: Comm, rank: int, schedule: str = "1f1b",
                  micro_batches: int = 4, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -86,10 +91,11 @@ class PipelineReplica:
                  measure: bool = False, sp: Comm | None = None, replicated: list[torch.Tensor] | None = None,
                  name_of: Callable[[str, torch.Tensor], str] | None = None,
                  chunk_bounds: list[tuple[int, int]] | None = None, cp: Comm | None = None,
-                 cp_layout: str = "zigzag") -> None:
+                 cp_layout: str = "zigzag", moe: bool = False, ep: Comm | None = None) -> None:
         self.stage, self.pp, self.dp, self.log, self.rank = stage, pp, dp, dp.log, rank
         self.sp, self.replicated = sp, replicated or []
         self.cp, self.cp_layout = (cp, cp_layout) if cp is not None and cp.size > 1 else (None, cp_layout)
+        self.moe, self.ep = moe, (ep if ep is not None and ep.size > 1 else None)
         self.name_of = name_of or (lambda name, p: name)
         self.reducers: dict[int, Any] = {}    # overlapped dp sync per chunk, armed before the chunk's last backward
         self.s, self.p = pp.rank, pp.size
@@ -147,10 +153,17 @@ class PipelineReplica:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         m, s, p = self.micro_batches, self.s, self.p
         last = p * self.v - 1                              # the virtual stage that scores the loss
+        total = x.shape[0]                                 # the worker's batch: loss_i · b_i/total sums to its mean
+        if self.ep is not None:                            # this ep rank's sample chunk (expert.py)
+            n = self.ep.size
+            if x.shape[0] % n:
+                raise EngineError(f"a worker batch of {x.shape[0]} samples cannot be split over ep = {n} ranks; "
+                                  "use a batch size divisible by ep")
+            x, y = torch.tensor_split(x, n)[self.ep.rank], torch.tensor_split(y, n)[self.ep.rank]
         if x.shape[0] < m:
             raise EngineError(f"batch of {x.shape[0]} cannot be split into {m} micro-batches")
         xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
-        total, sp = x.shape[0], self.sp
+        sp = self.sp
         if sp is not None:
             from .sequence import sequence_bounds
             a, b = sequence_bounds(x.shape[1], sp)
@@ -159,7 +172,12 @@ class PipelineReplica:
             earlier = take_grads(self.replicated)
         if self.cp is not None:                          # this cp rank's tokens; L = Σ_r L_r / C via the grads
             xs, ys = self._cp_tokens(x.shape[1], xs, ys)
-        held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.ep is not None:
+            from .expert import is_expert
+            replicas = [q for q in self.stage.parameters() if not is_expert(q)]
+            before_ep = take_grads(replicas)
+        aux_sum = torch.zeros(())
+        held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         sends: list[Any] = []
         losses: list[torch.Tensor] = []
         self.spans, self.peak_in_flight = [], 0
@@ -182,6 +200,12 @@ class PipelineReplica:
                                        tag=self._tag(c - 1, i)).requires_grad_()
                 t0 = time.perf_counter()
                 out = self.chunks[k](inp)
+                aux = None
+                if self.moe:                              # this chunk's MoE layers' aux loss of this micro-batch
+                    from .moe import moe_layers, moe_aux_loss
+                    if moe_layers(self.chunks[k]):
+                        aux = moe_aux_loss(self.chunks[k]) * (xs[i].shape[0] / total)
+                        aux_sum = aux_sum + aux.detach()
                 if c == last:
                     out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
                     losses.append(out.detach())
@@ -190,18 +214,18 @@ class PipelineReplica:
                     self._send_shape((c, self._shape_key(i, xs)), out, c, i)
                     sends.append(self.pp.isend(out.detach().contiguous(), (s + 1) % p, tag=self._tag(c, i),
                                                site=f"stage {s} -> {(s + 1) % p}"))
-                held[(k, i)] = (inp, out)
+                held[(k, i)] = (inp, out, aux)
                 self.peak_in_flight = max(self.peak_in_flight, len(held))
             else:
-                inp, out = held.pop((k, i))
+                inp, out, aux = held.pop((k, i))
                 if c == last:
                     t0 = time.perf_counter()
-                    out.backward()
+                    (out if aux is None else out + aux).backward()
                 else:
                     grad = self.pp.recv(torch.empty_like(out), (s + 1) % p, tag=self._tag(c + 1, i, True))
                     t0 = time.perf_counter()
                     # == torch.autograd.backward(out, grad), whose first call imports sympy (~1 s per process)
-                    (out * grad).sum().backward()
+                    ((out * grad).sum() + (aux if aux is not None else 0)).backward()
                 t1 = self._pad(a.phase, t0)
                 if c > 0:
                     sends.append(self.pp.isend(inp.grad.contiguous(), (s - 1) % p, tag=self._tag(c, i, True),
@@ -212,6 +236,12 @@ class PipelineReplica:
         for r in self.reducers.values():
             r.finish()                             # (parameters this step gave no gradient: reduced as zeros)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())
+        if self.moe:
+            loss = loss + aux_sum                          # this stage's part of the reported loss
+        if self.ep is not None:                            # the replicated gradients (and the loss) summed over ep
+            from .expert import sum_over_ep
+            loss = torch.tensor(sum_over_ep(self.ep, replicas, loss))
+            add_back_grads(replicas, before_ep)
         if self.cp is not None:
             from .context import average_grads_in_place
             average_grads_in_place(self.cp, self.slots(), site="cp grads")   # mean over cp: ∇ of the full loss
@@ -228,8 +258,16 @@ class PipelineReplica:
                 sp.all_reduce(loss, "sum", site=LOSS_SITE)
         if self.report_loss and p > 1:
             loss = loss.reshape(1).clone()
-            self.pp.broadcast(loss, p - 1, site="loss (report)")
+            if self.moe:                                   # every stage holds a part (its aux losses)
+                self.pp.all_reduce(loss, "sum", site="loss (report)")
+            else:
+                self.pp.broadcast(loss, p - 1, site="loss (report)")
         return float(loss.sum())
+
+    def moe_stats(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per MoE layer of this stage: assignments routed / dropped per expert over its own tokens (then reset)."""
+        from .moe import moe_layers
+        return {name: mod.pop_stats() for name, mod in moe_layers(self.stage)}
 
     def _cp_tokens(self, seq: int, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
         """The micro-batches at this cp rank's zig-zag tokens; the stage's embeddings get their global positions."""
@@ -302,7 +340,7 @@ class PipelineEngine:
             kw["loss_fn"] = lm_loss
         return PipelineReplica(c.module, c.pp, c.dp, c.rank, sp=c.tp if c.sequence_parallel else None,
                                replicated=c.replicated, name_of=c.name_of, chunk_bounds=c.chunk_bounds, cp=c.cp,
-                               **kw)
+                               moe=c.moe, ep=c.ep, **kw)
 
 
 def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:

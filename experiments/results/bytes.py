@@ -118,30 +118,37 @@ def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: in
     v = p.virtual_stages
     bounds = split_stages(model, p.pp * v)                 # interleaved: every cut of the v·P-way cut crosses ranks
     cuts = sum(acts[end - 1] for _, end in bounds[:-1])
-    lines = D * T * C                                      # pipelines: one per (dp, tp, cp) coordinate
+    E = p.ep
+    lines = D * T * C * E                                  # pipelines: one per (dp, tp, cp, ep) coordinate
     sp = p.sp and T > 1
-    act = lines * 2.0 * cuts / (T if sp else 1) / C        # cp: a rank's cut holds its S/C tokens
+    act = lines * 2.0 * cuts / (T if sp else 1) / C / E    # cp: a rank's cut holds its S/C tokens; ep: b/ep samples
     loss_b = 8 if sp or C > 1 else 4
+    moe = cfg.workload.name == "text-moe"                  # every stage holds a part of the loss: all-reduced
+    loss = p.pp * (p.pp - 1) * 4 if moe else (p.pp - 1) * loss_b
     shapes = len(set(_micro_sizes(cfg)))                   # a header per cut and new micro-batch shape, once a run
-    extra = lines * ((p.pp - 1) * loss_b + (p.pp * v - 1) * HEADER_BYTES * shapes / steps)
+    extra = lines * (loss + (p.pp * v - 1) * HEADER_BYTES * shapes / steps)
     how = ("each tp rank sends its S/T slice (sequence parallel)" if sp else
            "every tp rank of a stage sends all of it to its peer of the next" if T > 1 else "")
     cut_n = "P·v−1" if v > 1 else "P−1"
     if v > 1:
         how += ("; " if how else "") + f"the P·v−1 cuts of v = {v} chunks per stage"
-    return (act + extra, f"{'D·' + ('T·' if T > 1 else '') + ('C' if C > 1 else '')} pipelines · (Σ_cuts "
-                         f"2·A_cut{'/T' if sp else ''}{'/C' if C > 1 else ''} (activation "
+    lines_n = "·".join(["D"] + [ax for ax, n in (("T", T), ("C", C), ("E", E)) if n > 1])
+    return (act + extra, f"{lines_n} pipelines · (Σ_cuts 2·A_cut{'/T' if sp else ''}{'/C' if C > 1 else ''}"
+                         f"{'/E' if E > 1 else ''} (activation "
                          f"forward, gradient back{'; ' + how if how else ''}) "
-                         f"+ (P−1)·{loss_b} B loss broadcast + ({cut_n})·{HEADER_BYTES} B × {shapes} shape header(s) / "
+                         + (f"+ P·(P−1)·4 B loss all-reduce (each stage adds its MoE aux losses) " if moe else
+                            f"+ (P−1)·{loss_b} B loss broadcast ")
+                         + f"+ ({cut_n})·{HEADER_BYTES} B × {shapes} shape header(s) / "
                          f"{steps} steps)")
 
 
 def _micro_sizes(cfg: RunConfig) -> list[int]:
-    """Examples per micro-batch of one worker's batch (pp > 1: torch.tensor_split into m; else the batch)."""
+    """Examples per micro-batch of one worker's batch (pp > 1: torch.tensor_split into m, of the rank's 1/ep
+    sample chunk under ep; else the batch)."""
     b, p = cfg.workload.batch_size, cfg.parallel
     if p.pp == 1:
         return [b]
-    return [len(c) for c in torch.tensor_split(torch.arange(b), p.micro_batches)]
+    return [len(c) for c in torch.tensor_split(torch.arange(b // p.ep), p.micro_batches)]
 
 
 def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
@@ -227,11 +234,21 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
     C = capacity(S, w.experts, w.top_k, w.capacity_factor)        # groups are single sequences
     d = layers[0].router.in_features if layers else 0
     a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, len(layers), wire=True)
-    R = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
-    grads, rule = _allreduce(R + 4, ep, "ep", "(R + 4)")
+    P = cfg.parallel.pp
+    if P > 1:              # each stage's ep ranks sum that stage's replicated gradients (and its part of the loss)
+        from parallelism.pipeline import rank_chunks, stage_module
+        stages = [stage_module(model, ch) for ch in rank_chunks(model, P, cfg.parallel.virtual_stages)]
+    else:
+        stages = [model]
+    grads, R = 0.0, 0
+    for st in stages:
+        R_s = sum(q.numel() * q.element_size() for n, q in st.named_parameters() if ".experts." not in n)
+        g, rule = _allreduce(R_s + 4, ep, "ep", "(R_s + 4)" if P > 1 else "(R + 4)")
+        grads, R = grads + g, R + R_s
     total = D * ep * (a2a + grads)
-    formula = (f"D·ep ranks · ({len(layers)} MoE layers · 4 all-to-alls · (ep−1)/ep · (b/ep sequences · {w.experts} "
-               f"experts · capacity {C} · d {d} · 4 B) + replicated gradients and loss {rule}, R = {R} B)")
+    formula = (f"D·ep ranks{' (of all stages)' if P > 1 else ''} · ({len(layers)} MoE layers · 4 all-to-alls · "
+               f"(ep−1)/ep · (b/ep sequences · {w.experts} experts · capacity {C} · d {d} · 4 B) + replicated "
+               f"gradients and loss {rule}{' per stage' if P > 1 else ''}, R = {R} B)")
     if cfg.strategy.uses_ps:      # ep rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
         total += D * (ep - 1) * R
         formula += " + D·(ep−1)·R (PS: ep rank 0 broadcasts the replicated tensors)"

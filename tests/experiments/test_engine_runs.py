@@ -265,7 +265,8 @@ MOE = ["workload.name=text-moe", "workload.batch_size=8", "train.steps=4", "trai
 @pytest.mark.timeout(240)
 def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
     """text-moe (top-2, capacity factor 0.75: tokens are dropped) with ep = 2 x dp = 2 under allreduce (zmq and gloo)
-    and under ps-bsp: every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
+    and under ps-bsp, and cut into pipeline stages (dp x pp x ep; under ps-bsp interleaved too), each stage adding
+    its MoE layers' aux loss: every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
     the summary reports the expert load (the same counts as local: routing per sequence does not depend on the
     split), the all-to-all bytes equal their formula, and `pslab report` draws the expert-load plot."""
     from experiments.cli import main
@@ -274,7 +275,11 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
     for label, more in {"local": ["train.strategy=local"],
                         "allreduce ep=2": ["train.strategy=allreduce", "parallel.ep=2"],
                         "allreduce ep=2 torch": ["train.strategy=allreduce", "parallel.ep=2", "train.backend=torch"],
-                        "ps-bsp ep=2": ["train.strategy=ps-bsp", "parallel.ep=2"]}.items():
+                        "ps-bsp ep=2": ["train.strategy=ps-bsp", "parallel.ep=2"],
+                        "allreduce pp=2 x ep=2": ["train.strategy=allreduce", "parallel.pp=2", "parallel.ep=2",
+                                                  "parallel.micro_batches=2"],
+                        "ps-bsp pp=2 x ep=2 v2": ["train.strategy=ps-bsp", "parallel.pp=2", "parallel.ep=2",
+                                                  "parallel.virtual_stages=2", "parallel.micro_batches=2"]}.items():
         rd = execute(small_config(*MOE, *extra, *more), tmp_path, label=label, quiet=True)
         runs[label] = (rd, {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(rd.metrics_path)},
                        json.loads((rd.path / "summary.json").read_text()))
@@ -285,9 +290,10 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
         assert losses.keys() == ref.keys() and max(abs(losses[k] - ref[k]) for k in ref) < 2e-6, label
         assert s["final_test_acc"] == pytest.approx(ref_s["final_test_acc"], abs=1e-6), label
         assert s["moe"]["layers"] == ref_s["moe"]["layers"], label
-        if label != "local":
-            v = s["bytes_by_kind"]["ep all-to-all + grads"]
-            assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=1e-6), (label, v)
+        for kind, v in s["bytes_by_kind"].items():
+            assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=1e-6), (label, kind, v)
+        assert ("ep all-to-all + grads" in s["bytes_by_kind"]) == ("ep=2" in label), label
+        assert ("pp boundaries" in s["bytes_by_kind"]) == ("pp=2" in label), label
     rd = runs["allreduce ep=2"][0]
     assert main(["report", str(rd.path)]) == 0
     report = (rd.path / "report" / "report.md").read_text()

@@ -19,7 +19,7 @@ from parallelism.moe import MoE, capacity, moe_aux_loss, moe_layers
 from parallelism import state_io
 from parallelism.snapshot import capture, restore_into
 
-from tests.parallelism.par_helpers import assert_close, plain, run_training, sgd, tf_batches
+from tests.parallelism.par_helpers import adam_attention, assert_close, plain, run_training, sgd, tf_batches
 
 B, S, D, E = 8, 4, 8, 4          # layer tests: global batch of B samples of S tokens of width D, E experts
 STEPS = 3
@@ -223,3 +223,66 @@ def test_impossible_layouts_are_refused():
         ExpertParallelMoE(MoE(D, 4), Comm(_FakeGroup(0, 3)))
     with pytest.raises(EngineError, match="groups = 3 is not a multiple of ep = 2"):
         ExpertParallelMoE(MoE(D, 4, groups=3), Comm(_FakeGroup(0, 2)))
+
+
+# ---- MoE in a pipeline: each stage's aux loss in its own backward; experts over ep inside the stages ---------------
+
+OPTS = {"sgd": sgd, "adam": adam_attention}
+
+
+def _pp_factory():
+    return functools.partial(tiny_moe_transformer, **MOE_CFG, group_samples=1)   # capacity per sequence
+
+
+def _pp_reference(opt):
+    model = _pp_factory()()
+    o = opt(list(model.parameters()))
+    losses = []
+    for x, y in tf_batches(STEPS):
+        loss = lm_loss(model(x), y) + moe_aux_loss(model)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _pp_worker(group, mesh_shape, v, opt):
+    from parallelism.pipeline import PipelineEngine
+    torch.set_num_threads(1)
+    engine = PipelineEngine("1f1b", 2, loss_fn=lm_loss, virtual_stages=v)
+    mesh, replica, losses = run_training(group, engine, _pp_factory(), tf_batches(STEPS), mesh_shape,
+                                         strategy=AllReduceStrategy(OPTS[opt]))
+    return plain({"losses": losses, "state": gather_full_state(replica, mesh), "by_site": replica.log.by_site(),
+                  "coords": mesh.coords, "stats": replica.moe_stats()})
+
+
+@pytest.mark.parametrize("backend,mesh_shape,v,opt", [
+    ("zmq", {"pp": 2, "ep": 2}, 1, "sgd"),
+    ("torch", {"dp": 2, "pp": 2}, 1, "adam"),
+    ("zmq", {"dp": 2, "pp": 2, "ep": 2}, 2, "sgd"),
+])
+def test_moe_in_a_pipeline_matches_single_process(backend, mesh_shape, v, opt):
+    """A mixture-of-experts model cut into pipeline stages (with ep: each stage's experts over its ep group, a sample
+    chunk per ep rank; interleaved too): every stage adds its MoE layers' load-balancing loss of each micro-batch
+    to that micro-batch's backward, so the per-step losses (task + aux, summed over the stages) and the gathered
+    model equal one process's; the routed counts over all ranks equal the reference's."""
+    ref_losses, ref_w = _pp_reference(OPTS[opt])
+    world = 1
+    for n in mesh_shape.values():
+        world *= n
+    out = collectives.launch(_pp_worker, world, backend=backend, args=(mesh_shape, v, opt), timeout=150)
+    for r in out:
+        assert_close(r["losses"], ref_losses, f"losses {r['coords']}")
+        assert ("ep grads" in r["by_site"]) == (mesh_shape.get("ep", 1) > 1)
+    root = out[0]["state"]
+    assert list(root) == list(ref_w)
+    for n, w in ref_w.items():
+        assert_close(root[n], w, n)
+    routed: dict[str, int] = {}
+    for r in out:
+        for name, st in r["stats"].items():
+            routed[name] = routed.get(name, 0) + int(torch.tensor(st["routed"]).sum())
+    x, _ = tf_batches(STEPS)[0]
+    tokens = STEPS * x.numel() * MOE_CFG["top_k"]                 # every token's top-k choices, every step
+    assert routed == {"1.mlp": tokens, "2.mlp": tokens}
