@@ -8,6 +8,8 @@
 Placement (`placement`): "packed" (the default, torchrun's packing: consecutive ranks share a node) puts rank r on
 emulated host r // per_host; "spread" puts it on host r % hosts (consecutive ranks on different hosts). A mesh puts
 tp innermost (consecutive ranks), so packed keeps a tp group inside a host and spread stretches it across hosts.
+"explicit" takes the host of every rank from `host_of` (each host holding per_host ranks): a mesh placed by an
+axis order (`parallelism.mesh.MeshLayout.hosts_by_order`, `[topology] placement = "tp,dp,pp"`).
 A link between two ranks is "intra" (same host: NVLink's role) or "inter" (different hosts: InfiniBand/Ethernet's
 role), each with a latency (s) and a bandwidth (bytes/s; null/absent in JSON = infinite). Everything that asks
 where a rank is -- the link classes, hierarchical all-reduce's choice of sub-groups -- goes through `host(rank)`
@@ -44,7 +46,7 @@ from . import jsonfields
 
 ENV = "PSLAB_TOPOLOGY"
 LINKS = ("intra", "inter")
-PLACEMENTS = ("packed", "spread")
+PLACEMENTS = ("packed", "spread", "explicit")
 
 
 class TopologyError(ValueError):
@@ -63,11 +65,15 @@ class Topology:
     inter_latency_s: float = 0.0
     inter_bandwidth_Bps: float = math.inf
     placement: str = "packed"
+    host_of: tuple[int, ...] | None = None     # placement "explicit": the host of each rank, in rank order
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise TopologyError(f"topology placement must be one of {', '.join(PLACEMENTS)} (packed: rank r on host "
-                                f"r // per_host; spread: on host r % hosts), got {self.placement!r}")
+                                f"r // per_host; spread: on host r % hosts; explicit: host_of[r]), got "
+                                f"{self.placement!r}")
+        if (self.placement == "explicit") != (self.host_of is not None):
+            raise TopologyError("topology host_of (a host per rank) goes with placement \"explicit\" and only with it")
         for name in ("hosts", "per_host"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
@@ -80,17 +86,28 @@ class Topology:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
                 raise TopologyError(f"topology {name} must be a number of bytes/s > 0 (inf: unlimited), got {v!r}")
+        if self.host_of is not None:
+            hosts = tuple(self.host_of)
+            if (len(hosts) != self.world_size or any(type(h) is not int for h in hosts)
+                    or sorted(hosts) != sorted(h for h in range(self.hosts) for _ in range(self.per_host))):
+                raise TopologyError(f"topology host_of must name a host 0..{self.hosts - 1} for each of the "
+                                    f"{self.world_size} ranks, {self.per_host} ranks per host; got {list(hosts)!r:.80}")
+            object.__setattr__(self, "host_of", hosts)
 
     @property
     def world_size(self) -> int:
         return self.hosts * self.per_host
 
     def host(self, rank: int) -> int:
-        """The emulated host of global rank `rank`: r // per_host (packed) or r % hosts (spread)."""
+        """The emulated host of global rank `rank`: r // per_host (packed), r % hosts (spread), host_of[r]."""
+        if self.host_of is not None:
+            return self.host_of[rank]
         return rank // self.per_host if self.placement == "packed" else rank % self.hosts
 
     def local(self, rank: int) -> int:
         """Rank `rank`'s index among its host's ranks (0..per_host-1)."""
+        if self.host_of is not None:
+            return self.host_of[:rank].count(self.host_of[rank])
         return rank % self.per_host if self.placement == "packed" else rank // self.hosts
 
     def ranks_of(self, host: int) -> list[int]:

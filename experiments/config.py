@@ -170,6 +170,8 @@ class TopologyConfig:
     gpus_per_host: int = 0           # ranks ("GPUs") per host
     placement: str = "packed"        # packed: rank r on host r // gpus_per_host (torchrun's; tp stays inside a host)
                                      # spread: rank r on host r % hosts (consecutive ranks, a tp group, across hosts)
+                                     # or an axis order, innermost first, e.g. "tp,dp,pp": hosts filled tp first,
+                                     # then dp, pp outermost (pp crosses hosts); every split axis listed
     intra_latency_us: float = 0.0    # a link inside a host (NVLink's role): latency in microseconds
     intra_bandwidth_GBps: float = 0.0   # ... its bandwidth in GB/s (1e9 bytes/s); 0: unlimited
     inter_latency_us: float = 0.0    # a link between hosts (InfiniBand's role): latency in microseconds
@@ -179,16 +181,29 @@ class TopologyConfig:
     def enabled(self) -> bool:
         return self.hosts > 0
 
-    def build(self) -> Any:
-        """The `collectives.topology.Topology` of this section, or None when hosts = 0."""
+    def order(self) -> list[str] | None:
+        """The axis order of an explicit placement ("tp,dp,pp" -> ["tp", "dp", "pp"]), None for packed / spread."""
+        if self.placement in PLACEMENTS:
+            return None
+        return [a.strip() for a in self.placement.split(",") if a.strip()]
+
+    def build(self, parallel: "ParallelConfig | None" = None, workers: int = 1) -> Any:
+        """The `collectives.topology.Topology` of this section, or None when hosts = 0; an axis-order placement
+        needs the run's degrees (`parallel`, `workers` = dp) to place each rank."""
         if not self.enabled:
             return None
         from collectives.topology import Topology
         bw = lambda g: g * 1e9 if g > 0 else math.inf       # noqa: E731
+        placement, host_of = self.placement, None
+        if self.order() is not None:
+            from parallelism.mesh import MeshLayout
+            p = parallel or ParallelConfig()
+            mesh = MeshLayout(dp=workers, pp=p.pp, tp=p.tp, cp=p.cp, ep=p.ep)
+            placement, host_of = "explicit", tuple(mesh.hosts_by_order(self.order(), self.gpus_per_host))
         return Topology(self.hosts, self.gpus_per_host, intra_latency_s=self.intra_latency_us * 1e-6,
                         intra_bandwidth_Bps=bw(self.intra_bandwidth_GBps),
                         inter_latency_s=self.inter_latency_us * 1e-6,
-                        inter_bandwidth_Bps=bw(self.inter_bandwidth_GBps), placement=self.placement)
+                        inter_bandwidth_Bps=bw(self.inter_bandwidth_GBps), placement=placement, host_of=host_of)
 
     def describe(self) -> str:
         """e.g. "2x2 packed, intra 2 GB/s + 20 µs, inter 0.05 GB/s + 1000 µs"."""
@@ -399,8 +414,16 @@ def _validate_topology(cfg: RunConfig) -> None:
         v = getattr(tp, key)
         if not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"topology.{key} must be a finite number >= 0 (bandwidth 0: unlimited), got {v}")
-    if tp.placement not in PLACEMENTS:
-        raise ConfigError(f"topology.placement must be one of {', '.join(PLACEMENTS)}, got {tp.placement!r}")
+    if tp.order() is not None:
+        from parallelism.mesh import AXES
+        order, p = tp.order(), cfg.parallel
+        degrees = {"dp": t.workers, "pp": p.pp, "tp": p.tp, "cp": p.cp, "ep": p.ep}
+        split = [ax for ax in AXES if degrees[ax] > 1]
+        if any(ax not in AXES for ax in order) or len(set(order)) != len(order) or not set(split) <= set(order):
+            raise ConfigError(f"topology.placement must be packed, spread or an axis order, innermost first, naming "
+                              f"each of {', '.join(AXES)} at most once and every axis of degree > 1 "
+                              f"({', '.join(split) or 'none'}), e.g. \"{','.join(reversed(split)) or 'tp'}\"; "
+                              f"got {tp.placement!r}")
     if not tp.enabled:
         if tp.gpus_per_host:
             raise ConfigError(f"topology.gpus_per_host = {tp.gpus_per_host} needs topology.hosts >= 1 (0: no topology)")

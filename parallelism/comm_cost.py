@@ -5,6 +5,7 @@ Where ranks sit (the mesh is dp, pp, cp, ep, tp with tp innermost: parallelism/m
 
     packed   rank r on node r // gpus_per_node     (torchrun's packing: a tp group inside a node)
     spread   rank r on node r % nodes, nodes = min(cluster.nodes, ranks)     (consecutive ranks on different nodes)
+    "tp,dp,pp"  an axis order, innermost first: nodes filled along tp, then dp, then pp (mesh.hosts_by_order)
 
 One function per collective, each as pslab's collectives send it (N the group's size, S a tensor's bytes):
 
@@ -43,14 +44,20 @@ class Placement:
     """Node of each global rank, the link class between two ranks, and the mesh's groups along an axis."""
 
     def __init__(self, layout: Layout, cluster: Cluster, placement: str = "packed") -> None:
-        if placement not in PLACEMENTS:
-            raise CommModelError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         n = layout.gpus()
         if n > cluster.gpus:
             raise CommModelError(f"the layout needs {n} GPUs but cluster {cluster.name} has {cluster.gpus} "
                                  f"({cluster.nodes} x {cluster.gpus_per_node}): add nodes or shrink the layout")
         self.cluster, self.placement, self.world = cluster, placement, n
         self.nodes = min(cluster.nodes, n)
+        self.explicit: list[int] | None = None
+        if placement not in PLACEMENTS:        # an axis order, innermost first (mesh.MeshLayout.hosts_by_order)
+            from .mesh import MeshError
+            try:
+                self.explicit = layout.hosts_by_order(placement.split(","), cluster.gpus_per_node)
+            except MeshError as e:
+                raise CommModelError(f"placement must be one of {', '.join(PLACEMENTS)} or an axis order: {e}") \
+                    from None
         self.sizes = {ax: getattr(layout, ax) for ax in AXES}
         self.stride: dict[str, int] = {}
         s = 1
@@ -59,6 +66,8 @@ class Placement:
             s *= self.sizes[ax]
 
     def node(self, r: int) -> int:
+        if self.explicit is not None:
+            return self.explicit[r]
         return r // self.cluster.gpus_per_node if self.placement == "packed" else r % self.nodes
 
     def link(self, a: int, b: int) -> str:
@@ -77,12 +86,18 @@ class Placement:
         for r in range(self.world):
             if (r // st) % n:
                 continue
-            key = (0 if axis == "pp" else self.coord(r, "pp"), r % period)
+            key = (0 if axis == "pp" else self.coord(r, "pp"),
+                   r % period if self.explicit is None else self._pattern([r + i * st for i in range(n)]))
             if key in seen:
                 seen[key][1] += 1
             else:
                 seen[key] = [[r + i * st for i in range(n)], 1]
         return [(g, k) for g, k in seen.values()]
+
+    def _pattern(self, group: list[int]) -> tuple[int, ...]:
+        """The group's nodes relabelled in order of first appearance: groups with equal patterns cost the same."""
+        first: dict[int, int] = {}
+        return tuple(first.setdefault(self.node(r), len(first)) for r in group)
 
     def hosts_of(self, group: list[int]) -> list[list[int]] | None:
         """The group's positions per node when a hierarchical all-reduce applies (>= 2 nodes, the same number >= 2

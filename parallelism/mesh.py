@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from collectives import ProcessGroup
@@ -75,6 +75,29 @@ class MeshLayout:
         for ax in AXES:
             r = r * getattr(self, ax) + c[ax]
         return r
+
+    def hosts_by_order(self, order: Sequence[str], per_host: int) -> list[int]:
+        """The host of every rank when ranks fill hosts of `per_host` slots in the axis order `order`, innermost
+        first (axes of degree 1 may be left out): rank r takes slot Σ_ax coord_ax · stride_ax, strides growing in
+        that order, and host slot // per_host. ("tp", "ep", "cp", "pp", "dp") is the rank order itself (packed);
+        ("tp", "dp", "pp") keeps tp and dp inside a host and sends pp across (Megatron's 3D placement)."""
+        order = list(order)
+        bad = [ax for ax in order if ax not in AXES] + [ax for ax in set(order) if order.count(ax) > 1]
+        missing = [ax for ax in AXES if getattr(self, ax) > 1 and ax not in order]
+        if bad or missing:
+            raise MeshError(f"a placement order lists each of {', '.join(AXES)} at most once and every axis of degree "
+                            f"> 1 ({', '.join(ax for ax in AXES if getattr(self, ax) > 1)}); got {','.join(order)}")
+        if per_host < 1 or self.world_size % per_host:
+            raise MeshError(f"{self.world_size} ranks do not fill hosts of {per_host}")
+        full = order + [ax for ax in reversed(AXES) if ax not in order]
+        out = []
+        for r in range(self.world_size):
+            c, slot, stride = self.coords(r), 0, 1
+            for ax in full:
+                slot += c[ax] * stride
+                stride *= getattr(self, ax)
+            out.append(slot // per_host)
+        return out
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """All groups along `axis`: ranks that differ only in that coordinate, in coordinate order.

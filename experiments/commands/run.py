@@ -15,7 +15,8 @@ The run starts train.workers x parallel.tp x pp x cp x ep processes (train.worke
 prints the accuracy, the staleness, the bytes per step by kind and the peak saved activations per rank next to their
 formulas (and, for the mixture-of-experts workload text-moe, the tokens routed and dropped).
 
-[topology] (hosts, gpus_per_host, placement = packed | spread, intra/inter_latency_us, intra/inter_bandwidth_GBps)
+[topology] (hosts, gpus_per_host, placement = packed | spread | an axis order such as tp,dp,pp,
+intra/inter_latency_us, intra/inter_bandwidth_GBps)
 runs the ranks on emulated hosts: the zmq transport delays each message by its link's latency + bytes/bandwidth;
 the run prints the bytes per step on each link class (intra, inter) and the median step time.
 

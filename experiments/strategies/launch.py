@@ -54,7 +54,7 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
         addresses = servers.group_addresses if servers is not None else None
         # one job secret: the ranks get the shards' one (as PSLAB_JOB_SECRET, never through the store)
         # [topology]: every rank's zmq transport emulates the links (init_process_group(topology=))
-        links = {"topology": cfg.topology.build()} if cfg.topology.enabled else {}
+        links = {"topology": cfg.topology.build(cfg.parallel, cfg.train.workers)} if cfg.topology.enabled else {}
         return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
                                   args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.run_limit_s or None,
                                   group_timeout=cfg.train.timeout_s, start_method=START_METHOD,

@@ -26,7 +26,7 @@ def test_host_of_each_rank_by_placement():
 
 
 def test_placement_validated_and_round_trips(monkeypatch):
-    with pytest.raises(TopologyError, match="placement must be one of packed, spread") as e:
+    with pytest.raises(TopologyError, match="placement must be one of packed, spread, explicit") as e:
         Topology(2, 2, placement="round-robin")
     assert "\n" not in str(e.value)
     t = Topology(2, 2, 1e-5, 2e9, 1e-3, 5e7, placement="spread")
@@ -34,6 +34,21 @@ def test_placement_validated_and_round_trips(monkeypatch):
     assert Topology.from_json('{"hosts": 2, "per_host": 2}').placement == "packed"     # older JSON: packed
     monkeypatch.setenv(ENV, t.to_json())
     assert from_env() == t
+
+
+def test_explicit_placement_takes_a_host_per_rank():
+    """placement "explicit": host_of[r] is rank r's host, each host holding per_host ranks; local() counts within the
+    host in rank order; a wrong list, or host_of without "explicit", is one line; JSON round-trips it."""
+    t = Topology(2, 4, placement="explicit", host_of=[0, 0, 1, 1, 0, 0, 1, 1])
+    assert [t.host(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [t.local(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert t.ranks_of(1) == [2, 3, 6, 7] and t.link(0, 4) == "intra" and t.link(0, 2) == "inter"
+    assert Topology.from_json(t.to_json()) == t
+    for bad in ([0] * 8, [0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 1, 2]):
+        with pytest.raises(TopologyError, match="host_of must name a host 0..1 for each of the 8 ranks"):
+            Topology(2, 4, placement="explicit", host_of=bad)
+    with pytest.raises(TopologyError, match="goes with placement"):
+        Topology(2, 4, host_of=[0, 0, 1, 1, 0, 0, 1, 1])
 
 
 def _fake(topo: Topology, ranks: list[int]) -> SimpleNamespace:

@@ -53,7 +53,8 @@ def runs(tmp_path_factory):
     (["train.backend=torch"], "zmq backend only"),
     (["train.strategy=ps-bsp"], "shard processes that the topology does not place"),
     (["train.strategy=local", "parallel.tp=1", "faults.on_failure=auto"], "one process"),
-    (["topology.placement=round-robin"], "placement must be one of packed, spread"),
+    (["topology.placement=round-robin"], "placement must be packed, spread or an axis order"),
+    (["topology.placement=tp"], r"every axis of degree > 1 \(dp, tp\), e.g. \"tp,dp\""),
     (["topology.inter_bandwidth_GBps=-1"], "inter_bandwidth_GBps must be a finite number >= 0"),
     (["topology.gpus_per_host=0"], "needs topology.gpus_per_host >= 1"),
     (["topology.hosts=0"], "gpus_per_host = 2 needs topology.hosts >= 1"),
@@ -157,10 +158,12 @@ def test_resume_may_change_the_topology(runs):
 def test_3d_placement_keeps_tp_and_pp_inside_a_host(tmp_path):
     """experiments/configs/3d.toml, dp 2 x tp 2 x pp 2 on 2 hosts x 4: packed puts worker 0's four ranks (both stages,
     both tp ranks) on host 0, so only the dp gradient sync crosses hosts; spread puts every tp pair and nothing else
-    across (pp pairs r, r+2 and dp pairs r, r+4 share a host). Counted per message by each rank's transport."""
+    across (pp pairs r, r+2 and dp pairs r, r+4 share a host); the axis order "tp,dp,pp" fills a host with tp, then
+    dp, so each pipeline stage has its own host and only the pp boundaries cross (Megatron's placement). Counted per
+    message by each rank's transport."""
     three_d = CONFIG.with_name("3d.toml")
     out = {}
-    for placement in ("packed", "spread"):
+    for placement in ("packed", "spread", "tp,dp,pp"):
         rd = execute(load_config(three_d, SHORT + [f"topology.placement={placement}"]), tmp_path, label=placement,
                      quiet=True)
         out[placement] = json.loads((rd.path / "summary.json").read_text())
@@ -170,3 +173,6 @@ def test_3d_placement_keeps_tp_and_pp_inside_a_host(tmp_path):
         {"intra": kp["tp activations"] + kp["pp boundaries"], "inter": kp["dp gradient sync"]}, rel=1e-12)
     assert out["spread"]["link_bytes_per_step"] == pytest.approx(
         {"intra": ks["dp gradient sync"] + ks["pp boundaries"], "inter": ks["tp activations"]}, rel=1e-12)
+    ko = _kinds(out["tp,dp,pp"])
+    assert out["tp,dp,pp"]["link_bytes_per_step"] == pytest.approx(
+        {"intra": ko["dp gradient sync"] + ko["tp activations"], "inter": ko["pp boundaries"]}, rel=1e-12)

@@ -292,3 +292,19 @@ def test_pslab_parameter_lists_and_buckets_are_the_engines_own():
         reducer = GradReducer(model, comm=None, bucket_bytes=cap)
         assert buckets(stage_tensors(shape, Layout(), 0, "pslab"), 4, cap) == [b.numel for b in reducer.buckets]
         reducer.close()
+
+
+def test_an_axis_order_placement_sends_only_its_outer_axis_across_nodes():
+    """placement "tp,dp,pp" (mesh.hosts_by_order) on dp 2 x tp 2 x pp 2 over 2 nodes of 4: each pipeline stage on
+    its own node, so the pp boundaries are the only inter bytes; packed sends the dp sync across instead; a bad
+    order is one CommModelError line."""
+    c = _cluster(4, nodes=2)
+    lay = Layout(dp=2, tp=2, pp=2, micro_batches=4)
+    placed = step_comm(GPT, lay, c, placement="tp,dp,pp")
+    inter = {t.kind for t in placed if t.link == "inter" and t.bytes > 0}
+    assert inter == {"pp boundaries"}
+    packed = {t.kind for t in step_comm(GPT, lay, c) if t.link == "inter" and t.bytes > 0}
+    assert packed == {"dp gradient sync"}
+    assert bytes_by_kind(placed) == pytest.approx(bytes_by_kind(step_comm(GPT, lay, c)), rel=1e-12)
+    with pytest.raises(CommModelError, match="axis order"):
+        step_comm(GPT, lay, c, placement="tp,pp")

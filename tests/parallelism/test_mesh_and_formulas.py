@@ -98,3 +98,19 @@ def test_zero_formulas_match_paper():
     assert zero_bytes_per_rank(3, 10, 4, FP32_ADAM).total == 40
     with pytest.raises(ValueError, match="stage"):
         zero_bytes_per_rank(4, 10, 2)
+
+
+def test_hosts_by_axis_order():
+    """Ranks fill hosts along an axis order, innermost first: the mesh's own order (tp, ep, cp, pp, dp) is packed
+    (r // per_host); "tp,dp,pp" on dp 2 x pp 2 x tp 2 puts each pp stage on its own host (rank = (dp·2 + pp)·2 +
+    tp, so ranks 2, 3, 6, 7 are stage 1); "dp,pp,tp" puts each tp rank on its own host. Orders that skip a split
+    axis or repeat one are refused."""
+    from parallelism.mesh import MeshError, MeshLayout
+    m = MeshLayout(dp=2, pp=2, tp=2)
+    assert m.hosts_by_order(("tp", "ep", "cp", "pp", "dp"), 4) == [r // 4 for r in range(8)]
+    assert m.hosts_by_order(("tp", "dp", "pp"), 4) == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert m.hosts_by_order(("dp", "pp", "tp"), 4) == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert m.hosts_by_order(("tp", "dp", "pp"), 2) == [0, 0, 2, 2, 1, 1, 3, 3]
+    for bad in (("tp", "pp"), ("tp", "dp", "pp", "tp"), ("tp", "dp", "pp", "xx")):
+        with pytest.raises(MeshError, match="at most once and every axis of degree > 1"):
+            m.hosts_by_order(bad, 4)
