@@ -285,10 +285,6 @@ class RunConfig:
             raise ConfigError(f"faults.on_failure = {self.faults.on_failure}: a run that splits the model "
                               f"({self.parallel.describe()}) cannot re-cut it around a lost rank; use abort (or auto) "
                               "and resume from an engine checkpoint (faults.checkpoint_every, pslab run --resume)")
-        if self.parallel.distributed_optimizer and self.faults.checkpoint_every:
-            raise ConfigError("faults.checkpoint_every: the distributed optimizer (parallel.zero = 1 with tp or pp) "
-                              "keeps its state in chunks of tp shards, which engine checkpoints cannot hold yet: set "
-                              "faults.checkpoint_every = 0, or zero = 0")
         m = self.simulate
         for k in ("compute_s", "latency_intra_s", "latency_inter_s"):
             if getattr(m, k) < 0:

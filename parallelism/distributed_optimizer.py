@@ -14,6 +14,8 @@ plus an all-gather), while the optimizer state per rank drops from K·Ψ to K·�
 each (pp, tp) coordinate runs its own distributed optimizer over its own dp group — Megatron's "distributed
 optimizer per model-parallel rank" — since those ranks hold different tensors. ZeRO 2 and 3 also shard the
 gradients and the parameters inside backward and forward; they stay `zero.py`'s, on plain data parallelism.
+Snapshots and checkpoints hold the state as the chunks it is kept in (`snapshot.py`: "flat" chunks of whole slots,
+"index_flat" chunks of tp shards), so a resume may re-cut it for any other layout.
 """
 
 from __future__ import annotations

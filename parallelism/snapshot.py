@@ -6,6 +6,8 @@ Every engine holds, per full-model parameter name n (shape S), one piece of it �
                                                                 ZeRO 0 (and ZeRO 1–2's full module copy)
     index (dim, idx)       full.index_select(dim, idx)          tensor parallel (the Parameter's `_tp_index`)
     flat  [a, b)           full.reshape(-1)[a:b]                ZeRO 1–3's chunk `chunk_bounds(numel, N)[r]`
+    index_flat (dim, idx,  full.index_select(dim, idx)          the distributed optimizer's chunk of a tp shard
+                [a, b))      .reshape(-1)[a:b]                  (distributed_optimizer.py: ZeRO-1 with tp, pp)
 
 and, for its optimizer, the torch.optim state of that piece: tensors shaped like the piece ("sliced": momentum,
 Adam's moments — they are re-cut exactly like the parameter) and per-parameter scalars ("scalar": Adam's step,
@@ -77,9 +79,9 @@ def targets(replica: Replica, strategy: Any) -> list[Target]:
     """This rank's pieces, in a fixed order (ZeRO 1–2: the full module copy before the owned chunk)."""
     out: list[Target] = []
     from .distributed_optimizer import DistributedOptimizerStrategy
-    if isinstance(strategy, DistributedOptimizerStrategy):
-        raise SnapshotError("the distributed optimizer keeps its state in chunks of the slots (of tp shards), which "
-                            "snapshots cannot hold yet: checkpoint with AllReduceStrategy or ZeroEngine")
+    chunked = isinstance(strategy, DistributedOptimizerStrategy)
+    if chunked and len(strategy.shards) != len(replica.slots()):
+        raise SnapshotError("the distributed optimizer is not attached to this replica: attach it before a snapshot")
     if isinstance(replica, ZeroReplica):
         for n, p in replica.named:
             shape = tuple(replica.shapes[n])
@@ -92,24 +94,36 @@ def targets(replica: Replica, strategy: Any) -> list[Target]:
             out.append(Target(n, shape, {"kind": "flat", "start": a, "stop": b}, None, replica.shards[n],
                               replica.shards[n]))
         return out
-    for s in replica.slots():
+    for k, s in enumerate(replica.slots()):
         name, idx = s.name.split("#", 1)[0], tp_index(s.param)
         if idx is None:
-            out.append(Target(name, tuple(s.param.shape), {"kind": "whole"}, None, s.param, s.param))
+            sel: dict[str, Any] = {"kind": "whole"}
+            shape, index = tuple(s.param.shape), None
+        else:
+            dim, index = idx
+            parts = int(s.name.rsplit("/", 1)[1]) if "#tp" in s.name else 1
+            full = list(s.param.shape)
+            full[dim] *= parts
+            sel, shape = {"kind": "index", "dim": int(dim)}, tuple(full)
+        if not chunked:
+            out.append(Target(name, shape, sel, index, s.param, s.param))
             continue
-        dim, index = idx
-        parts = int(s.name.rsplit("/", 1)[1]) if "#tp" in s.name else 1
-        shape = list(s.param.shape)
-        shape[dim] *= parts
-        out.append(Target(name, tuple(shape), {"kind": "index", "dim": int(dim)}, index, s.param, s.param))
+        # the distributed optimizer: the slot itself (rebuilt from the chunks), then this dp rank's chunk of it
+        out.append(Target(name, shape, sel, index, s.param, None))
+        a, b = strategy.bounds[k]
+        chunk = {"kind": "flat", "start": a, "stop": b} if index is None else {**sel, "kind": "index_flat",
+                                                                               "start": a, "stop": b}
+        out.append(Target(name, shape, chunk, index, strategy.shards[k], strategy.shards[k]))
     return out
 
 
 def _stored(t: Target, mesh: Any) -> bool:
     """Whether a checkpoint must store this piece (False: an identical copy is stored by another rank)."""
-    if t.sel["kind"] == "flat":
+    if t.sel["kind"] == "index_flat":                         # the distributed optimizer's chunk of a tp shard
         return True
-    if t.sel["kind"] == "whole" and t.opt_param is None:      # ZeRO 1–2's full copy: its chunks are stored
+    if t.sel["kind"] == "flat":        # (a chunk of a tensor tp replicates: tp rank 0's chunks cover it)
+        return mesh.coord("tp") == 0
+    if t.opt_param is None:            # ZeRO 1–2's full copy, the distributed optimizer's slots: chunks are stored
         return False
     if mesh.coord("ep") != 0 and not is_expert(t.param):     # expert parallelism: ep rank 0 stores the replicas
         return False
@@ -233,7 +247,10 @@ def _piece(t: Target, have: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]
         return full
     if t.sel["kind"] == "flat":
         return full.reshape(-1)[t.sel["start"]:t.sel["stop"]]
-    return full.index_select(t.sel["dim"], t.index.to(torch.long))
+    piece = full.index_select(t.sel["dim"], t.index.to(torch.long))
+    if t.sel["kind"] == "index_flat":
+        return piece.reshape(-1)[t.sel["start"]:t.sel["stop"]]
+    return piece
 
 
 def assemble(name: str, shape: tuple[int, ...], parts: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]],
@@ -243,6 +260,8 @@ def assemble(name: str, shape: tuple[int, ...], parts: list[tuple[dict[str, Any]
     for sel, _, v in parts:
         if sel["kind"] == "whole":
             return v
+    if any(sel["kind"] == "index_flat" for sel, _, _ in parts):
+        parts = _index_pieces(name, shape, parts, where)
     kinds = {sel["kind"] for sel, _, _ in parts}
     dims = {sel.get("dim") for sel, _, _ in parts}
     if len(kinds) != 1 or len(dims) != 1:
@@ -268,6 +287,30 @@ def assemble(name: str, shape: tuple[int, ...], parts: list[tuple[dict[str, Any]
                             f"positions ({int((covered > 1).sum())} twice): a shard is missing or from another "
                             "layout")
     return full
+
+
+def _index_pieces(name: str, shape: tuple[int, ...], parts: list[tuple[dict[str, Any], torch.Tensor | None,
+                  torch.Tensor]], where: str) -> list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]]:
+    """index_flat pieces (chunks of index pieces) joined into their index pieces; other pieces as they are."""
+    groups: dict[tuple, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+    out: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]] = []
+    indices: dict[tuple, torch.Tensor] = {}
+    for sel, idx, v in parts:
+        if sel["kind"] != "index_flat":
+            out.append((sel, idx, v))
+            continue
+        key = (sel["dim"], tuple(idx.tolist()))
+        indices[key] = idx
+        groups.setdefault(key, []).append((sel, v))
+    for (dim, _), chunks in groups.items():
+        idx = indices[(dim, _)]
+        piece_shape = list(shape)
+        piece_shape[dim] = idx.numel()
+        flat = assemble(f"{name} (tp piece)", tuple(piece_shape),
+                        [({"kind": "flat", "start": sel["start"], "stop": sel["stop"]}, None, v) for sel, v in chunks],
+                        where)
+        out.append(({"kind": "index", "dim": dim}, idx, flat))
+    return out
 
 
 # ---- validation of a snapshot read from a file -------------------------------------------------------------------
@@ -302,7 +345,8 @@ def check_snapshot(tensors: Mapping[str, torch.Tensor], meta: Any, where: str = 
             if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= numel):
                 raise _fail(w, f"flat range [{a!r:.20}, {b!r:.20}) is not inside the {numel} elements of {p['name']}")
             want = [b - a]
-        elif sel.get("kind") == "index" and set(sel) == {"kind", "dim"}:
+        elif (sel.get("kind") == "index" and set(sel) == {"kind", "dim"}) or \
+                (sel.get("kind") == "index_flat" and set(sel) == {"kind", "dim", "start", "stop"}):
             dim, idx = sel["dim"], tensors.get(f"{k}/index")
             if not (isinstance(dim, int) and 0 <= dim < len(shape)) or idx is None or idx.dtype != torch.int64 \
                     or idx.dim() != 1 or (idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < shape[dim])):
@@ -310,6 +354,12 @@ def check_snapshot(tensors: Mapping[str, torch.Tensor], meta: Any, where: str = 
             want = list(shape)
             want[dim] = idx.numel()
             got["index"] = idx
+            if sel["kind"] == "index_flat":
+                a, b, n = sel["start"], sel["stop"], math.prod(want)
+                if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= n):
+                    raise _fail(w, f"flat range [{a!r:.20}, {b!r:.20}) is not inside the {n} elements of "
+                                   f"{p['name']}'s tp piece")
+                want = [b - a]
         else:
             raise _fail(w, f"unknown selection {sel!r:.60}")
         if list(param.shape) != want:

@@ -140,6 +140,24 @@ def test_resume_at_another_layout_tp2_to_tp1(tmp_path):
     assert json.loads((first.path / "summary.json").read_text())["parallel"] == "data"
 
 
+def test_3d_zero1_resumed_at_another_layout(tmp_path):
+    """dp 2 x tp 2 x pp 2 with the distributed optimizer (ZeRO-1, Adam: its moments in chunks of tp shards) for 2
+    steps, resumed once at the same layout and once as dp 2 x tp 2 without ZeRO: both continue the uninterrupted
+    run's losses (the same layout bitwise, the other to float32 tolerance), so the chunks joined back into whole
+    tensors and re-cut hold every element of the parameters and of Adam's state."""
+    zero3d = [*TF, "train.workers=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=1",
+              "train.optimizer=adam", "train.lr=0.01"]
+    straight = execute(small_config(*zero3d, "train.steps=4"), tmp_path, label="3d-zero1", quiet=True)
+    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
+    for label, change in (("same", []), ("tp2", ["parallel.pp=1", "parallel.zero=0"])):
+        first = execute(small_config(*zero3d, "train.steps=2"), tmp_path, label=label, quiet=True)
+        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
+        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
+        assert sorted(got) == sorted(ref), label
+        for k, v in ref.items():
+            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+
+
 def test_local_resume_is_bitwise(tmp_path):
     """`local` (one process playing 2 workers) resumed at step 2 continues exactly like the run that went on."""
     local = ["workload.name=digits-mlp", "train.strategy=local", "train.workers=2", "train.optimizer=adam",
