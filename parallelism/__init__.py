@@ -41,6 +41,7 @@ Files, one idea each:
                      ring rules, or pslab's own exact ones) under a placement of ranks on nodes
     step_model.py    step time of a layout: FLOPs (Narayanan et al. eq. 3), bubble, exposed comm, memory
     planner.py       every layout of a model on a cluster, ranked by step time, explained — `pslab plan`
+    published.py     Narayanan et al. 2021's Table 1 against the planner — `pslab plan --published`
     moe.py           a mixture-of-experts feed-forward: top-k router, GShard capacity and dropping, Switch aux loss
     expert.py        expert parallelism: experts over the ep ranks, all-to-all dispatch and combine
     checkpointing.py activation checkpointing and the saved-activation meter

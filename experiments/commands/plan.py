@@ -121,7 +121,7 @@ def _words(text: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _published(name: str) -> Any:
-    from parallelism.planner import PUBLISHED
+    from parallelism.published import PUBLISHED
     if name not in PUBLISHED:
         raise ConfigError(f"unknown --model {name!r}; choose one of: {', '.join(PUBLISHED)}")
     return PUBLISHED[name]
@@ -287,7 +287,7 @@ def plot(preds: list, path: str, title: str) -> None:
 # ---- --published ---------------------------------------------------------------------------------------------
 
 def _run_published(args: argparse.Namespace) -> int:
-    from parallelism.planner import PUBLISHED, compare_published
+    from parallelism.published import PUBLISHED, compare_published
     from tqdm import tqdm
     rows = [_published(args.model)] if args.model else list(PUBLISHED.values())
     out = []

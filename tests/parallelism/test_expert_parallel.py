@@ -100,10 +100,11 @@ def _factory(groups: int):
     return functools.partial(tiny_moe_transformer, **MOE_CFG, groups=groups)
 
 
-def _reference(groups: int, steps: int = STEPS):
-    """Single-process training of the MoE model on the global batches: task loss + aux loss, SGD with momentum."""
-    model = _factory(groups)()
-    opt = sgd(list(model.parameters()))
+def _reference(groups: int | None, steps: int = STEPS, opt=sgd):
+    """Single-process training of the MoE model on the global batches: task loss + aux loss, SGD with momentum (or
+    `opt`); groups None: routing groups of one sequence (the pipeline tests' model)."""
+    model = (_factory(groups) if groups is not None else _pp_factory())()
+    opt = opt(list(model.parameters()))
     losses = []
     for x, y in tf_batches(steps):
         loss = lm_loss(model(x), y) + moe_aux_loss(model)
@@ -234,19 +235,6 @@ def _pp_factory():
     return functools.partial(tiny_moe_transformer, **MOE_CFG, group_samples=1)   # capacity per sequence
 
 
-def _pp_reference(opt):
-    model = _pp_factory()()
-    o = opt(list(model.parameters()))
-    losses = []
-    for x, y in tf_batches(STEPS):
-        loss = lm_loss(model(x), y) + moe_aux_loss(model)
-        o.zero_grad()
-        loss.backward()
-        o.step()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _pp_worker(group, mesh_shape, v, opt):
     from parallelism.pipeline import PipelineEngine
     torch.set_num_threads(1)
@@ -267,7 +255,7 @@ def test_moe_in_a_pipeline_matches_single_process(backend, mesh_shape, v, opt):
     chunk per ep rank; interleaved too): every stage adds its MoE layers' load-balancing loss of each micro-batch
     to that micro-batch's backward, so the per-step losses (task + aux, summed over the stages) and the gathered
     model equal one process's; the routed counts over all ranks equal the reference's."""
-    ref_losses, ref_w = _pp_reference(OPTS[opt])
+    ref_losses, ref_w, _ = _reference(None, opt=OPTS[opt])
     world = 1
     for n in mesh_shape.values():
         world *= n

@@ -12,8 +12,9 @@ import pytest
 
 from parallelism.cluster import Cluster, preset
 from parallelism.memory_model import Layout, Shape, estimate
-from parallelism.planner import (PUBLISHED, PlanError, breakdown, candidates, compare_published, describe, explain,
-                                 link_seconds, micro_batch, plan, tp_on_intra)
+from parallelism.planner import (PlanError, breakdown, candidates, describe, explain, link_seconds, micro_batch, plan,
+                                 tp_on_intra)
+from parallelism.published import PUBLISHED, compare_published
 from parallelism.step_model import predict
 
 SMALL = Shape(layers=6, hidden=384, heads=12, seq=256, vocab=1000)
