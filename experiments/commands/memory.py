@@ -42,6 +42,7 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "dp=2 tp=2 pp=2 zero1": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
                                        "parallel.micro_batches=4"]),
     "cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.cp=2"]),
+    "tp=2 cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.cp=2"]),
     "ep=2": (MOE_TOML, ["train.workers=1"]),      # text-moe: activations depend on the routing (measured only)
 }
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -288,8 +289,8 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
                if not p.sp else None)          # tp x pp with sp: measured only (no closed form here yet)
     elif p.activation_checkpointing:
         act = tiny_checkpointed_activation_bytes(b, s, d, a, L, V)
-    elif p.cp > 1:
-        act = (model_activation_bytes(b, s, d, a, L, V) - 4) // p.cp + 4
+    elif p.cp > 1:                              # (tp x cp: the tp rank's figure, on S/C tokens)
+        act = (model_activation_bytes(b, s, d, a, L, V, t=p.tp) - 4) // p.cp + 4
     else:
         act = model_activation_bytes(b, s, d, a, L, V, t=p.tp, sp=p.sp)
     return {"params": e.get("params"), "grads": e.get("grads"), "optimizer": e.get("optimizer"), "activations": act}

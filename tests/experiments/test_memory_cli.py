@@ -101,12 +101,12 @@ def test_measure_subset_within_10_percent_of_model(capsys):
 
 
 def test_measure_covers_3d_layouts_to_the_byte(capsys):
-    """tp x pp and dp x tp x pp with the distributed optimizer (ZeRO-1 per (pp, tp) coordinate): parameters,
+    """tp x pp, dp x tp x pp with the distributed optimizer (ZeRO-1 per (pp, tp) coordinate) and tp x cp: parameters,
     gradients and saved activations equal the model to the byte on every rank; the optimizer state too, but for
     Adam's step counters (a few bytes per tensor), and ZeRO-1 halves it over dp = 2."""
-    assert main(["memory", "--measure", "--configs", "tp=2 pp=2,dp=2 tp=2 pp=2 zero1", "--json"]) == 0
+    assert main(["memory", "--measure", "--configs", "tp=2 pp=2,dp=2 tp=2 pp=2 zero1,tp=2 cp=2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert len(rows) == 4 + 8
+    assert len(rows) == 4 + 8 + 4
     for r in rows:
         m, f = r["measured"], r["model"]
         for kind in ("params", "grads", "activations"):
@@ -114,5 +114,5 @@ def test_measure_covers_3d_layouts_to_the_byte(capsys):
         assert 0 <= m["optimizer"] - f["optimizer"] <= 8 * 16, (r["config"], r["rank"], m, f)
     plain = {r["coords"]["pp"]: r["model"]["optimizer"] for r in rows if r["config"] == "tp=2 pp=2"}
     for r in rows:
-        if r["config"] != "tp=2 pp=2":
+        if r["config"] == "dp=2 tp=2 pp=2 zero1":
             assert r["model"]["optimizer"] * 2 == plain[r["coords"]["pp"]]
