@@ -415,11 +415,15 @@ def _validate_topology(cfg: RunConfig) -> None:
         order, p = tp.order(), cfg.parallel
         degrees = {"dp": t.workers, "pp": p.pp, "tp": p.tp, "cp": p.cp, "ep": p.ep}
         split = [ax for ax in AXES if degrees[ax] > 1]
-        if any(ax not in AXES for ax in order) or len(set(order)) != len(order) or not set(split) <= set(order):
-            raise ConfigError(f"topology.placement must be packed, spread or an axis order, innermost first, naming "
-                              f"each of {', '.join(AXES)} at most once and every axis of degree > 1 "
-                              f"({', '.join(split) or 'none'}), e.g. \"{','.join(reversed(split)) or 'tp'}\"; "
-                              f"got {tp.placement!r}")
+        missing = [ax for ax in split if ax not in order]
+        unknown = [ax for ax in order if ax not in AXES]
+        if unknown or len(set(order)) != len(order) or missing:
+            what = (f"names {', '.join(unknown)}, not an axis" if unknown else
+                    f"leaves out {', '.join(missing)}" if missing else "names an axis twice")
+            raise ConfigError(f"topology.placement {tp.placement!r} {what}: it must be packed, spread or an axis order "
+                              f"naming every axis this run splits ({', '.join(split) or 'none'}) once, "
+                              f"fastest-varying first (cp, ep optional when 1), e.g. \"tp,dp,pp\" (a host per "
+                              "pipeline stage)")
     if not tp.enabled:
         if tp.gpus_per_host:
             raise ConfigError(f"topology.gpus_per_host = {tp.gpus_per_host} needs topology.hosts >= 1 (0: no topology)")

@@ -236,7 +236,7 @@ def activation_terms(shape: Shape, layout: Layout, act_bytes: int = 2, stage: in
     per = layer_activation_bytes_16(s, b, h, a, t, lay.sp, lay.recompute) * scale
     form = {"none": "sbh/t(34+5as/h)" if lay.sp else "sbh(10+24/t+5as/(ht))",
             "selective": "sbh·34/t" if lay.sp else "sbh(10+24/t)", "full": "2sbh/t" if lay.sp else "2sbh"}
-    terms = [Term("activations", n * k * per, f"{n} layers × {k:g} in flight × {form[lay.recompute]}"
+    terms = [Term("activations", n * k * per, f"{n} layers × {k:g} micro-batches in flight × {form[lay.recompute]}"
                   + (f" × {scale:g}" if scale != 1 else "") + (f", s/c (c={lay.cp})" if lay.cp > 1 else ""),
                   ACT_SRC)]
     if stage == lay.pp - 1:

@@ -24,7 +24,7 @@ The layouts (for `gpus` GPUs, default all of the cluster's):
     placement "packed"                    (tp innermost, a tp group fills a node before the next)
 
 Each layout goes through `step_model.predict` (compute = Narayanan et al.'s FLOPs at the cluster's achieved rate,
-the bubble (p−1)/(m+p−1) (interleaved: (p−1)/(v·m+p−1), with v times the boundary traffic), each communication α-β on the link its group spans, DP's gradient sync overlapped with
+the bubble (p−1)/(m+p−1) (interleaved: (p−1)/(v·m+p−1), with (p·v−1)/(p−1) times the boundary traffic), each communication α-β on the link its group spans, DP's gradient sync overlapped with
 backward; memory per GPU = the worst pipeline stage of `memory_model.estimate`). The layouts that fit (memory ≤ the
 GPU's) are ranked by step time; ties by memory per GPU, then by fewer model-parallel ranks.
 

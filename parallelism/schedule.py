@@ -22,7 +22,7 @@ is busy m(t_f+t_b), so the **bubble fraction** is
 
     bubble = (p−1)/v / (m + (p−1)/v) = (p−1)/(v·m + p−1)
 
-  at the price of v times the boundary traffic (v·p − 1 cuts a micro-batch crosses instead of p − 1) and more
+  at the price of (v·p−1)/(p−1) times the boundary traffic (v·p − 1 cuts a micro-batch crosses instead of p − 1) and more
   activations in flight during warm-up. Needs m to be a multiple of p (the groups of p).
 
 `simulate` replays a schedule in virtual time under those dependencies (F(c,i) after F(c−1,i); B(c,i) after
@@ -136,8 +136,8 @@ def interleaved_1f1b(stages: int, micro_batches: int, virtual_stages: int) -> Pi
     if p < 2:
         raise ScheduleError("interleaving needs at least 2 pipeline stages")
     if m % p:
-        raise ScheduleError(f"interleaved 1F1B runs micro-batches in groups of p = {p}: micro_batches must be a "
-                            f"multiple of {p}, got {m}")
+        raise ScheduleError(f"interleaved 1F1B runs micro-batches in groups of p = {p}: the micro-batch count (m) "
+                            f"must be a multiple of {p}, got {m}; try {max(p, m - m % p)} or {m - m % p + p}")
     total = m * v
 
     def order(n: int, backward: bool) -> tuple[int, int]:

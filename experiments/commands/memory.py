@@ -10,7 +10,8 @@ every term with its formula and source (`parallelism.memory_model`), and measure
 
 Precisions: fp32 (4+4+8 B/param with Adam), mixed (2+2+12: bf16 weights/grads, fp32 master + moments), bf16-pure
 (2+2+4), fp32-sgd (4+4+4), fp32-sgd0 (4+4+0). --measure runs the text-transformer workload (fp32, Adam) through
-the real engines (`experiments.strategies.build`, 1 or 2 local processes each) and meters each rank: parameters,
+the real engines (`experiments.strategies.build`, 1 to 8 local processes each; the model and layout flags do not
+apply: it always meters the tiny text-transformer; a subset: --configs "tp=2 pp=2,cp=2") and meters each rank: parameters,
 gradients and optimizer state as the bytes of the distinct tensor storages the rank holds (its slots' tensors and
 .grad, the optimizer's `state` tensors, ZeRO's flat shards via `ZeroReplica.state_bytes`), the activations as
 `parallelism.checkpointing.ActivationMeter`'s peak of tensors autograd saved during one step.
@@ -66,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches per step (default p)")
     lay.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b | gpipe")
     lay.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage: v > 1 is "
-                     "interleaved 1F1B, holding p + (p-1)/v micro-batches' activations on the first stage (default 1)")
+                     "interleaved 1F1B, which holds p + (p-1)/v micro-batches' activations on the first stage (1F1B: "
+                     "p) (default 1)")
     lay.add_argument("--stage", type=int, default=0, help="pipeline stage to report (default 0, the first)")
     p.add_argument("--precision", default="mixed", help="fp32 | mixed | bf16-pure | fp32-sgd | fp32-sgd0 "
                    "(default mixed)")
@@ -151,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
           f"{per_param} B/param -> {gb(per_param * psi)} of model state before activations (ZeRO, Fig. 1)")
     print(f"per GPU of layout {e.layout.describe()}" + (f", stage {args.stage}" if e.layout.pp > 1 else "")
           + f": Ψ = {e.params:.4g} parameters on this rank")
-    print(f"{'term':<28}{'bytes':>12}  {'formula':<44}source")
+    print(f"{'term':<28}{'bytes':>12}  {'formula':<44}  source")
     for t in e.terms:
-        print(f"{t.name:<28}{gb(t.bytes):>12}  {t.formula:<44}{t.source}")
+        print(f"{t.name:<28}{gb(t.bytes):>12}  {t.formula:<44}  {t.source}")
     print(f"{'total per GPU':<28}{gb(e.total):>12}" + ("" if shape is not None else "  (before activations)"))
     print(f"\nwhich layouts fit ({args.precision}{', model state only' if shape is None else ''}):")
     print(f"{'layout':<28}{'GPUs':>6}{'per GPU':>12}{'80 GB':>8}{'141 GB':>8}")
@@ -324,10 +326,11 @@ def _run_measure(args: argparse.Namespace) -> int:
         return 0
     print("measured (here, per rank) vs modelled (parallelism.memory_model, fp32 Adam, the workload's shapes), "
           "bytes:")
-    print(f"{'config':<12}{'rank':>5}" + "".join(f"{k:>26}" for k in KINDS))
+    w = max([12] + [len(r["config"]) + 1 for r in rows])
+    print(f"{'config':<{w}}{'rank':>5}" + "".join(f"{k:>26}" for k in KINDS))
     for r in rows:
         cells = "".join(f"{r['measured'][k]:>10,} / {_num(r['model'][k]):>9} {_pct(r['ratio'][k]):>4}" for k in KINDS)
-        print(f"{r['config']:<12}{r['rank']:>5}{cells}")
+        print(f"{r['config']:<{w}}{r['rank']:>5}{cells}")
     print(f"\n{METERS}")
     worst = max(abs(v - 1) for r in rows for v in r["ratio"].values() if v is not None)
     print(f"largest deviation from the model: {worst:.1%}")

@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--schedules", default="1f1b", help="pipeline schedules: 1f1b and/or gpipe (default 1f1b)")
     s.add_argument("--cp", default="1", help="context-parallel degrees to consider (default 1)")
     s.add_argument("--virtual-stages", default="1", help="model chunks per pipeline stage to consider: v > 1 is "
-                   "interleaved 1F1B, bubble (p-1)/(v*m+p-1) for v times the boundary traffic (default 1)")
+                   "interleaved 1F1B, bubble (p-1)/(v*m+p-1) for (p*v-1)/(p-1) times the boundary traffic (default 1)")
     s.add_argument("--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes b (default 1,2,4,8)")
     s.add_argument("--no-sp", action="store_true", help="no sequence parallelism (default: SP with every tp > 1)")
     o = p.add_argument_group("output")

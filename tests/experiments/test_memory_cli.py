@@ -52,7 +52,7 @@ def test_interleaving_holds_p_plus_p_minus_1_over_v_micro_batches_on_the_first_s
         assert main(["memory", *shape, "--virtual-stages", v]) == 0
         d = json.loads(capsys.readouterr().out)
         acts.append([t for t in d["terms"] if t["term"] == "activations"][0])
-    assert "× 4 in flight" in acts[0]["formula"] and "× 5.5 in flight" in acts[1]["formula"]
+    assert "× 4 micro-batches in flight" in acts[0]["formula"] and "× 5.5 micro-batches in flight" in acts[1]["formula"]
     assert acts[1]["bytes"] == pytest.approx(acts[0]["bytes"] * 5.5 / 4, rel=1e-12)
 
 
