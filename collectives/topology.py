@@ -87,6 +87,8 @@ class Topology:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
                 raise TopologyError(f"topology {name} must be a number of bytes/s > 0 (inf: unlimited), got {v!r}")
         if self.host_of is not None:
+            if not isinstance(self.host_of, (list, tuple)):
+                raise TopologyError(f"topology host_of must be a list of hosts, one per rank; got {self.host_of!r:.40}")
             hosts = tuple(self.host_of)
             if (len(hosts) != self.world_size or any(type(h) is not int for h in hosts)
                     or sorted(hosts) != sorted(h for h in range(self.hosts) for _ in range(self.per_host))):

@@ -393,9 +393,12 @@ def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulate
     for when, says in _PARALLEL_RULES:
         if when(p, s, simulated):
             raise ConfigError(says(p, s))
-    if p.pp > 1 and p.micro_batches > batch_size:
-        raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds workload.batch_size = {batch_size}: "
-                          "each micro-batch needs at least one example; use fewer micro-batches or a larger batch")
+    per_rank = batch_size // p.ep          # under ep each rank pipelines its 1/ep sample chunk
+    if p.pp > 1 and p.micro_batches > per_rank:
+        raise ConfigError(f"parallel.micro_batches = {p.micro_batches} exceeds the {per_rank} examples a pipeline "
+                          f"gets (workload.batch_size = {batch_size}" + (f" / ep = {p.ep}" if p.ep > 1 else "")
+                          + "): each micro-batch needs at least one example; use fewer micro-batches or a larger "
+                          "batch")
 
 
 def _validate_topology(cfg: RunConfig) -> None:

@@ -54,7 +54,8 @@ class Placement:
         if placement not in PLACEMENTS:        # an axis order, innermost first (mesh.MeshLayout.hosts_by_order)
             from .mesh import MeshError
             try:
-                self.explicit = layout.hosts_by_order(placement.split(","), cluster.gpus_per_node)
+                self.explicit = layout.hosts_by_order([a.strip() for a in placement.split(",") if a.strip()],
+                                                      cluster.gpus_per_node)
             except MeshError as e:
                 raise CommModelError(f"placement must be one of {', '.join(PLACEMENTS)} or an axis order: {e}") \
                     from None

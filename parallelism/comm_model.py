@@ -110,15 +110,27 @@ def stage_units(shape: Shape, layout: Layout, stage: int) -> list[int]:
     return [u for a, b in bounds for u in range(a, b)]
 
 
+def _unit_tensors(shape: Shape, t: int, u: int) -> list[int]:
+    """Elements of the parameters of unit u of [Embed, Block × L, Head] on one tp rank."""
+    h = shape.hidden
+    if u == 0:
+        return [shape.vocab * h, shape.seq * h]
+    return [h, h, shape.vocab * h, shape.vocab] if u == shape.layers + 1 else layer_tensors(shape, t)
+
+
+def chunk_tensors(shape: Shape, layout: Layout, stage: int) -> list[list[int]]:
+    """Per model chunk of a rank of `stage` (one without interleaving), its parameters' elements (pslab's cut)."""
+    p, v = layout.pp, layout.virtual_stages
+    return [[n for u in range(a, b) for n in _unit_tensors(shape, layout.tp, u)]
+            for a, b in chunk_bounds(shape.layers + 2, p * v)[stage::p]]
+
+
 def stage_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> list[int]:
     """Elements of the parameters one rank of `stage` holds, in registration order."""
     h, t, p = shape.hidden, layout.tp, layout.pp
     embed, head = [shape.vocab * h, shape.seq * h], [h, h, shape.vocab * h, shape.vocab]
     if algorithm == "pslab":
-        out: list[int] = []
-        for u in stage_units(shape, layout, stage):
-            out += embed if u == 0 else head if u == shape.layers + 1 else layer_tensors(shape, t)
-        return out
+        return [n for u in stage_units(shape, layout, stage) for n in _unit_tensors(shape, t, u)]
     n = stage_layers(shape.layers, p, stage)
     return (embed if stage == 0 else []) + layer_tensors(shape, t) * n + (head if stage == p - 1 else [])
 
@@ -269,7 +281,10 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                         if pslab else "; AR: ring 2(D−1)/D·S, hierarchical across nodes"), True)
         for grp, times in pl.group_classes("dp"):
             k = stage(grp)
-            parts = buckets(stage_tensors(shape, lay, k, algorithm), g) if bucketed else [psi[k]]
+            # the pipeline engine reduces each model chunk on its own (interleaved: v reducers), a tp-split stage's
+            # chunk in one bucket (pipeline.enable_overlapped_sync)
+            parts = ([n for ch in chunk_tensors(shape, lay, k) for n in ([sum(ch)] if T > 1 else buckets(ch, g))]
+                     if bucketed else [psi[k]])
             c = Cost()
             for n in parts:
                 c.add(all_reduce(pl, grp, n, g, small))

@@ -146,6 +146,10 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
         from .expert import expert_parallelize
         expert_parallelize(stage, ep, require=pp.size == 1)               # 4. ep
     if checkpoint_activations:
+        from .moe import moe_layers
+        if moe_layers(model):
+            raise EngineError("activation checkpointing would detach a mixture-of-experts model's load-balancing "
+                              "loss (the checkpointed forward runs without gradients): drop it for MoE models")
         wrap_children(stage)                                                # 5. activation checkpointing
     dp = Comm(mesh.group("dp"), log)                                        # 6. dp: the strategy's, on dp
     from .moe import moe_layers

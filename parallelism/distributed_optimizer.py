@@ -38,6 +38,11 @@ class DistributedOptimizerStrategy:
         self.bounds: list[tuple[int, int]] = []
 
     def attach(self, replica: Replica) -> None:
+        for ax in ("cp", "ep"):
+            g = getattr(replica, ax, None)
+            if g is not None and g.size > 1:
+                raise EngineError(f"the distributed optimizer shards over dp a replica's own slots; this one is split "
+                                  f"over {ax} = {g.size} too, which it does not handle: use zero = 0")
         dp = replica.dp
         self.bounds, self.shards = [], []
         for s in replica.slots():

@@ -296,7 +296,8 @@ class PipelineReplica:
         if not self.reducers:
             from .data import DEFAULT_BUCKET_BYTES, GradReducer
             from .tensor import SHARD_ATTR
-            split = any(getattr(q, SHARD_ATTR, False) for q in self.stage.parameters()) or self.sp is not None
+            split = (any(getattr(q, SHARD_ATTR, False) for q in self.stage.parameters()) or self.sp is not None
+                     or self.cp is not None or self.ep is not None)     # (cp's ring, ep's all-to-alls: the same)
             for k, chunk in enumerate(self.chunks):
                 self.reducers[k] = GradReducer(chunk, self.dp, (1 << 62) if split else DEFAULT_BUCKET_BYTES)
                 self.reducers[k].require_sync = True

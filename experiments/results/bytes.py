@@ -94,6 +94,13 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
         elif p.zero:
             k = 3 if p.zero == 3 else 2
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes), f"Σ_r {k}(D−1)/D·S (S: the full model's bytes)")
+        elif p.overlap and p.virtual_stages > 1:    # one overlapped reducer per model chunk (pipeline.py)
+            from parallelism.pipeline import rank_chunks, stage_module
+            model = wl.make_model()
+            parts = [_allreduce(sum(q.numel() * q.element_size() for q in stage_module(model, [ch]).parameters()),
+                                D, "D", "S_c") for chunks in rank_chunks(model, p.pp, p.virtual_stages) for ch in chunks]
+            out["dp gradient sync"] = (D * sum(b for b, _ in parts),
+                                       f"D · Σ_chunks {parts[0][1]} (a reducer per model chunk, S_c its bytes)")
         else:
             parts = [_allreduce(s, D, "D", "S_r") for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")

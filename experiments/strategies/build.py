@@ -110,6 +110,16 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
         if p.pp * v > layers:
             raise ConfigError(f"parallel.virtual_stages = {v} cuts {wl.name}'s {layers} layers into pp x v = "
                               f"{p.pp * v} chunks, more than it has: use virtual_stages <= {layers // p.pp}")
+        if p.ep > 1 and cfg.strategy.uses_ps:
+            from parallelism.moe import MoEBase
+            from parallelism.pipeline import rank_chunks, stage_module
+            ok = [q for q in range(2, layers // v + 1) if all(          # every rank's chunks hold an MoE layer
+                any(isinstance(m, MoEBase) for m in stage_module(model, chunks).modules())
+                for chunks in rank_chunks(model, q, v))]
+            if p.pp not in ok:
+                raise ConfigError(f"parallel.pp = {p.pp} with ep = {p.ep} under {cfg.strategy.label} leaves a stage "
+                                  "without an MoE layer, so its ep ranks > 0 would hold nothing of their own to push: "
+                                  f"use pp in {ok or [1]}")
         if p.tp > 1 and cfg.strategy.uses_ps:
             from parallelism.models import MLP, Attention
             from parallelism.pipeline import rank_chunks, stage_module

@@ -60,7 +60,7 @@ LAYOUTS = {
                                             {"zero RS + AG", "tp activations", "pp boundaries"}),
     "allreduce dp=2 x pp=2 overlap": ("allreduce", 2, ["parallel.pp=2", "parallel.overlap=true"],
                                       {"dp gradient sync", "pp boundaries"}),
-    "allreduce dp=2 x pp=2 v2 overlap": ("allreduce", 2, ["parallel.pp=2", "parallel.virtual_stages=2",
+    "allreduce dp=3 x pp=2 v2 overlap": ("allreduce", 3, ["parallel.pp=2", "parallel.virtual_stages=2",
                                                            "parallel.overlap=true"],
                                          {"dp gradient sync", "pp boundaries"}),
     "allreduce tp=2 sp x pp=2 v2 torch": ("allreduce", 1, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
@@ -93,8 +93,8 @@ def runs(tmp_path_factory):
     for label, (strategy, workers, extra, _) in LAYOUTS.items():
         rd = execute(small_config(*_overrides(strategy, workers, extra)), root, label=label, quiet=True)
         out[label] = (read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text()))
-    for label in {"local K=1", "local K=2", "local K=2 adam"}:
-        workers = 1 if "K=1" in label else 2
+    for label in {"local K=1", "local K=2", "local K=2 adam", "local K=3"}:
+        workers = int(label.split("K=")[1][0])
         extra = ["train.optimizer=adam", "train.lr=0.01"] if "adam" in label else []
         rd = execute(small_config(*_overrides("local", workers, extra)), root, label=label, quiet=True)
         out[label] = (read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text()))
