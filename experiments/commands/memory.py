@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         params, shape = _model_args(args)
         e = estimate(_layout(args), args.precision, params=params, shape=shape, expert_params=args.expert_params,
                      stage=args.stage)
-        fits = _fits(params, shape, args)
+        fits = [{"layout": f"yours: {e.layout.describe()}", "gpus": e.layout.gpus(), "bytes": e.total,
+                 **{f"fits_{int(g / 1e9)}GB": e.total <= g for g in GPU_SIZES}}] + _fits(params, shape, args)
     except MemoryModelError as err:
         raise ConfigError(str(err)) from None
     from parallelism.memory_model import PRECISIONS
@@ -157,10 +158,12 @@ def run(args: argparse.Namespace) -> int:
     for t in e.terms:
         print(f"{t.name:<28}{gb(t.bytes):>12}  {t.formula:<44}  {t.source}")
     print(f"{'total per GPU':<28}{gb(e.total):>12}" + ("" if shape is not None else "  (before activations)"))
-    print(f"\nwhich layouts fit ({args.precision}{', model state only' if shape is None else ''}):")
-    print(f"{'layout':<28}{'GPUs':>6}{'per GPU':>12}{'80 GB':>8}{'141 GB':>8}")
+    print(f"\nwhich layouts fit ({args.precision}{', model state only' if shape is None else ''}; an 80 GB A100 / a "
+          "141 GB H200):")
+    w = max([28] + [len(r["layout"]) + 2 for r in fits])
+    print(f"{'layout':<{w}}{'GPUs':>6}{'per GPU':>12}{'80 GB':>8}{'141 GB':>8}")
     for r in fits:
-        print(f"{r['layout']:<28}{r['gpus']:>6}{gb(r['bytes']):>12}{'yes' if r['fits_80GB'] else 'no':>8}"
+        print(f"{r['layout']:<{w}}{r['gpus']:>6}{gb(r['bytes']):>12}{'yes' if r['fits_80GB'] else 'no':>8}"
               f"{'yes' if r['fits_141GB'] else 'no':>8}")
     if args.plot:
         print(f"\nplot: {args.plot}")

@@ -30,6 +30,8 @@ def test_json_parses_and_fits(capsys):
     one = fits["zero0 dp=1 tp=1 pp=1"]                  # 120 GB: only the 141 GB GPU holds it
     assert one["bytes"] == pytest.approx(120e9) and one["fits_141GB"] and not one["fits_80GB"]
     assert fits["zero3 dp=64 tp=1 pp=1"]["fits_80GB"]
+    mine = d["fits"][0]                                 # the asked-for layout comes first, with the same total
+    assert mine["layout"] == "yours: dp=64 zero3" and mine["bytes"] == pytest.approx(d["total_bytes"])
 
 
 def test_shape_with_activations_and_plot(tmp_path, capsys):
