@@ -5,8 +5,8 @@
                   lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
                   target_acc
     [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
-    [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, zero, activation_checkpointing,
-                  overlap  (ParallelConfig)
+    [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, stage_ms, zero,
+                  activation_checkpointing, overlap  (ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
                   (experiments/faults/spec.py)
@@ -105,7 +105,10 @@ class ParallelConfig:
     micro_batches: int = 4           # pp > 1: micro-batches per step (each worker's batch split into this many)
     schedule: str = "1f1b"           # pp > 1: gpipe | 1f1b
     virtual_stages: int = 1          # pp > 1, 1f1b: model chunks per stage; v > 1 is interleaved 1F1B (bubble
-                                     # (p-1)/(v·m+p-1), v times the boundary traffic; micro_batches a multiple of pp)
+                                     # (p-1)/(v·m+p-1), (p·v-1)/(p-1) x the boundary traffic; micro_batches a multiple
+                                     # of pp)
+    stage_ms: float = 0.0            # pp > 1: pad each stage's forward of a micro-batch to this many ms (backward:
+                                     # twice that), the formula's equal stage times; 0: off (the stages' own times)
     zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only; with
                                      # tp or pp: 1, the distributed optimizer per (pp, tp) coordinate)
     activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
@@ -135,7 +138,8 @@ class ParallelConfig:
                 parts.append(f"{ax}={getattr(self, ax)}")
         if self.pp > 1:
             parts.append(f"pp={self.pp}/{self.schedule}/m{self.micro_batches}"
-                         + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+                         + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+                         + (f"/{self.stage_ms:g}ms" if self.stage_ms else ""))
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.activation_checkpointing:
@@ -368,6 +372,8 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.virtual_stages > 1 and (p.pp == 1 or p.schedule != "1f1b"),
      lambda p, s: f"parallel.virtual_stages = {p.virtual_stages} interleaves the stages of 1F1B: it needs "
                   f"parallel.pp > 1 and parallel.schedule = \"1f1b\" (got pp = {p.pp}, schedule = {p.schedule!r})"),
+    (lambda p, s, sim: p.stage_ms > 0 and p.pp == 1,
+     lambda p, s: f"parallel.stage_ms = {p.stage_ms:g} pads pipeline stages: it needs parallel.pp > 1"),
     (lambda p, s, sim: p.virtual_stages > 1 and p.micro_batches % p.pp != 0,
      lambda p, s: f"parallel.virtual_stages = {p.virtual_stages}: interleaved 1F1B runs micro-batches in groups of "
                   f"pp = {p.pp}, so parallel.micro_batches ({p.micro_batches}) must be a multiple of {p.pp}"),
@@ -386,6 +392,8 @@ def _validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulate
     (divisibility, number of layers) is `experiments.strategies.build.check_layout`'s."""
     for key in ("tp", "pp", "cp", "ep", "micro_batches", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
+    if isinstance(p.stage_ms, bool) or not isinstance(p.stage_ms, (int, float)) or not 0 <= p.stage_ms <= 10_000:
+        raise ConfigError(f"parallel.stage_ms must be a number of milliseconds in 0..10000, got {p.stage_ms!r}")
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
     if p.zero not in (0, 1, 2, 3):

@@ -147,8 +147,10 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
         spec = optimizer_spec(cfg.train)
         return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
     if p.pp > 1:
+        pad = (p.stage_ms / 1000, 2 * p.stage_ms / 1000) if p.stage_ms else None
         return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss, virtual_stages=p.virtual_stages,
-                              checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp)
+                              checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp,
+                              stage_time=pad)
     if p.cp > 1:
         from parallelism.context import ContextParallelEngine
         return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)

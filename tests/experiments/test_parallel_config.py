@@ -31,6 +31,8 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.pp=3", "parallel.ep=2", "parallel.micro_batches=2", "train.strategy=ps-bsp", "workload.name=text-moe",
       "workload.batch_size=8", "train.workers=1"], "leaves a stage without an MoE layer"),
     (["parallel.virtual_stages=0"], "parallel.virtual_stages must be a positive integer"),
+    (["parallel.stage_ms=5"], "parallel.stage_ms = 5 pads pipeline stages: it needs parallel.pp > 1"),
+    (["parallel.stage_ms=-1", "parallel.pp=2"], "parallel.stage_ms must be a number of milliseconds in 0..10000"),
     (["parallel.virtual_stages=2"], "it needs parallel.pp > 1 and parallel.schedule"),
     (["parallel.virtual_stages=2", "parallel.pp=2", "parallel.schedule=gpipe"], "interleaves the stages of 1F1B"),
     (["parallel.virtual_stages=2", "parallel.pp=2", "parallel.micro_batches=3"], "must be a multiple of 2"),
@@ -109,3 +111,17 @@ def test_composed_layouts_the_table_admits():
         cfg = load_config(None, ["workload.name=text-transformer"] + sets)
         w = cfg.workload
         check_layout(cfg, get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.overrides()))
+
+
+def test_stage_ms_pads_the_pipeline_engine():
+    """parallel.stage_ms = 60 hands the pipeline engine equal stage times of 60 ms forward and 120 ms backward (the
+    formula's setting, as `pslab schedule --run` pads); the run's label says so."""
+    from experiments.config import load_config
+    from experiments.strategies.build import make_engine
+    from experiments.workloads import get_workload
+    cfg = load_config(None, ["workload.name=text-transformer", "train.strategy=allreduce", "parallel.pp=2",
+                             "parallel.stage_ms=60"])
+    w = cfg.workload
+    engine = make_engine(cfg, get_workload(w.name, cfg.train.workers, w.batch_size, w.seed, **w.overrides()))
+    assert engine.kw["stage_time"] == (0.06, 0.12)
+    assert cfg.parallel.describe() == "pp=2/1f1b/m4/60ms"
