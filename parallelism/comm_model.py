@@ -105,9 +105,13 @@ def layer_tensors(shape: Shape, t: int = 1) -> list[int]:
 def stage_units(shape: Shape, layout: Layout, stage: int) -> list[int]:
     """The engines' units [Embed, Block × L, Head] (0 .. L+1) one rank of `stage` holds: pipeline.rank_chunks, the
     L + 2 units cut by chunk_bounds(L + 2, P·v), chunks stage, stage + P, … (v = 1: chunk_bounds(L + 2, P))."""
+    return [u for units in _chunk_units(shape, layout, stage) for u in units]
+
+
+def _chunk_units(shape: Shape, layout: Layout, stage: int) -> list[range]:
+    """The units of each of a rank's chunks (one without interleaving)."""
     p, v = layout.pp, layout.virtual_stages
-    bounds = chunk_bounds(shape.layers + 2, p * v)[stage::p]
-    return [u for a, b in bounds for u in range(a, b)]
+    return [range(a, b) for a, b in chunk_bounds(shape.layers + 2, p * v)[stage::p]]
 
 
 def _unit_tensors(shape: Shape, t: int, u: int) -> list[int]:
@@ -120,19 +124,18 @@ def _unit_tensors(shape: Shape, t: int, u: int) -> list[int]:
 
 def chunk_tensors(shape: Shape, layout: Layout, stage: int) -> list[list[int]]:
     """Per model chunk of a rank of `stage` (one without interleaving), its parameters' elements (pslab's cut)."""
-    p, v = layout.pp, layout.virtual_stages
-    return [[n for u in range(a, b) for n in _unit_tensors(shape, layout.tp, u)]
-            for a, b in chunk_bounds(shape.layers + 2, p * v)[stage::p]]
+    return [[n for u in units for n in _unit_tensors(shape, layout.tp, u)]
+            for units in _chunk_units(shape, layout, stage)]
 
 
 def stage_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str) -> list[int]:
     """Elements of the parameters one rank of `stage` holds, in registration order."""
-    h, t, p = shape.hidden, layout.tp, layout.pp
-    embed, head = [shape.vocab * h, shape.seq * h], [h, h, shape.vocab * h, shape.vocab]
+    t, p = layout.tp, layout.pp
     if algorithm == "pslab":
         return [n for u in stage_units(shape, layout, stage) for n in _unit_tensors(shape, t, u)]
     n = stage_layers(shape.layers, p, stage)
-    return (embed if stage == 0 else []) + layer_tensors(shape, t) * n + (head if stage == p - 1 else [])
+    return ((_unit_tensors(shape, t, 0) if stage == 0 else []) + layer_tensors(shape, t) * n
+            + (_unit_tensors(shape, t, shape.layers + 1) if stage == p - 1 else []))
 
 
 def stage_blocks(shape: Shape, layout: Layout, stage: int, algorithm: str) -> int:

@@ -92,7 +92,6 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     from .tensor import SHARD_ATTR, tensor_parallelize
     if tp.size == 1:
         return []
-    _refuse_moe(model)
     from .models import MLP, Attention
     if not any(isinstance(m, (Attention, MLP)) for m in model.modules()):
         raise EngineError("tensor parallelism found no Attention or MLP module to split; build the model from "
@@ -103,24 +102,30 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     return [p for p in stage.parameters() if not getattr(p, SHARD_ATTR, False)]
 
 
-def _refuse_moe(model: nn.Module) -> None:
-    from .moe import moe_layers
-    if moe_layers(model):
-        raise EngineError("tensor parallelism does not split mixture-of-experts layers: use the data or expert-"
-                          "parallel engine (parallel.ep) for MoE models")
+# what a mixture-of-experts model cannot go through yet, by step
+_MOE_REFUSED = {
+    "tp": "tensor parallelism does not split mixture-of-experts layers: use the data or expert-parallel engine "
+          "(parallel.ep) for MoE models",
+    "cp": "context parallelism does not add a mixture-of-experts model's load-balancing loss: use the data or "
+          "expert-parallel engine for MoE models",
+    "ac": "activation checkpointing would detach a mixture-of-experts model's load-balancing loss (the checkpointed "
+          "forward runs without gradients): drop it for MoE models",
+}
 
 
 def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequence_parallel: bool = False,
-            regather: bool = False, checkpoint_activations: bool = False, refuse_moe: bool = False,
+            regather: bool = False, checkpoint_activations: bool = False, refuse_moe: str | None = None,
             virtual_stages: int = 1, context_layout: str = "zigzag") -> Composed:
-    """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe: refuse a
-    mixture-of-experts model even at tp = 1 (the tensor-parallel engine's promise); virtual_stages: model chunks
-    per pipeline rank (interleaved 1F1B)."""
+    """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe ("tp" or "cp"):
+    refuse a mixture-of-experts model for that step's reason even at degree 1 (the tensor- and context-parallel
+    engines' promise); virtual_stages: model chunks per pipeline rank (interleaved 1F1B)."""
     if regather and not sequence_parallel:
         raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs sequence_parallel=True")
     model = model_factory()
-    if refuse_moe:
-        _refuse_moe(model)
+    from .moe import moe_layers
+    moe = bool(moe_layers(model))
+    if moe and refuse_moe:
+        raise EngineError(_MOE_REFUSED[refuse_moe])
     if sequence_parallel:
         from .models import Embed
         if not any(isinstance(m, Embed) for m in model.modules()):
@@ -129,6 +134,8 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     pp = Comm(mesh.group("pp"), log)
     stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)
+    if moe and tp.size > 1:
+        raise EngineError(_MOE_REFUSED["tp"])
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
     cp = Comm(mesh.group("cp"), log)
     if cp.size > 1:
@@ -136,23 +143,18 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
             raise EngineError("sequence parallelism splits the sequence over tp, context parallelism over cp: the "
                               "two are not composed yet; use one of them")
         from .context import context_parallelize
-        from .moe import moe_layers
-        if moe_layers(model):
-            raise EngineError("context parallelism does not add a mixture-of-experts model's load-balancing loss: "
-                              "use the data or expert-parallel engine for MoE models")
+        if moe:
+            raise EngineError(_MOE_REFUSED["cp"])
         context_parallelize(stage, cp, context_layout, require=pp.size == 1)  # 3. cp
     ep = Comm(mesh.group("ep"), log)
     if ep.size > 1:
         from .expert import expert_parallelize
         expert_parallelize(stage, ep, require=pp.size == 1)               # 4. ep
     if checkpoint_activations:
-        from .moe import moe_layers
-        if moe_layers(model):
-            raise EngineError("activation checkpointing would detach a mixture-of-experts model's load-balancing "
-                              "loss (the checkpointed forward runs without gradients): drop it for MoE models")
+        if moe:
+            raise EngineError(_MOE_REFUSED["ac"])
         wrap_children(stage)                                                # 5. activation checkpointing
     dp = Comm(mesh.group("dp"), log)                                        # 6. dp: the strategy's, on dp
-    from .moe import moe_layers
     return Composed(stage, pp, tp, dp, cp, ep, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1,
-                    replicated, chunks if virtual_stages > 1 else None, bool(moe_layers(model)))
+                    replicated, chunks if virtual_stages > 1 else None, moe)
 

@@ -36,7 +36,6 @@ from .comm import Comm, CommLog
 from .engine import EngineError, LocalReplica, ParamSlot
 from .mesh import DeviceMesh
 from .models import Attention, Embed, lm_loss
-from .moe import moe_layers
 from .ring_attention import LayoutError, chunks_of, local_positions, ring_attention
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -104,6 +103,15 @@ def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag", re
     return model
 
 
+def token_positions(cp: Comm, seq: int, layout: str) -> torch.Tensor:
+    """The global positions of this cp rank's tokens of a sequence of `seq` (its zig-zag chunks); EngineError in one
+    line if the sequence does not cut into 2C chunks."""
+    try:
+        return local_positions(cp.rank, cp.size, seq, layout)
+    except LayoutError as e:
+        raise EngineError(f"context parallelism over cp = {cp.size}: {e}") from None
+
+
 def average_grads_in_place(comm: Comm, slots: list[ParamSlot], site: str) -> None:
     """Average the slots' gradients over `comm` with one flat all-reduce, written back into the existing gradient
     tensors (a sync strategy may have pointed them at its own buffers, e.g. a parameter-server push segment)."""
@@ -138,10 +146,7 @@ class ContextParallelReplica(LocalReplica):
         if x.dim() < 2:
             raise EngineError(f"context parallelism splits dim 1 (the sequence) of the batch; got shape "
                               f"{tuple(x.shape)}")
-        try:
-            pos = local_positions(self.cp.rank, self.cp.size, x.shape[1], self.layout)
-        except LayoutError as e:
-            raise EngineError(f"context parallelism over cp = {self.cp.size}: {e}") from None
+        pos = token_positions(self.cp, x.shape[1], self.layout)
         return x[:, pos], y[:, pos], pos
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -176,13 +181,6 @@ class ContextParallelEngine:
         if other:
             raise EngineError(f"ContextParallelEngine combines cp with dp and tp; this mesh also has "
                               f"{', '.join(f'{a}={n}' for a, n in other.items())}: set them to 1")
-
-        def checked() -> nn.Module:         # refused at any cp, as compose refuses it at cp > 1
-            full = model_factory()
-            if moe_layers(full):
-                raise EngineError("ContextParallelEngine does not add a mixture-of-experts model's load-balancing "
-                                  "loss: use the data or expert-parallel engine for MoE models")
-            return full
-        c = compose(checked, mesh, self.log if self.log is not None else CommLog(),
-                    checkpoint_activations=self.checkpoint_activations, context_layout=self.layout)
+        c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(),
+                    checkpoint_activations=self.checkpoint_activations, context_layout=self.layout, refuse_moe="cp")
         return ContextParallelReplica(c.module, c.cp, c.dp, c.rank, self.loss_fn or lm_loss, self.layout, c.name_of)

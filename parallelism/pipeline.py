@@ -35,6 +35,7 @@ from .checkpointing import unwrap_name
 from .comm import Comm, CommLog
 from .engine import EngineError, ModelFactory, ParamSlot, add_back_grads, take_grads
 from .mesh import DeviceMesh
+from .moe import moe_aux_loss, moe_layers
 from .schedule import Action, PipelineSchedule, make_schedule
 
 
@@ -66,6 +67,11 @@ def rank_chunks(model: nn.Sequential, stages: int, virtual_stages: int = 1) -> l
     """Per pipeline rank s, its chunks' [start, end): of a v·p-way cut, chunks s, s+p, …, s+(v−1)p."""
     bounds = split_stages(model, stages * virtual_stages)
     return [bounds[s::stages] for s in range(stages)]
+
+
+def rank_stages(model: nn.Sequential, stages: int, virtual_stages: int = 1) -> list[nn.Sequential]:
+    """Per pipeline rank, the module of all its chunks (`stage_module` of `rank_chunks`)."""
+    return [stage_module(model, chunks) for chunks in rank_chunks(model, stages, virtual_stages)]
 
 
 class PipelineReplica:
@@ -105,6 +111,7 @@ class PipelineReplica:
         # the chunks run the stage's (possibly tp-split, checkpoint-wrapped) children, looked up by name
         self.chunks = [stage] if not chunk_bounds else [
             nn.Sequential(OrderedDict((str(i), stage._modules[str(i)]) for i in range(a, b))) for a, b in chunk_bounds]
+        self.moe_chunks = {k for k, ch in enumerate(self.chunks) if moe_layers(ch)} if moe else set()
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.stage_time, self.report_loss, self.measure = stage_time, report_loss, measure
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
@@ -112,11 +119,6 @@ class PipelineReplica:
         self.spans: list[tuple[Action, float, float]] = []
         self.step_start = 0.0
         self.peak_in_flight = 0
-
-    @property
-    def reducer(self) -> Any:
-        """The overlapped dp sync of a non-interleaved stage (None until enable_overlapped_sync)."""
-        return self.reducers.get(0)
 
     # ---- boundary shapes: sent once per (cut, new micro-batch shape) as a small header message -------------------
     def _tag(self, c: int, i: int, backward: bool = False) -> int:
@@ -201,11 +203,9 @@ class PipelineReplica:
                 t0 = time.perf_counter()
                 out = self.chunks[k](inp)
                 aux = None
-                if self.moe:                              # this chunk's MoE layers' aux loss of this micro-batch
-                    from .moe import moe_layers, moe_aux_loss
-                    if moe_layers(self.chunks[k]):
-                        aux = moe_aux_loss(self.chunks[k]) * (xs[i].shape[0] / total)
-                        aux_sum = aux_sum + aux.detach()
+                if k in self.moe_chunks:                  # this chunk's MoE layers' aux loss of this micro-batch
+                    aux = moe_aux_loss(self.chunks[k]) * (xs[i].shape[0] / total)
+                    aux_sum = aux_sum + aux.detach()
                 if c == last:
                     out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
                     losses.append(out.detach())
@@ -266,17 +266,12 @@ class PipelineReplica:
 
     def moe_stats(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per MoE layer of this stage: assignments routed / dropped per expert over its own tokens (then reset)."""
-        from .moe import moe_layers
         return {name: mod.pop_stats() for name, mod in moe_layers(self.stage)}
 
     def _cp_tokens(self, seq: int, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
         """The micro-batches at this cp rank's zig-zag tokens; the stage's embeddings get their global positions."""
-        from .context import GlobalPositionEmbed
-        from .ring_attention import LayoutError, local_positions
-        try:
-            pos = local_positions(self.cp.rank, self.cp.size, seq, self.cp_layout)
-        except LayoutError as e:
-            raise EngineError(f"context parallelism over cp = {self.cp.size}: {e}") from None
+        from .context import GlobalPositionEmbed, token_positions
+        pos = token_positions(self.cp, seq, self.cp_layout)
         for e in self.stage.modules():
             if isinstance(e, GlobalPositionEmbed):
                 e.positions = pos

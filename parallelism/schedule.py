@@ -140,25 +140,19 @@ def interleaved_1f1b(stages: int, micro_batches: int, virtual_stages: int) -> Pi
                             f"must be a multiple of {p}, got {m}; try {max(p, m - m % p)} or {m - m % p + p}")
     total = m * v
 
-    def order(n: int, backward: bool) -> tuple[int, int]:
+    def act(s: int, n: int, phase: Phase) -> Action:
+        """Stage s's n-th forward (or backward): chunk (n mod pv) div p (reversed backward), micro-batch
+        (n div pv)·p + n mod p."""
         k = (n % (p * v)) // p
-        return (v - 1 - k if backward else k), (n // (p * v)) * p + n % p
+        return Action(s, (n // (p * v)) * p + n % p, phase, v - 1 - k if phase == "B" else k)
 
     all_acts = []
     for s in range(p):
         warm = min(2 * (p - s - 1) + (v - 1) * p, total)
-        acts = [Action(s, order(n, False)[1], "F", order(n, False)[0]) for n in range(warm)]
-        f, b = warm, 0
-        while f < total:
-            k, i = order(f, False)
-            acts.append(Action(s, i, "F", k))
-            f += 1
-            k, i = order(b, True)
-            acts.append(Action(s, i, "B", k))
-            b += 1
-        for n in range(b, total):
-            k, i = order(n, True)
-            acts.append(Action(s, i, "B", k))
+        acts = [act(s, n, "F") for n in range(warm)]
+        for n in range(total - warm):                  # steady state: one forward, one backward
+            acts += [act(s, warm + n, "F"), act(s, n, "B")]
+        acts += [act(s, n, "B") for n in range(total - warm, total)]
         all_acts.append(tuple(acts))
     return PipelineSchedule("interleaved-1f1b", p, m, tuple(all_acts), v)
 

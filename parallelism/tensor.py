@@ -37,6 +37,7 @@ from .comm import Comm, CommLog
 from .engine import EngineError, LocalReplica
 from .mesh import DeviceMesh
 from .models import MLP, Attention
+from .ring_attention import ring_attention
 from .sequence import (SequenceParallelReplica, gather_linear, gather_sequence, scatter_sequence,
                        sequence_parallelize_embedding)
 
@@ -213,7 +214,6 @@ class TensorParallelAttention(nn.Module):
         q, k, v = qkv.split(w, dim=-1)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.ring is not None:          # tp × cp: this rank's heads, its S/C tokens, K/V around the cp ring
-            from .ring_attention import ring_attention
             cp, layout, site = self.ring
             y = ring_attention(q, k, v, cp, True, layout, site)
         else:
@@ -263,7 +263,7 @@ class TensorParallelEngine:
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         from .compose import compose
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
-                    self.regather, self.checkpoint_activations, refuse_moe=True)
+                    self.regather, self.checkpoint_activations, refuse_moe="tp")
         if c.sequence_parallel:
             from .models import lm_loss
             return SequenceParallelReplica(c.module, c.dp, c.tp, c.rank, c.replicated, self.loss_fn or lm_loss,

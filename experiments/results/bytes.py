@@ -174,9 +174,9 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
         act = regions * per_region * (T - 1) / T * sum(micro)
         grads, grule = 0.0, ""
         if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
-            from parallelism.pipeline import rank_chunks, stage_module
-            for chunks in rank_chunks(model, p.pp, p.virtual_stages):
-                g, grule = _allreduce(_replicated_bytes(stage_module(model, chunks)), T, "T", "R_s")
+            from parallelism.pipeline import rank_stages
+            for st in rank_stages(model, p.pp, p.virtual_stages):
+                g, grule = _allreduce(_replicated_bytes(st), T, "T", "R_s")
                 grads += g
         else:
             grads, grule = _allreduce(_replicated_bytes(model), T, "T", "R")
@@ -204,7 +204,7 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     under tp × cp each tp rank runs the ring over its d/T of the heads and averages its own slots (R + (M−R)/T);
     under pp each stage's ranks average their stage's slots (the loss: the last stage's); activation checkpointing
     replays the forward ring in backward."""
-    from parallelism.pipeline import rank_chunks, stage_module
+    from parallelism.pipeline import rank_stages
     from parallelism.ring_attention import ring_bytes
     p = cfg.parallel
     C, T, ac = p.cp, p.tp, p.activation_checkpointing
@@ -213,7 +213,7 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     att = [m for m in model.modules() if isinstance(m, Attention)]
     rb = ring_bytes(x.shape[0], x.shape[1], att[0].d // T, C) if att else {"total": 0, "forward": 0}
     ring = rb["total"] + (rb["forward"] if ac else 0)
-    stages = [stage_module(model, ch) for ch in rank_chunks(model, p.pp, p.virtual_stages)] if p.pp > 1 else [model]
+    stages = rank_stages(model, p.pp, p.virtual_stages) if p.pp > 1 else [model]
     grads = 0.0
     for st in stages:
         M = sum(q.numel() * q.element_size() for q in st.parameters())
@@ -243,8 +243,8 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
     a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, len(layers), wire=True)
     P = cfg.parallel.pp
     if P > 1:              # each stage's ep ranks sum that stage's replicated gradients (and its part of the loss)
-        from parallelism.pipeline import rank_chunks, stage_module
-        stages = [stage_module(model, ch) for ch in rank_chunks(model, P, cfg.parallel.virtual_stages)]
+        from parallelism.pipeline import rank_stages
+        stages = rank_stages(model, P, cfg.parallel.virtual_stages)
     else:
         stages = [model]
     grads, R = 0.0, 0

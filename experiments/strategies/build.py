@@ -110,26 +110,22 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
         if p.pp * v > layers:
             raise ConfigError(f"parallel.virtual_stages = {v} cuts {wl.name}'s {layers} layers into pp x v = "
                               f"{p.pp * v} chunks, more than it has: use virtual_stages <= {layers // p.pp}")
-        if p.ep > 1 and cfg.strategy.uses_ps:
-            from parallelism.moe import MoEBase
-            from parallelism.pipeline import rank_chunks, stage_module
-            ok = [q for q in range(2, layers // v + 1) if all(          # every rank's chunks hold an MoE layer
-                any(isinstance(m, MoEBase) for m in stage_module(model, chunks).modules())
-                for chunks in rank_chunks(model, q, v))]
-            if p.pp not in ok:
-                raise ConfigError(f"parallel.pp = {p.pp} with ep = {p.ep} under {cfg.strategy.label} leaves a stage "
-                                  "without an MoE layer, so its ep ranks > 0 would hold nothing of their own to push: "
-                                  f"use pp in {ok or [1]}")
-        if p.tp > 1 and cfg.strategy.uses_ps:
+        if cfg.strategy.uses_ps and (p.ep > 1 or p.tp > 1):   # every rank's chunks hold something of its own
             from parallelism.models import MLP, Attention
-            from parallelism.pipeline import rank_chunks, stage_module
-            ok = [q for q in range(2, layers // v + 1) if all(          # every rank's chunks hold a block to split
-                any(isinstance(m, (Attention, MLP)) for m in stage_module(model, chunks).modules())
-                for chunks in rank_chunks(model, q, v))]
+            from parallelism.moe import MoEBase
+            ax, kinds, what = (("ep", MoEBase, "an MoE layer") if p.ep > 1 else
+                               ("tp", (Attention, MLP), "an attention or MLP block"))
+            ok = [q for q in range(2, layers // v + 1) if _every_stage_holds(model, q, v, kinds)]
             if p.pp not in ok:
-                raise ConfigError(f"parallel.pp = {p.pp} with tp = {p.tp} under {cfg.strategy.label} leaves a stage "
-                                  "without an attention or MLP block, so its tp ranks > 0 would hold nothing of "
-                                  f"their own to push: use pp in {ok or [1]}")
+                raise ConfigError(f"parallel.pp = {p.pp} with {ax} = {getattr(p, ax)} under {cfg.strategy.label} "
+                                  f"leaves a stage without {what}, so its {ax} ranks > 0 would hold nothing of their "
+                                  f"own to push: use pp in {ok or [1]}")
+
+
+def _every_stage_holds(model: torch.nn.Module, pp: int, v: int, kinds: Any) -> bool:
+    """Whether each of the pp ranks' chunks hold a module of `kinds`."""
+    from parallelism.pipeline import rank_stages
+    return all(any(isinstance(m, kinds) for m in st.modules()) for st in rank_stages(model, pp, v))
 
 
 def _divisors(n: int) -> list[int]:

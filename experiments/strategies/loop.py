@@ -138,6 +138,7 @@ class _Worker(ElasticMember):
             first_step = step                                  # a resumed run or a joiner starts later
             measured: dict[str, int] = {}
             self.link_sent = {"intra": 0, "inter": 0}     # [topology]: bytes per link class, same window as measured
+            self.pipe_busy = self.pipe_span = 0.0            # a pipeline rank's compute and step spans (bubble)
             stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
             while True:
                 while step < t.steps:
@@ -258,8 +259,8 @@ class _Worker(ElasticMember):
         (results/pipeline.py turns the sums into the measured bubble)."""
         spans = getattr(self.replica, "spans", None)
         if spans:
-            self.pipe_busy = getattr(self, "pipe_busy", 0.0) + sum(e - b for _, b, e in spans)
-            self.pipe_span = getattr(self, "pipe_span", 0.0) + max(e for _, _, e in spans)
+            self.pipe_busy += sum(e - b for _, b, e in spans)
+            self.pipe_span += max(e for _, _, e in spans)
 
     def _finish(self, measured: dict[str, int], steps: int, ran: int) -> dict[str, Any]:
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
@@ -270,7 +271,7 @@ class _Worker(ElasticMember):
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent)}
-        if getattr(self, "pipe_span", 0.0) > 0:
+        if self.pipe_span > 0:
             out["pipeline_busy_s"], out["pipeline_span_s"] = self.pipe_busy, self.pipe_span
         moe = _moe_stats(replica)
         if moe:
