@@ -62,13 +62,13 @@ This package knows nothing of parameter servers or models.
 from .errors import (AuthError, CollectiveMismatchError, CollectivesError, Expelled, LaunchError, MailboxOverflowError,
                      MembershipChanged, PeerFailedError, PeerTimeoutError, RendezvousError, WireError)
 from .group import REDUCE_OPS, ProcessGroup, Work, chunk_bounds
-from .traffic import TrafficCounter
+from .traffic import TrafficCounter, tally
 from .wire import PROTOCOL_VERSION, Message, WireLimits, decode, encode
 
 __all__ = [
     "AuthError", "CollectiveMismatchError", "CollectivesError", "Expelled", "LaunchError", "MailboxOverflowError",
     "MembershipChanged", "PeerFailedError", "PeerTimeoutError", "RendezvousError", "WireError",
-    "REDUCE_OPS", "ProcessGroup", "Work", "chunk_bounds", "TrafficCounter", "PROTOCOL_VERSION", "Message",
+    "REDUCE_OPS", "ProcessGroup", "Work", "chunk_bounds", "TrafficCounter", "tally", "PROTOCOL_VERSION", "Message",
     "WireLimits", "decode", "encode", "init_process_group", "launch",
 ]
 

@@ -80,11 +80,17 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
         store = _env_store(rank, world_size, master_addr, master_port, timeout)
     if backend == "torch":
         from .torch_group import TorchGroup
+        from .sockmeter import SocketMeter, socket_fds
+        from .torch_group import store_ports
         tb = torch_backend or "gloo"
+        meter = None                 # gloo's connections, counted by the kernel (sockmeter.py); NCCL: not observable
         if not dist.is_initialized():
+            before = socket_fds()
             dist.init_process_group(tb, store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout))
-        group = TorchGroup(None, range(world_size), rank, timeout)
+            if tb == "gloo":
+                meter = SocketMeter.new_sockets(before, store_ports(store))
+        group = TorchGroup(None, range(world_size), rank, timeout, meter=meter)
         group.store = store
         return group
     from .zmq_group import ZmqGroup

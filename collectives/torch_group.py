@@ -8,8 +8,11 @@ gloo has no `avg` and no uneven reduce-scatter/all-gather, so:
   all_gather     = pad every chunk to the largest, all_gather_single (all_gather_into_tensor before torch 2.13),
                    then unpad
 Summation order is gloo's/NCCL's own: compare floats with the `zmq` backend to a tolerance, integers exactly.
-Traffic is accounted with the algorithm's textbook bytes per rank (torch does not report its own), marked
-`"estimated": True` in `traffic()`.
+Traffic is what the kernel counted on the group's gloo connections (sockmeter.py: TCP payload written and received,
+gloo's 48-byte message headers included), claimed at the end of each op; gloo's algorithms set the figure (ring
+all-reduce 2(N−1)/N·S, all-gather (N−1)·chunk, a binomial-tree broadcast, ...), and the reduce-scatter above sends
+an all-reduce's bytes. Where it cannot be observed (NCCL, a group formed before pslab saw it, no TCP_INFO),
+`traffic()["observed"]` is False and no byte is counted: a report says "not observable" instead of a number.
 
 Two kinds of group: the job's default (world) group and its `new_group`s, driven through `torch.distributed.*`; or a
 standalone gloo group (`standalone_gloo`: one per elastic generation, elastic.py), whose backend methods are called
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from .errors import PeerFailedError, PeerTimeoutError
 from .group import ProcessGroup, check_op, chunk_bounds
+from .sockmeter import SocketMeter, socket_fds
 from .traffic import TrafficCounter
 from .wire import Tensor
 from .zmq_group import as_flat, write_back
@@ -49,9 +53,28 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def store_ports(store: Any) -> tuple[int, ...]:
+    """The TCP port of the TCPStore under `store` (PrefixStores unwrapped): its connections are not a group's."""
+    while store is not None and not hasattr(store, "port") and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    return (int(port),) if isinstance(port, int) else ()
+
+
 def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
     """A gloo group of its own over `store` (e.g. a PrefixStore per generation), not registered with
-    torch.distributed; on loopback unless GLOO_SOCKET_IFNAME names interfaces (comma-separated)."""
+    torch.distributed; on loopback unless GLOO_SOCKET_IFNAME names interfaces (comma-separated). Its socket meter
+    (the connections it opened) is its `pslab_meter` attribute."""
+    before = socket_fds()
+    pg = _standalone_gloo(store, rank, world_size, timeout)
+    try:
+        pg.pslab_meter = SocketMeter.new_sockets(before, store_ports(store))
+    except AttributeError:           # a pybind object without a __dict__: the group is not observed
+        pass
+    return pg
+
+
+def _standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout)
     ifnames = [x for x in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if x]
@@ -74,7 +97,8 @@ class TorchGroup(ProcessGroup):
     backend = "torch"
 
     def __init__(self, pg: Any, ranks: Sequence[int], rank_global: int, timeout: float, *,
-                 standalone: bool = False) -> None:
+                 standalone: bool = False, meter: SocketMeter | None = None) -> None:
+        """meter: the group's gloo connections (sockmeter.py); None: its traffic is not observable."""
         self.pg = pg
         self.ranks = tuple(ranks)
         self.world_size = len(self.ranks)
@@ -88,6 +112,9 @@ class TorchGroup(ProcessGroup):
         self._inflight: list[Any] = []             # works whose wait was interrupted
         self._children = 0
         self.store: Any = None                     # the store of a standalone group (its new_groups rendezvous)
+        if meter is None and standalone:
+            meter = getattr(pg, "pslab_meter", None)
+        self.meter = meter if meter is not None and meter.observable and self.world_size > 1 else None
 
     # ---- issuing and waiting -----------------------------------------------------------------------------------
     def _private(self, t: torch.Tensor) -> torch.Tensor:
@@ -155,14 +182,21 @@ class TorchGroup(ProcessGroup):
             return self.pg.allreduce([buf], _opts(dist.AllreduceOptions, reduceOp=_OPS[op]))
         return dist.all_reduce(buf, op=_OPS[op], group=self.pg, async_op=True)
 
-    def _account(self, op: str, nbytes: float) -> None:
-        if self.world_size > 1:
-            self.traffic_counter.add_sent(-1, op, int(nbytes))
-            self.traffic_counter.add_recv(-1, op, int(nbytes))
+    def _count(self, op: str, peer: int = -1) -> None:
+        """Claim the bytes the group's connections carried since the last claim for `op` (sockmeter.py)."""
+        if self.meter is not None:
+            sent, received = self.meter.claim()
+            self.traffic_counter.add_sent(peer, op, sent)
+            self.traffic_counter.add_recv(peer, op, received)
+
+    @property
+    def observable(self) -> bool:
+        """Whether this group's bytes are counted (gloo on TCP), or cannot be observed (NCCL, no meter)."""
+        return self.meter is not None or self.world_size == 1
 
     def traffic(self) -> dict[str, Any]:
         snap = super().traffic()
-        snap["estimated"] = True
+        snap["observed"] = self.observable
         return snap
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
@@ -172,10 +206,9 @@ class TorchGroup(ProcessGroup):
         self._wait(self._all_reduce_work(work_buf, op), "all_reduce")
         if work_buf is not buf:
             buf.copy_(work_buf)
+        self._count("all_reduce")
         if op == "avg":
             buf.div_(self.world_size)
-        n = self.world_size
-        self._account("all_reduce", 2 * (n - 1) / n * buf.numel() * buf.element_size())
         write_back(buf, orig)
         return tensor
 
@@ -194,9 +227,9 @@ class TorchGroup(ProcessGroup):
             tmp = src.clone()
             self._wait(self._all_reduce_work(tmp, op), "reduce_scatter")
             out.copy_(tmp[a:b])
+        self._count("reduce_scatter")
         if op == "avg":
             out.div_(n)
-        self._account("reduce_scatter", (n - 1) / n * src.numel() * src.element_size())
         write_back(out, orig)
         return output
 
@@ -217,9 +250,9 @@ class TorchGroup(ProcessGroup):
         else:
             work = _all_gather_single(padded_out, padded_in, group=self.pg, async_op=True)
         self._wait(work, "all_gather")
+        self._count("all_gather")
         for i, (a, b) in enumerate(bounds):
             out[a:b] = padded_out[i * width:i * width + (b - a)]
-        self._account("all_gather", (n - 1) / n * out.numel() * out.element_size())
         write_back(out, orig)
         return output
 
@@ -231,13 +264,9 @@ class TorchGroup(ProcessGroup):
         else:
             work = dist.broadcast(work_buf, src=self.ranks[src], group=self.pg, async_op=True)
         self._wait(work, "broadcast")
+        self._count("broadcast")         # gloo's tree: the root and inner ranks send, leaves only headers
         if work_buf is not buf:
             buf.copy_(work_buf)
-        if self.world_size > 1:       # as pslab's zmq broadcast sends it: the root to each peer, none back
-            nbytes = buf.numel() * buf.element_size()
-            root = self.rank == src
-            self.traffic_counter.add_sent(-1, "broadcast", (self.world_size - 1) * nbytes if root else 0)
-            self.traffic_counter.add_recv(-1, "broadcast", 0 if root else nbytes)
         write_back(buf, orig)
         return tensor
 
@@ -253,9 +282,9 @@ class TorchGroup(ProcessGroup):
         else:
             work = dist.all_to_all_single(work_out, src, group=self.pg, async_op=True)
         self._wait(work, "all_to_all")
+        self._count("all_to_all")
         if work_out is not out:
             out.copy_(work_out)
-        self._account("all_to_all", (n - 1) / n * src.numel() * src.element_size())
         write_back(out, orig)
         return output
 
@@ -264,6 +293,7 @@ class TorchGroup(ProcessGroup):
             self._wait(self.pg.barrier(dist.BarrierOptions()), "barrier")
         else:
             self._wait(dist.barrier(group=self.pg, async_op=True), "barrier")
+        self._count("barrier")
 
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -273,23 +303,21 @@ class TorchGroup(ProcessGroup):
 
     def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Any:
         buf, _ = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
-        self.traffic_counter.add_sent(self.ranks[dst], "p2p", buf.numel() * buf.element_size())
         work_buf = self._private(buf)
         if self._standalone:
             work = self.pg.send([work_buf], dst, tag)
         else:
             work = dist.isend(work_buf, dst=self.ranks[dst], group=self.pg, tag=tag)
-        return _TorchWork(self, work, "send", tensor)
+        return _TorchWork(self, work, "send", tensor, peer=self.ranks[dst])
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
-        self.traffic_counter.add_recv(self.ranks[src], "p2p", buf.numel() * buf.element_size())
         work_buf = self._private(buf)
         if self._standalone:
             work = self.pg.recv([work_buf], src, tag)
         else:
             work = dist.irecv(work_buf, src=self.ranks[src], group=self.pg, tag=tag)
-        return _TorchWork(self, work, "recv", tensor, buf, orig, work_buf)
+        return _TorchWork(self, work, "recv", tensor, buf, orig, work_buf, peer=self.ranks[src])
 
     def new_group(self, ranks: list[int] | tuple[int, ...]) -> TorchGroup | None:
         ranks = tuple(int(r) for r in ranks)
@@ -301,13 +329,18 @@ class TorchGroup(ProcessGroup):
                 return None
             pg = standalone_gloo(dist.PrefixStore(f"sub{self._children}/", self.store), ranks.index(self._grank),
                                  len(ranks), self.timeout)
-            child = TorchGroup(pg, ranks, self._grank, self.timeout, standalone=True)
+            child = TorchGroup(pg, ranks, self._grank, self.timeout, standalone=True,
+                               meter=getattr(pg, "pslab_meter", None) if self.meter is not None else None)
             child.store, child.interrupt, child.interrupt_every = self.store, self.interrupt, self.interrupt_every
             return child
+        before = socket_fds()
         pg = dist.new_group(list(ranks))
         if self._grank not in ranks:
             return None
-        return TorchGroup(pg, ranks, self._grank, self.timeout)
+        meter = SocketMeter.new_sockets(before, store_ports(self.store)) if self.meter is not None else None
+        child = TorchGroup(pg, ranks, self._grank, self.timeout, meter=meter)
+        child.store = self.store
+        return child
 
     def destroy(self) -> None:
         if self._standalone:
@@ -325,12 +358,13 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))   # not even at interpr
 
 class _TorchWork:
     def __init__(self, group: TorchGroup, work: Any, op: str, tensor: Tensor, buf: torch.Tensor | None = None,
-                 orig: Tensor | None = None, work_buf: torch.Tensor | None = None) -> None:
+                 orig: Tensor | None = None, work_buf: torch.Tensor | None = None, peer: int = -1) -> None:
         self._group, self._work, self._op, self._tensor = group, work, op, tensor
-        self._buf, self._orig, self._work_buf = buf, orig, work_buf
+        self._buf, self._orig, self._work_buf, self._peer = buf, orig, work_buf, peer
 
     def wait(self, timeout: float | None = None) -> Tensor:
         self._group._wait(self._work, self._op, pollable=False)
+        self._group._count("p2p", self._peer)     # what the group's connections carried until now
         if self._buf is not None:
             if self._work_buf is not None and self._work_buf is not self._buf:
                 self._buf.copy_(self._work_buf)

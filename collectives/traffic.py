@@ -2,14 +2,37 @@
 
 This is what lets a student check the textbook figure: ring all-reduce moves 2(N-1)/N x tensor bytes through each
 rank, independent of N, while gather-to-root + broadcast moves (N-1) x tensor bytes through the root.
-Only tensor payload is counted (headers are a few dozen bytes and are counted apart as `header_bytes`).
+Only tensor payload is counted (headers are a few dozen bytes and are counted apart as `header_bytes`); the torch
+backend's figure is what the kernel counted on gloo's connections (sockmeter.py), its framing included.
+
+`tally()` lets a caller see what one op counted: inside `with tally() as sent:`, every byte any counter records as
+sent *from this thread* is added to `sent[0]` too (parallelism's CommLog records each collective this way: the
+backend's count, not a formula). Tallies nest; an inner one's bytes reach the outer one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+_local = threading.local()
+
+
+@contextmanager
+def tally() -> Iterator[list[int]]:
+    """Bytes recorded as sent by this thread while the block runs, in the yielded one-element list."""
+    stack = _local.__dict__.setdefault("stack", [])
+    box = [0]
+    stack.append(box)
+    try:
+        yield box
+    finally:
+        stack.pop()
+        if stack:
+            stack[-1][0] += box[0]
 
 
 class TrafficCounter:
@@ -31,6 +54,9 @@ class TrafficCounter:
             self._sent[peer][op] += nbytes
             self._messages += 1
             self._header_bytes += header_bytes
+        stack = getattr(_local, "stack", None)
+        if stack:
+            stack[-1][0] += nbytes
 
     def add_recv(self, peer: int, op: str, nbytes: int) -> None:
         with self._lock:

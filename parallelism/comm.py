@@ -6,9 +6,15 @@ Every collective an engine issues goes through `Comm`, which records (kind, site
     site     where in the model it happened ("layers.0.mlp.fc2", "stage 1 -> 2", "bucket 3") — so a test can show
              tensor parallelism talking in every layer and pipeline parallelism only at stage boundaries
     payload  bytes of the tensor handed to the collective (S; the full output for all_gather)
-    wire     textbook bytes sent by this rank: ring all-reduce 2(N−1)/N·S, reduce-scatter and all-gather (N−1)/N·S,
-             all-to-all (N−1)/N·S (S: the input; chunk j goes to rank j, the own chunk stays), broadcast and p2p S
-             (the group's own `traffic()` holds what the backend measured)
+    wire     bytes this rank sent for it, as the backend counted them (`collectives.tally`: the zmq backend's slices,
+             the kernel's count on gloo's connections); which algorithm the backend chose decides the figure: the
+             zmq ring all-reduce 2(N−1)/N·S, its direct exchange of ≤ 32 KiB (N−1)·S, gloo's ring 2(N−1)/N·S plus
+             48 B a message, reduce-scatter and all-gather (N−1)/N·S (gloo's reduce-scatter: an all-reduce),
+             all-to-all (N−1)/N·S, broadcast S·(N−1) from the root (gloo: a tree), p2p S. The formulas live in
+             experiments/results/bytes.py and parallelism/comm_model.py, not here.
+
+A p2p send is recorded when its wait returns (the torch backend counts its bytes then); a receive adds a record of
+payload 0 only when the backend counted sends while it waited (gloo: sends of the same group still in flight).
 
 `CommThread` runs collectives on one worker thread in submission order, so gradient buckets (DP) and ZeRO-3
 prefetches overlap computation while every rank still issues the same collectives in the same order.
@@ -24,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from collectives import ProcessGroup
+from collectives import ProcessGroup, tally
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 
@@ -35,7 +41,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class CommLog:
-    """Thread-safe list of (kind, site, payload bytes, wire bytes)."""
+    """Thread-safe list of (kind, site, payload bytes, wire bytes counted by the backend)."""
 
     records: list[tuple[str, str, int, float]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -61,13 +67,13 @@ class CommLog:
         out: dict[str, int] = defaultdict(int)
         with self._lock:
             for k, site, payload, _ in self.records:
-                if kind is None or k == kind:
+                if (kind is None or k == kind) and payload:
                     out[site] += payload
         return dict(out)
 
     def calls(self, kind: str | None = None) -> int:
         with self._lock:
-            return sum(1 for k, *_ in self.records if kind is None or k == kind)
+            return sum(1 for k, _, payload, _ in self.records if (kind is None or k == kind) and payload)
 
 
 class Comm:
@@ -86,53 +92,77 @@ class Comm:
         return self.group.rank
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", site: str = "") -> torch.Tensor:
-        n = self.size
-        if n > 1:
-            self.group.all_reduce(t, op=op)
-            self.log.add("all_reduce", site, nbytes(t), 2 * (n - 1) / n * nbytes(t))
+        if self.size > 1:
+            with tally() as sent:
+                self.group.all_reduce(t, op=op)
+            self.log.add("all_reduce", site, nbytes(t), sent[0])
         return t
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", site: str = "") -> torch.Tensor:
-        n = self.size
-        if n == 1:
+        if self.size == 1:
             out.copy_(inp.view(-1))
             return out
-        self.group.reduce_scatter(out, inp, op=op)
-        self.log.add("reduce_scatter", site, nbytes(inp), (n - 1) / n * nbytes(inp))
+        with tally() as sent:
+            self.group.reduce_scatter(out, inp, op=op)
+        self.log.add("reduce_scatter", site, nbytes(inp), sent[0])
         return out
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, site: str = "") -> torch.Tensor:
-        n = self.size
-        if n == 1:
+        if self.size == 1:
             out.view(-1).copy_(inp.view(-1))
             return out
-        self.group.all_gather(out, inp)
-        self.log.add("all_gather", site, nbytes(out), (n - 1) / n * nbytes(out))
+        with tally() as sent:
+            self.group.all_gather(out, inp)
+        self.log.add("all_gather", site, nbytes(out), sent[0])
         return out
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, site: str = "") -> torch.Tensor:
         """Chunk j of `inp` (split along dim 0 into N equal chunks) goes to rank j; chunk i of `out` came from i."""
-        n = self.size
-        if n == 1:
+        if self.size == 1:
             out.copy_(inp)
             return out
-        self.group.all_to_all(out, inp)
-        self.log.add("all_to_all", site, nbytes(inp), (n - 1) / n * nbytes(inp))
+        with tally() as sent:
+            self.group.all_to_all(out, inp)
+        self.log.add("all_to_all", site, nbytes(inp), sent[0])
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0, site: str = "") -> torch.Tensor:
         if self.size > 1:
-            self.group.broadcast(t, src)
-            self.log.add("broadcast", site, nbytes(t), nbytes(t) if self.rank == src else 0)
+            with tally() as sent:
+                self.group.broadcast(t, src)
+            self.log.add("broadcast", site, nbytes(t), sent[0])
         return t
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0, site: str = "") -> Any:
-        self.log.add("p2p", site, nbytes(t), nbytes(t))
-        return self.group.isend(t, dst, tag)
+        with tally() as sent:
+            work = self.group.isend(t, dst, tag)
+        return _LoggedSend(work, self.log, site, nbytes(t), sent[0])
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.group.recv(t, src, tag)  # received bytes are the sender's record
+        with tally() as sent:
+            self.group.recv(t, src, tag)  # received bytes are the sender's record
+        if sent[0]:
+            self.log.add("p2p", "", 0, sent[0])
         return t
+
+
+class _LoggedSend:
+    """A send's work handle that records the send in the CommLog when its wait returns."""
+
+    def __init__(self, work: Any, log: CommLog, site: str, payload: int, sent: int) -> None:
+        self._work, self._log, self._site, self._payload, self._sent = work, log, site, payload, sent
+        self._logged = False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        with tally() as sent:
+            out = self._work.wait(timeout)
+        if not self._logged:
+            self._logged = True
+            self._log.add("p2p", self._site, self._payload, self._sent + sent[0])
+        return out
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class CommThread:

@@ -22,8 +22,10 @@ Textbook rules (algorithm "ring", NCCL-like):
                      parallelism: all-gathers + reduce-scatters, the same bytes. Σ = D·C·E·T·L·m·(4|6)·2(T−1)/T·A
     pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
                      of a stage sends its own A (under sp its S/T slice, A/T: Korthikanti et al.):
-                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time 2m·(α + A/β); interleaved 1F1B (v chunks
-                     per stage): P·v − 1 cuts, Σ = D·C·E·T·(P·v−1)·m·2·A, a rank's time 2v·m·(α + A/β)
+                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time: the messages it sends, each on the link it
+                     crosses (comm_cost.py) — m·(α + A/β) per cut it borders: m for the first and last stage, 2m
+                     for an inner one; interleaved 1F1B (v chunks per stage): P·v − 1 cuts,
+                     Σ = D·C·E·T·(P·v−1)·m·2·A, up to 2v·m messages a rank
     dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
     zero RS + AG     ZeRO 1: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g per
                      step; with m micro-batches of gradient accumulation ZeRO 2 reduce-scatters after each one:

@@ -101,7 +101,9 @@ def _report(rd) -> int:
             print(f" (while all workers run: mean {s['staleness_mean_steady']:.2f})", end="")
     for kind, v in (s.get("bytes_by_kind") or {}).items():
         model = v.get("model_per_step")
-        print(f"\n  {kind}: {v['measured_per_step'] / 1e3:.1f} kB/step measured"
+        seen = v["measured_per_step"]
+        print(f"\n  {kind}: " + (f"{seen / 1e3:.1f} kB/step measured" if seen is not None else
+                                 "measured: not observable on this backend (NCCL)")
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
     links = s.get("link_bytes_per_step")
     if links is not None:

@@ -29,8 +29,14 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
     ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
-ring's 2(N−1)/N·S): the modelled figure uses the rule the backend applies, and the formula text says which.
-gloo (backend torch) counts payload bytes handed to it, not the bytes its algorithm sends.
+ring's 2(N−1)/N·S): the modelled figure uses the rule the backend applies, and the formula text says which. gloo
+(backend torch) runs a ring at every size and reduce-scatters by all-reducing a copy.
+
+Measured: the zmq backend counts each tensor slice it sends (frames, shared-memory slots and segments alike); the
+torch backend's figure is what the kernel counted on gloo's TCP connections (collectives/sockmeter.py), which
+includes gloo's 48-byte header per message (12(N−1) of them per all-reduce, for instance): on small tensors it
+exceeds the payload formula by that framing, on 4 MiB by < 0.1 %. NCCL's traffic cannot be observed from the
+process: its measured column says so (`measured_per_step` None) instead of a number.
 """
 
 from __future__ import annotations
@@ -48,11 +54,17 @@ KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boun
                 "cp": "cp ring + grads", "ep": "ep all-to-all + grads"}
 
 
-def _allreduce(nbytes: float, n: int, N: str, S: str) -> tuple[float, str]:
-    """Bytes one rank sends to all-reduce `nbytes` over `n` ranks, and the rule in the names N and S."""
+def _gloo(cfg: RunConfig) -> bool:
+    """Whether the run's groups are gloo's (backend torch): its all-reduce is a ring at every size."""
+    return cfg.train.backend == "torch"
+
+
+def _allreduce(nbytes: float, n: int, N: str, S: str, ring: bool = False) -> tuple[float, str]:
+    """Bytes one rank sends to all-reduce `nbytes` over `n` ranks, and the rule in the names N and S (`ring`: gloo,
+    a ring at every size)."""
     if n <= 1:
         return 0.0, "0"
-    if nbytes <= SMALL_BYTES:
+    if nbytes <= SMALL_BYTES and not ring:
         return (n - 1) * nbytes, f"({N}−1)·{S}, direct exchange ({S} ≤ 32 KiB)"
     return 2 * (n - 1) / n * nbytes, f"2({N}−1)/{N}·{S}, ring"
 
@@ -88,21 +100,25 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
     elif cfg.strategy.kind == "allreduce" and D > 1:
+        rs = 2 if _gloo(cfg) else 1             # gloo has no uneven reduce-scatter: the backend all-reduces a copy
+        gloo_rs = " (gloo: the reduce-scatter is an all-reduce, 2(D−1)/D)" if _gloo(cfg) else ""
         if p.distributed_optimizer:             # slot_bytes are whole slots, not ZeroEngine's shards
-            out["zero RS + AG"] = (2 * (D - 1) / D * sum(slot_bytes),
-                                   "Σ_r 2(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)")
+            out["zero RS + AG"] = ((rs + 1) * (D - 1) / D * sum(slot_bytes),
+                                   f"Σ_r {rs + 1}(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)"
+                                   + gloo_rs)
         elif p.zero:
-            k = 3 if p.zero == 3 else 2
-            out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes), f"Σ_r {k}(D−1)/D·S (S: the full model's bytes)")
+            k = (3 if p.zero == 3 else 2) + rs - 1
+            out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes),
+                                   f"Σ_r {k}(D−1)/D·S (S: the full model's bytes){gloo_rs}")
         elif p.overlap and p.virtual_stages > 1:    # one overlapped reducer per model chunk (pipeline.py)
             from parallelism.pipeline import rank_chunks, stage_module
             model = wl.make_model()
             parts = [_allreduce(sum(q.numel() * q.element_size() for q in stage_module(model, [ch]).parameters()),
-                                D, "D", "S_c") for chunks in rank_chunks(model, p.pp, p.virtual_stages) for ch in chunks]
+                                D, "D", "S_c", _gloo(cfg)) for chunks in rank_chunks(model, p.pp, p.virtual_stages) for ch in chunks]
             out["dp gradient sync"] = (D * sum(b for b, _ in parts),
                                        f"D · Σ_chunks {parts[0][1]} (a reducer per model chunk, S_c its bytes)")
         else:
-            parts = [_allreduce(s, D, "D", "S_r") for s in slot_bytes]
+            parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
     model = wl.make_model() if (p.tp > 1 or p.pp > 1) else None
     acts = _activations(model, wl) if model is not None else []
@@ -171,24 +187,26 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
     mtext = f" over {len(micro)} micro-batches (a_i = A·b_i/b)" if len(micro) > 1 else ""
     if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
         per_region = 6 if ac else 4
-        act = regions * per_region * (T - 1) / T * sum(micro)
+        rs = 2 if _gloo(cfg) else 1          # gloo reduce-scatters by all-reducing a copy: 2(T−1)/T·A
+        act = regions * per_region * (1 + rs) / 2 * (T - 1) / T * sum(micro)
         grads, grule = 0.0, ""
         if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
             from parallelism.pipeline import rank_stages
             for st in rank_stages(model, p.pp, p.virtual_stages):
-                g, grule = _allreduce(_replicated_bytes(st), T, "T", "R_s")
+                g, grule = _allreduce(_replicated_bytes(st), T, "T", "R_s", _gloo(cfg))
                 grads += g
         else:
-            grads, grule = _allreduce(_replicated_bytes(model), T, "T", "R")
-        loss, _ = _allreduce(8, T, "T", "8 B")
+            grads, grule = _allreduce(_replicated_bytes(model), T, "T", "R", _gloo(cfg))
+        loss, _ = _allreduce(8, T, "T", "8 B", _gloo(cfg))
         total = D * T * (act + grads + loss)
         formula = (f"D·T ranks · ({regions * per_region} all-gathers / reduce-scatters (2 forward, 2 backward"
-                   + (", 2 recomputed" if ac else "") + f" per attention and MLP) · (T−1)/T·A{mtext} + the "
+                   + (", 2 recomputed" if ac else "") + f" per attention and MLP) · (T−1)/T·A{mtext}"
+                   + (" (gloo: each reduce-scatter an all-reduce, 2(T−1)/T·A)" if rs == 2 else "") + " + the "
                    f"replicated gradients {grule}" + (" per stage" if p.pp > 1 else "") + " + loss); "
                    "A = b·S·d·4 B")
     else:
         per_region = 3 if ac else 2
-        parts = [_allreduce(a, T, "T", "a_i" if mtext else "A") for a in micro]
+        parts = [_allreduce(a, T, "T", "a_i" if mtext else "A", _gloo(cfg)) for a in micro]
         total = D * T * regions * per_region * sum(x for x, _ in parts)
         formula = (f"D·{'C·' if C > 1 else ''}T ranks · {regions * per_region} all-reduces (g forward, f backward"
                    + (", g recomputed" if ac else "") + f", per attention and MLP) · {parts[0][1]}{mtext}; "
@@ -218,9 +236,10 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     for st in stages:
         M = sum(q.numel() * q.element_size() for q in st.parameters())
         R = _replicated_bytes(st) if T > 1 else M
-        g, rule = _allreduce(R + (M - R) // T, C, "C", ("(R + (M−R)/T)" if T > 1 else "M") + ("_s" if p.pp > 1 else ""))
+        g, rule = _allreduce(R + (M - R) // T, C, "C", ("(R + (M−R)/T)" if T > 1 else "M") + ("_s" if p.pp > 1 else ""),
+                             _gloo(cfg))
         grads += g
-    loss, _ = _allreduce(8, C, "C", "8 B")
+    loss, _ = _allreduce(8, C, "C", "8 B", _gloo(cfg))
     ranks = "D·C·T" if T > 1 else "D·C"
     return (D * C * T * (len(att) * ring + grads + loss),
             f"{ranks} ranks{' (of each stage)' if p.pp > 1 else ''} · ({len(att)} layers · ring {ring} B (K, V"
@@ -250,7 +269,7 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
     grads, R = 0.0, 0
     for st in stages:
         R_s = sum(q.numel() * q.element_size() for n, q in st.named_parameters() if ".experts." not in n)
-        g, rule = _allreduce(R_s + 4, ep, "ep", "(R_s + 4)" if P > 1 else "(R + 4)")
+        g, rule = _allreduce(R_s + 4, ep, "ep", "(R_s + 4)" if P > 1 else "(R + 4)", _gloo(cfg))
         grads, R = grads + g, R + R_s
     total = D * ep * (a2a + grads)
     formula = (f"D·ep ranks{' (of all stages)' if P > 1 else ''} · ({len(layers)} MoE layers · 4 all-to-alls · "
@@ -263,18 +282,27 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
 
 
 def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Measured (backend-counted) and modelled bytes per step by kind, from the ranks' `train_worker` results."""
+    """Measured (backend-counted) and modelled bytes per step by kind, from the ranks' `train_worker` results;
+    `measured_per_step` is None for a kind no backend could observe (NCCL)."""
     steps = max(1, max((r or {}).get("steps", 0) for r in results) if results else 1)
     measured: dict[str, float] = {}
+    unobserved: set[str] = set()
+
+    def kind_of(axis: str) -> str:
+        return "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
+    sends: dict[str, int] = {}
     for r in results:
         for axis, b in ((r or {}).get("bytes_sent") or {}).items():
-            kind = "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
-            measured[kind] = measured.get(kind, 0.0) + b
+            measured[kind_of(axis)] = measured.get(kind_of(axis), 0.0) + b
+        for axis, n in ((r or {}).get("sends") or {}).items():
+            sends[kind_of(axis)] = sends.get(kind_of(axis), 0) + n
+        unobserved |= {kind_of(axis) for axis in (r or {}).get("unobserved") or ()}
     model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results], steps)
     out = {}
     for kind in list(dict.fromkeys(list(model) + list(measured))):
         m, f = model.get(kind, (None, ""))
         if m is None and not measured.get(kind):
             continue          # a group of size > 1 that carried nothing (e.g. dp under the PS: only barriers)
-        out[kind] = {"measured_per_step": measured.get(kind, 0.0) / steps, "model_per_step": m, "formula": f}
+        out[kind] = {"measured_per_step": None if kind in unobserved else measured.get(kind, 0.0) / steps,
+                     "model_per_step": m, "formula": f, "sends_per_step": sends.get(kind, 0) / steps}
     return out

@@ -76,7 +76,9 @@ def bytes_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         for kind, v in ((r.get("summary") or {}).get("bytes_by_kind") or {}).items():
             model = v.get("model_per_step")
-            rows.append(f"| {run_label(r)} | {kind} | {_fmt(v['measured_per_step'] / 1e3)} | "
+            seen = v["measured_per_step"]
+            rows.append(f"| {run_label(r)} | {kind} | "
+                        f"{_fmt(seen / 1e3) if seen is not None else 'formula (not observable on this backend)'} | "
                         f"{_fmt(model / 1e3 if model is not None else None)} | {v.get('formula') or '—'} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 

@@ -138,6 +138,7 @@ class _Worker(ElasticMember):
             first_step = step                                  # a resumed run or a joiner starts later
             measured: dict[str, int] = {}
             self.link_sent = {"intra": 0, "inter": 0}     # [topology]: bytes per link class, same window as measured
+            self.sends: dict[str, int] = {}                # per axis, the sends `measured` was counted in
             self.pipe_busy = self.pipe_span = 0.0            # a pipeline rank's compute and step spans (bubble)
             stale = None if cfg.strategy.uses_ps else 0      # PS: the shard's own series fills it in (records.py)
             while True:
@@ -194,8 +195,9 @@ class _Worker(ElasticMember):
                     for c, v in link_bytes(self.group).items():
                         self.link_sent[c] += v - links0[c]
                     ps_sent, ps_recv = getattr(self.strategy, "last_bytes", (0, 0))
-                    for axis, (sent, _) in after.items():
+                    for axis, (sent, _, sends) in after.items():
                         measured[axis] = measured.get(axis, 0) + sent - before[axis][0]
+                        self.sends[axis] = self.sends.get(axis, 0) + sends - before[axis][2]
                     if ps_sent or ps_recv:
                         measured["ps"] = measured.get("ps", 0) + ps_sent + ps_recv
                     sent = sum(v[0] for v in after.values()) - sum(v[0] for v in before.values()) + ps_sent
@@ -266,11 +268,14 @@ class _Worker(ElasticMember):
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
         stats (from the current rank 0). `ran`: the steps this process took, over which `measured` was counted."""
         strategy, replica = self.strategy, self.replica
-        out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "steps": max(1, ran),
+        out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "sends": dict(self.sends),
+                               "steps": max(1, ran),
                                "slot_bytes": getattr(strategy, "pushed_bytes", None)
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
-                               "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent)}
+                               "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent),
+                               "unobserved": [axis for axis, g in _groups(self.mesh)      # NCCL: no byte counted
+                                              if not g.traffic().get("observed", True)]}
         if self.pipe_span > 0:
             out["pipeline_busy_s"], out["pipeline_span_s"] = self.pipe_busy, self.pipe_span
         moe = _moe_stats(replica)
@@ -362,10 +367,10 @@ def _span_over(group: Any, start: float, end: float) -> tuple[float, float]:
     return -float(t[0]), float(t[1] + t[0])
 
 
-def _shift(before: dict[str, tuple[int, int]], a: dict[str, tuple[int, int]],
-           b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+def _shift(before: dict[str, tuple[int, ...]], a: dict[str, tuple[int, ...]],
+           b: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """`before` moved by what happened between snapshots a and b (so it is not counted)."""
-    return {k: (v[0] + b[k][0] - a[k][0], v[1] + b[k][1] - a[k][1]) for k, v in before.items()}
+    return {k: tuple(x + y - z for x, y, z in zip(v, b[k], a[k])) for k, v in before.items()}
 
 
 def _moe_stats(replica: Any) -> dict[str, dict[str, list[int]]]:
@@ -390,10 +395,11 @@ def _groups(mesh: Any) -> list[Any]:
     return list(seen.values())
 
 
-def _traffic(mesh: Any) -> dict[str, tuple[int, int]]:
-    """Per axis, (sent, received) payload bytes of this rank's group so far, as the backend counted them."""
+def _traffic(mesh: Any) -> dict[str, tuple[int, int, int]]:
+    """Per axis, (sent, received) bytes of this rank's group so far, as the backend counted them, and the sends it
+    counted them in (zmq: each slice; torch: each op's claim on gloo's connections)."""
     out = {}
     for axis, g in _groups(mesh):
         snap = g.traffic()
-        out[axis] = (int(snap["sent_total"]), int(snap["recv_total"]))
+        out[axis] = (int(snap["sent_total"]), int(snap["recv_total"]), int(snap["messages"]))
     return out

@@ -119,15 +119,36 @@ def test_every_layout_equals_the_single_process_reference(runs, label):
     assert summary["final_test_acc"] is not None and summary["updates"] == len(ref)
 
 
+GLOO_HEADER = 48       # gloo's header on every message; at most 12(N−1) messages per op (an all-reduce's)
+
+
+def assert_counted_equals_formula(v: dict, gloo: bool, n_max: int, what: object) -> None:
+    """zmq: the counted bytes equal the formula (float rounding only: the pipeline's one-off shape headers are
+    spread over the run's steps). torch: the kernel's count on gloo's connections is the formula's payload plus
+    gloo's framing, 48 B a message, at most 12(N−1) messages for each op the backend counted (sends_per_step)."""
+    m, f = v["measured_per_step"], v["model_per_step"]
+    if not gloo:
+        assert f == pytest.approx(m, rel=1e-9), what
+    else:
+        assert f <= m <= f + v["sends_per_step"] * 12 * (n_max - 1) * GLOO_HEADER, (what, m, f, v["sends_per_step"])
+
+
+def _n_max(workers: int, extra: list[str]) -> int:
+    sizes = [workers] + [int(e.split("=")[1]) for e in extra if e.split("=")[0] in
+                         ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep")]
+    return max(sizes)
+
+
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_every_layout_reports_bytes_by_kind_next_to_the_formula(runs, label):
-    """The summary has the layout's kinds of communication; each measured figure equals its formula (float
-    rounding only: the pipeline's one-off shape headers are spread over the run's steps)."""
+    """The summary has the layout's kinds of communication; each measured (counted) figure equals its formula, on
+    gloo up to its message framing."""
     _, summary = runs[label]
     kinds = {k: v for k, v in summary["bytes_by_kind"].items() if v["measured_per_step"] > 0}
     assert set(kinds) == LAYOUTS[label][3], label
+    _, workers, extra, _ = LAYOUTS[label]
     for kind, v in kinds.items():
-        assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=1e-9), (label, kind)
+        assert_counted_equals_formula(v, "train.backend=torch" in extra, _n_max(workers, extra), (label, kind))
         assert v["formula"]
 
 
@@ -291,7 +312,7 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
         assert s["final_test_acc"] == pytest.approx(ref_s["final_test_acc"], abs=1e-6), label
         assert s["moe"]["layers"] == ref_s["moe"]["layers"], label
         for kind, v in s["bytes_by_kind"].items():
-            assert v["model_per_step"] == pytest.approx(v["measured_per_step"], rel=1e-6), (label, kind, v)
+            assert_counted_equals_formula(v, "torch" in label, 2, (label, kind))
         assert ("ep all-to-all + grads" in s["bytes_by_kind"]) == ("ep=2" in label), label
         assert ("pp boundaries" in s["bytes_by_kind"]) == ("pp=2" in label), label
     rd = runs["allreduce ep=2"][0]
@@ -305,7 +326,8 @@ def test_the_planners_pslab_comm_model_equals_the_measured_bytes_per_kind(runs):
     layers, width, heads, context, vocabulary; the micro-batch b/m) gives the bytes per kind the engines measured,
     EXACTLY: direct exchange <= 32 KiB, the pipeline's loss broadcast and its one-off shape headers spread over the
     run's steps, SP's replicated-gradient and loss all-reduces, ZeRO's per-parameter reduce-scatters and all-gathers.
-    (The gloo run counts every all-reduce as a ring: with groups of 2 that equals the direct exchange's (N−1)·S.)"""
+    (The gloo layouts are checked against results/bytes.py's gloo formulas above: the planner models pslab's
+    algorithms.)"""
     from experiments.workloads import get_workload
     from parallelism.cluster import Cluster
     from parallelism.comm_model import bytes_by_kind, step_comm
@@ -313,6 +335,8 @@ def test_the_planners_pslab_comm_model_equals_the_measured_bytes_per_kind(runs):
     for label, (strategy, workers, extra, _) in LAYOUTS.items():
         if strategy != "allreduce":
             continue
+        if "train.backend=torch" in extra:    # the planner models pslab's algorithms; gloo's (its reduce-scatter
+            continue                          # an all-reduce, its framing): results/bytes.py, the test above
         cfg = small_config(*_overrides(strategy, workers, extra))
         p, w = cfg.parallel, cfg.workload
         wl = get_workload(w.name, workers, w.batch_size, w.seed, **w.overrides())

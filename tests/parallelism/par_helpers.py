@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from parallelism.comm import KINDS
 from parallelism.engine import AllReduceStrategy
 from parallelism.mesh import DeviceMesh
 from parallelism.models import mlp, tiny_transformer
@@ -97,7 +98,17 @@ def train_engine(group, engine, factory, batches, mesh_shape: dict[str, int], op
     Returns the global loss per step (mean over dp), this rank's slots by name, and the engine's bytes by kind."""
     mesh, replica, losses = run_training(group, engine, factory, batches, mesh_shape, opt)
     return plain({"losses": losses, "slots": {s.name: s.param.detach().clone() for s in replica.slots()},
-                  "by_kind": replica.log.by_kind(), "by_site": replica.log.by_site(), "coords": mesh.coords})
+                  "by_kind": replica.log.by_kind(), "by_site": replica.log.by_site(), "coords": mesh.coords,
+                  "payload": replica.log.by_kind(wire=False), "calls": {k: replica.log.calls(k) for k in KINDS}})
+
+
+GLOO_HEADER = 48     # bytes of gloo's header on every message (6 x 8: nbytes, opcode, slot, offset, length, roffset)
+
+
+def gloo_all_reduce_framing(calls: int, n: int) -> int:
+    """The most framing gloo adds to `calls` all-reduces over n ranks: 12(n−1) headers each (its ring's data and
+    notification messages; tests/collectives/test_traffic.py measures the bytes)."""
+    return calls * 12 * (n - 1) * GLOO_HEADER
 
 
 def plain(obj: Any) -> Any:

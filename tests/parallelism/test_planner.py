@@ -15,7 +15,6 @@ from parallelism.memory_model import Layout, Shape, estimate
 from parallelism.planner import (PlanError, breakdown, candidates, describe, explain, link_seconds, micro_batch, plan,
                                  tp_on_intra)
 from parallelism.published import PUBLISHED, compare_published
-from parallelism.step_model import predict
 
 SMALL = Shape(layers=6, hidden=384, heads=12, seq=256, vocab=1000)
 GB = 1e9
@@ -60,30 +59,175 @@ def test_max_tp_and_gpipe_options():
     assert {c.layout.schedule for c in cands if c.layout.pp == 1} == {"1f1b"}
 
 
-def test_best_layout_equals_an_independent_brute_force():
-    cluster = tiny_cluster(memory=60e6)
-    batch = 16
-    ranked = plan(SMALL, cluster, batch)
-    # brute force: every (dp, tp, pp, b, zero, recompute) with dp·tp·pp = 8, predicted, filtered by memory here
-    feasible = []
+# ---- an independent brute force: step time and memory of every layout from the docstrings' formulas -----------
+# Written from the docs (parallelism/step_model.py, comm_model.py, comm_cost.py, memory_model.py, zero_memory.py)
+# in plain Python, without calling the planner's models: mixed precision (p, g, K = 2, 2, 12; 2-byte activations),
+# algorithm "ring", placement "packed" (mesh order dp, pp, tp with tp innermost; rank r on node r // gpus_per_node),
+# DP overlapped with backward, 1F1B, SP with every tp > 1.
+
+def _textbook_layers(L: int, pp: int, k: int) -> int:
+    """Layers on stage k: ⌊L/p⌋, the first L mod p stages one more."""
+    return L // pp + (k < L % pp)
+
+
+def _textbook_psi(sh: Shape, tp: int, pp: int, k: int) -> float:
+    """Ψ of one rank of stage k: per layer (12h² + 7h)/t split + 6h replicated, embeddings (Vh + sh) on the first
+    stage, final LayerNorm + head (2h + hV + V) on the last."""
+    h = sh.hidden
+    n = _textbook_layers(sh.layers, pp, k) * ((12 * h * h + 7 * h) / tp + 6 * h)
+    if k == 0:
+        n += sh.vocab * h + sh.seq * h
+    if k == pp - 1:
+        n += 2 * h + h * sh.vocab + sh.vocab
+    return n
+
+
+def _textbook_memory(sh: Shape, dp: int, tp: int, pp: int, b: int, z: int, r: str, m: int) -> float:
+    """Worst stage of ZeRO's (p + g + K)Ψ (stage 1: K/N_d, 2: (g + K)/N_d, 3: all /N_d) + Korthikanti et al.'s
+    16-bit activations per layer (SP: sbh/t·(34 + 5as/h); selective sbh·34/t; full 2sbh/t; no SP at tp = 1:
+    sbh(34 + 5as/h), sbh·34, 2sbh) × layers × min(p − k, m) in flight, + 4sbh/t + 4sbv/t on the last stage."""
+    p_, g_, k_ = 2, 2, 12
+    s, h, a, v = sh.seq, sh.hidden, sh.heads, sh.vocab
+    sbh = s * b * h
+    sp = tp > 1
+    per = {"full": 2 * sbh / tp, "selective": sbh * 34 / tp}.get(r, sbh / tp * (34 + 5 * a * s / h)) if sp else \
+        {"full": 2 * sbh, "selective": sbh * 34}.get(r, sbh * (34 + 5 * a * s / h))
+    worst = 0.0
+    for k in range(pp):
+        psi = _textbook_psi(sh, tp, pp, k)
+        state = {0: (p_ + g_ + k_) * psi, 1: (p_ + g_) * psi + k_ * psi / dp, 2: p_ * psi + (g_ + k_) * psi / dp,
+                 3: (p_ + g_ + k_) * psi / dp}[z]
+        act = _textbook_layers(sh.layers, pp, k) * min(pp - k, m) * per
+        if k == pp - 1:
+            act += 4 * sbh / tp + 4 * s * b * v / tp
+        worst = max(worst, state + act)
+    return worst
+
+
+class _Textbook:
+    """α-β costs on a packed cluster: a message of B bytes on a link takes α + B/β; a collective is charged to the
+    slowest link its group spans, a point-to-point message to the link it crosses."""
+
+    def __init__(self, cl: Cluster) -> None:
+        self.cl = cl
+
+    def node(self, r: int) -> int:
+        return r // self.cl.gpus_per_node
+
+    def link(self, group: list[int]) -> tuple[float, float]:
+        inter = len({self.node(r) for r in group}) > 1
+        return ((self.cl.inter_latency_s, self.cl.inter_bandwidth_Bps) if inter else
+                (self.cl.intra_latency_s, self.cl.intra_bandwidth_Bps))
+
+    def ab(self, group: list[int], messages: float, nbytes: float) -> float:
+        lat, bw = self.link(group)
+        return messages * lat + nbytes / bw
+
+    def ring_ar(self, group: list[int], nbytes: float) -> float:
+        """Ring all-reduce: 2(N−1) latencies, 2(N−1)/N·S per rank."""
+        n = len(group)
+        return 0.0 if n == 1 else self.ab(group, 2 * (n - 1), 2 * (n - 1) / n * nbytes)
+
+    def ring_half(self, group: list[int], nbytes: float) -> float:
+        """Ring reduce-scatter or all-gather: N−1 latencies, (N−1)/N·S per rank."""
+        n = len(group)
+        return 0.0 if n == 1 else self.ab(group, n - 1, (n - 1) / n * nbytes)
+
+    def all_reduce(self, group: list[int], nbytes: float) -> float:
+        """Hierarchical where the group spans H nodes with the same L > 1 of its ranks on each (group of >= 4):
+        reduce-scatter + all-gather inside each node, a ring all-reduce of S/L across the nodes; else the ring."""
+        by: dict[int, list[int]] = {}
+        for r in group:
+            by.setdefault(self.node(r), []).append(r)
+        per = {len(v) for v in by.values()}
+        if len(group) >= 4 and len(by) >= 2 and len(per) == 1 and min(per) >= 2:
+            lo = len(group) // len(by)
+            inside = max(2 * self.ring_half(v, nbytes) for v in by.values())
+            return inside + max(self.ring_ar([v[i] for v in by.values()], nbytes / lo) for i in range(lo))
+        return self.ring_ar(group, nbytes)
+
+    def step_s(self, sh: Shape, batch: int, dp: int, tp: int, pp: int, b: int, z: int, r: str, m: int) -> float:
+        s, h, v, act = sh.seq, sh.hidden, sh.vocab, 2
+        rank = lambda d, k, j: (d * pp + k) * tp + j                       # noqa: E731  (tp innermost)
+        layers = [_textbook_layers(sh.layers, pp, k) for k in range(pp)]
+        # compute: FLOPs (Narayanan et al. eq. (3)): per layer 24Bsh² + 4Bs²h forward, backward twice; full
+        # recompute one more forward, selective the 4Bs²h again; logits 6BshV; busiest stage / (D·T) at eff·peak
+        mm, att = 24 * batch * s * h * h, 4 * batch * s * s * h
+        layer = {"none": 3 * (mm + att), "selective": 3 * (mm + att) + att, "full": 4 * (mm + att)}[r]
+        logits = 6 * batch * s * h * v
+        compute = max(layers[k] * layer + (logits if k == pp - 1 else 0) for k in range(pp)) / (dp * tp)
+        compute /= self.cl.efficiency * self.cl.peak_flops
+        a_bytes = b * s * h * act                                          # A: one micro-batch's activation
+        # TP: per layer and micro-batch 2 all-reduces of A forward, 2 backward (+2 with full recompute); SP's
+        # all-gather + reduce-scatter cost the same; the slowest group (the stage with most layers)
+        tp_s = max((layers[k] * m * (6 if r == "full" else 4) * self.ring_ar([rank(0, k, j) for j in range(tp)],
+                                                                            a_bytes) for k in range(pp))) \
+            if tp > 1 else 0.0
+        # PP: per boundary and micro-batch the activation forward and its gradient back, each tp rank its S/T
+        # slice under SP; a rank's time: the m messages it sends over each of its boundaries, each on the link it
+        # crosses (a middle stage 2m(α + A/β)); the slowest rank
+        pp_s = 0.0
+        cut = a_bytes / tp
+        for d, j, k in itertools.product(range(dp), range(tp), range(pp)):
+            me, t = rank(d, k, j), 0.0
+            for nb in (k - 1, k + 1):
+                if 0 <= nb < pp:
+                    t += self.ab([me, rank(d, nb, j)], m, m * cut)
+            pp_s = max(pp_s, t)
+        # DP: all-reduce of Ψ_k·g (ZeRO 1: RS + AG of it once per step; 2: RS per micro-batch + AG; 3: RS per
+        # micro-batch + AG for each micro-batch's forward and backward), hidden behind 2/3 of the compute
+        dp_s = 0.0
+        for k, j in itertools.product(range(pp), range(tp)):
+            grp = [rank(d, k, j) for d in range(dp)]
+            nbytes = _textbook_psi(sh, tp, pp, k) * 2
+            n_rs, n_ag = {0: (0, 0), 1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[z]
+            t = self.all_reduce(grp, nbytes) if z == 0 else (n_rs + n_ag) * self.ring_half(grp, nbytes)
+            dp_s = max(dp_s, t)
+        dp_exposed = max(0.0, dp_s - self.cl.overlap_fraction * compute)
+        stage = compute + tp_s + pp_s
+        bubble = (pp - 1) / m * stage                      # (p − 1)/(m + p − 1) of the pipeline's time
+        return compute + bubble + tp_s + pp_s + dp_exposed + self.cl.step_overhead_s
+
+
+@pytest.mark.parametrize("per_node, nodes, overlap", [(4, 2, 2 / 3), (4, 2, 0.2), (2, 4, 0.2)])
+def test_best_layout_equals_an_independent_brute_force(per_node, nodes, overlap):
+    """Every (dp, tp, pp, b, zero, recompute) of 8 GPUs, its step time and memory computed here from the docs'
+    formulas (above, not the planner's code): all 264 layouts' step times and memory equal the planner's (planned
+    with memory to spare), the layouts that fit in 60 MB are the planner's, and its best is the brute force's best.
+    Clusters: 2 nodes of 4 (tp inside a node, dp hierarchical, pipelines crossing between stages) and 4 nodes of 2
+    (tp = 4 crosses nodes); overlap 2/3 (the presets') hides most DP, 0.2 leaves it exposed."""
+    roomy = replace(tiny_cluster(memory=1e12, nodes=nodes, per_node=per_node), step_overhead_s=1e-5,
+                    overlap_fraction=overlap)
+    cl = replace(roomy, gpu_memory_bytes=60e6)
+    tb, batch = _Textbook(cl), 16
+    mine = {}
     for dp, tp, pp in itertools.product((1, 2, 4, 8), repeat=3):
         if dp * tp * pp != 8 or SMALL.heads % tp or pp > SMALL.layers:
             continue
         for b, z, r in itertools.product((1, 2, 4, 8), (0, 1, 2, 3), ("none", "selective", "full")):
             if batch % (dp * b) or (dp == 1 and z):
                 continue
-            lay = Layout(dp=dp, tp=tp, pp=pp, zero=z, sp=tp > 1, recompute=r, micro_batches=batch // (dp * b))
-            p = predict(replace(SMALL, micro_batch=b), lay, cluster, batch)
-            mem = max(estimate(lay, "mixed", shape=replace(SMALL, micro_batch=b), stage=k).total for k in range(pp))
-            if mem <= cluster.gpu_memory_bytes:
-                feasible.append(((p.step_s, mem), (dp, tp, pp, b, z, r)))
-    assert 50 < len(feasible) < 150                   # of 204: the memory filter matters here
-    assert len(ranked) == len(feasible)
-    best_key = min(k for k, _ in feasible)
-    assert (ranked[0].step_s, ranked[0].memory_bytes) == pytest.approx(best_key, rel=1e-12)
-    got = {(p.layout.dp, p.layout.tp, p.layout.pp, micro_batch(p), p.layout.zero, p.layout.recompute) for p in ranked}
-    assert got == {lay for _, lay in feasible}
+            m = batch // (dp * b)
+            mine[(dp, tp, pp, b, z, r)] = (tb.step_s(SMALL, batch, dp, tp, pp, b, z, r, m),
+                                           _textbook_memory(SMALL, dp, tp, pp, b, z, r, m))
+    assert len(mine) == 264                       # 8 (dp, tp, pp) × b × ZeRO × recompute
+    key = lambda p: (p.layout.dp, p.layout.tp, p.layout.pp, micro_batch(p), p.layout.zero,   # noqa: E731
+                     p.layout.recompute)
+    every = {key(p): p for p in plan(SMALL, roomy, batch)}
+    assert set(every) == set(mine)
+    off = {k: (t, every[k].step_s) for k, (t, _) in mine.items() if every[k].step_s != pytest.approx(t, rel=1e-9)}
+    assert not off, f"step time differs from the textbook's for {len(off)} layouts: {sorted(off.items())[:5]}"
+    off = {k: (m, every[k].memory_bytes) for k, (_, m) in mine.items()
+           if every[k].memory_bytes != pytest.approx(m, rel=1e-12)}
+    assert not off, f"memory differs from the textbook's for {len(off)} layouts: {sorted(off.items())[:5]}"
+    fit = {k: v for k, v in mine.items() if v[1] <= cl.gpu_memory_bytes}
+    assert 50 < len(fit) < 150                    # of 264: the memory filter matters here
+    ranked = plan(SMALL, cl, batch)
+    assert len(ranked) == len(fit) and {key(p) for p in ranked} == set(fit)
+    best = min(fit, key=lambda k: (fit[k][0], fit[k][1], k[1] * k[2], k[2], k[4]))    # the planner's tie rule
+    assert key(ranked[0]) == best
     assert [p.step_s for p in ranked] == sorted(p.step_s for p in ranked)
+    assert {k[2] for k in fit} == {1, 2, 4} and {k[1] for k in fit} == {1, 2, 4} and {k[4] for k in fit} == {0, 1, 2, 3}
 
 
 def test_a_layout_that_does_not_fit_is_not_returned():
@@ -132,19 +276,36 @@ def test_explanation_says_why_tp_stays_in_the_node():
 
 
 # Narayanan et al. 2021 Table 1 on the dgx-a100-80gb preset (efficiency 0.5, the preset's assumption, not fitted):
-# the paper's own layout predicted within BAND of the reported TFLOP/s per GPU; the planner's best keeps tp <= 8.
-BAND = 0.25
-ROWS = ("gpt-7.5b", "gpt-18b", "gpt-39b", "gpt-76b")
+# the paper's own layout's predicted TFLOP/s per GPU against the reported ones, row by row as docs/tutorial.md §6
+# states them (one decimal, in %), and the band it states: within 10 % for the five rows 3.6B-76B; the other five
+# miss by more, +13.9 % (1.7B, over) and -12.3 % to -25.1 % (145B-1T, under: one efficiency for every matrix size,
+# and v = 1 where the largest runs interleaved). The planner's best keeps tp <= 8 on every row; with Megatron-LM's
+# 2021 knobs it picks exactly the paper's layout for 1.7B, 76B, 145B and 1T, and another one for the other six.
+PUBLISHED_ERROR_PCT = {"gpt-1.7b": 13.9, "gpt-3.6b": 8.9, "gpt-7.5b": 0.9, "gpt-18b": 1.0, "gpt-39b": -3.0,
+                       "gpt-76b": -6.3, "gpt-145b": -12.3, "gpt-310b": -17.9, "gpt-530b": -24.5, "gpt-1t": -25.1}
+WITHIN_10_PCT = ("gpt-3.6b", "gpt-7.5b", "gpt-18b", "gpt-39b", "gpt-76b")
+PAPERS_LAYOUT_WITH_2021_KNOBS = ("gpt-1.7b", "gpt-76b", "gpt-145b", "gpt-1t")
 
 
-@pytest.mark.parametrize("name", ROWS)
+def test_the_published_table_is_every_row():
+    assert set(PUBLISHED_ERROR_PCT) == set(PUBLISHED) and len(PUBLISHED) == 10
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_rows_tp_inside_the_node_and_tflops_within_band(name):
     row = PUBLISHED[name]
     d = compare_published(row)
     assert d["planner_best"]["tp"] <= 8 and d["planner_best"]["tp_inside_node"]
     own = d["paper_layout"]
     assert own is not None and own["layout"].startswith(f"dp={row.dp} tp={row.tp} pp={row.pp} ")
-    assert abs(own["tflops_per_gpu"] / row.tflops - 1) <= BAND, (name, own["tflops_per_gpu"], row.tflops)
+    err = own["tflops_per_gpu"] / row.tflops - 1
+    assert abs(100 * err - PUBLISHED_ERROR_PCT[name]) <= 0.05, (name, own["tflops_per_gpu"], row.tflops, err)
+    if name in WITHIN_10_PCT:
+        assert abs(err) <= 0.10, (name, err)
+    else:                                          # the stated misses: more than 10 %, at most 25.1 %
+        assert 0.10 < abs(err) <= 0.2515, (name, err)
+    meg = d["planner_megatron"]
+    assert ((meg["tp"], meg["pp"], meg["dp"]) == (row.tp, row.pp, row.dp)) == (name in PAPERS_LAYOUT_WITH_2021_KNOBS)
 
 
 @pytest.mark.parametrize("name", ("gpt-76b", "gpt-145b", "gpt-1t"))
