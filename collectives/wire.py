@@ -121,6 +121,11 @@ def encode(op: str, tensors: Mapping[str, Tensor] | Sequence[Tensor] | None = No
     return frames
 
 
+def frame_payload(frames: Sequence[Any]) -> int:
+    """Bytes of the tensor frames of an encoded message (all frames but the header)."""
+    return sum(_as_bytes_view(f).nbytes for f in frames[1:])
+
+
 def _as_bytes_view(frame: Any) -> memoryview:
     if isinstance(frame, (bytes, bytearray, memoryview)):
         return memoryview(frame)

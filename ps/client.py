@@ -62,7 +62,8 @@ import torch
 import zmq
 
 from collectives.errors import WireError
-from collectives.wire import decode, encode
+from collectives.traffic import TrafficCounter
+from collectives.wire import decode, encode, frame_payload
 
 from .admission import ADMIN, secret_for, worker_user
 from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, ProtocolError, PSError,
@@ -146,6 +147,7 @@ class PSClient:
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self.wire = TrafficCounter()   # tensor payload bytes per shard: "push"/"init" sent, "pull" received (below)
         self._socks, self._monitors = open_sockets(self._ctx, self.addresses, self.user, secret, curve_keys_dir)
         self._poller = zmq.Poller()
         for sock in self._socks + self._monitors:
@@ -270,14 +272,17 @@ class PSClient:
             push = op == "push"
             if push:
                 meta = dict(meta, clock=self.clocks[shard])
+            payload = 0                                       # tensor bytes this request carries, by any path
             try:
                 if op == "push" and tensors:
                     entries = link.take_push(seq, tensors)    # one memcpy instead of frames, if the path is free
                     if entries is not None:
+                        payload = sum(int(t.nbytes) for t in tensors.values())    # through the shared segment
                         meta, tensors = dict(meta, shm=entries), None
                 if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq, copy):
                     meta = dict(meta, shm_reply=True)
                 frames = encode(op, tensors, seq=seq, src=self.worker, meta=meta)
+                payload += frame_payload(frames)              # tensor frames (ZeroMQ, or a lane's slot)
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
@@ -286,6 +291,7 @@ class PSClient:
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane, push)
                 if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
                     self.clocks[shard] += push
+                    self.wire.add_sent(shard, op, payload)
                     return
                 self._pending[(shard, seq)].lane = None
             else:
@@ -298,6 +304,7 @@ class PSClient:
                 fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
                 return
             self.clocks[shard] += push
+            self.wire.add_sent(shard, op, payload)
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
              timeout: float | None = None, finish: Any = None) -> Fanout:
@@ -601,7 +608,10 @@ class PSClient:
                 pend.future.fail(error_from_reply(str(msg.meta.get("kind")), str(msg.meta.get("error")), shard),
                                  pend.shard)
             else:
-                pend.future.settle(pend.shard, (msg.meta, msg.tensors if copied is None else copied))
+                got = msg.tensors if copied is None else copied
+                if got:                              # a read's values: from frames, or the shared segments
+                    self.wire.add_recv(shard, "pull", sum(int(v.nbytes) for v in got.values()))
+                pend.future.settle(pend.shard, (msg.meta, got))
         except Exception as e:                 # never leave the popped future waiting forever
             pend.future.fail(PSError(f"shard {shard} sent a reply this client cannot use: "
                                      f"{type(e).__name__}: {e} (shared-memory replies are now off)"))

@@ -88,6 +88,7 @@ class Parking:
             self._send(p.identity, "ok", p.seq, dict(meta, shm=entries, **({"shm_into": into} if into else {})))
         else:
             self._send(p.identity, "ok", p.seq, meta, flat, track=True)
+        self.counters["pull_bytes"] += sum(t.numel() * t.element_size() for t in flat.values())
         return True
 
     def _retry_parked(self, now: float) -> None:

@@ -71,7 +71,8 @@ class ShardServer(Parking):
         self.counters = {"messages": 0, "malformed": 0, "errors": 0, "pulls": 0, "pushes": 0, "checkpoints": 0,
                          "internal_errors": 0, "nonfinite_refused": 0, "nonfinite_skipped": 0, "refused": 0, "lane": 0,
                          "peers_gone": 0, "replies_released": 0, "checkpoint_failures": 0,
-                         "membership_changes": 0}
+                         "membership_changes": 0,
+                         "push_bytes": 0, "pull_bytes": 0}   # tensor payload received in pushes, sent in reads
         self.address = ""
         self.restored_from: str | None = None
         self.rejected_checkpoints: list[list[str]] = []
@@ -426,9 +427,6 @@ class ShardServer(Parking):
         self._forget(identity)
 
     def _on_push(self, identity: bytes, msg: Any, now: float) -> None:
-        if self.state is None:
-            raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
-                                      "init before anyone pushes")
         worker = self.admission.peers[identity].worker
         grads = msg.tensors
         if "shm" in msg.meta:                              # the gradients lie in the client's segment
@@ -440,6 +438,10 @@ class ShardServer(Parking):
                 grads = link.grads(msg.meta["shm"])
             except (WireError, OSError, ValueError) as e:
                 raise ProtocolError(f"bad shared-memory push: {e}") from None
+        self.counters["push_bytes"] += sum(int(g.nbytes) for g in grads.values())   # frames or the client's segment
+        if self.state is None:
+            raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
+                                      "init before anyone pushes")
         self._before_update()
         res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now,
                               skip_nonfinite=self.config.nonfinite == "skip")

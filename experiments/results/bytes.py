@@ -32,7 +32,9 @@ pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange (
 ring's 2(N−1)/N·S): the modelled figure uses the rule the backend applies, and the formula text says which. gloo
 (backend torch) runs a ring at every size and reduce-scatters by all-reducing a copy.
 
-Measured: the zmq backend counts each tensor slice it sends (frames, shared-memory slots and segments alike); the
+Measured: the zmq backend counts each tensor slice it sends (frames, shared-memory slots and segments alike); a PS
+client the tensor payload its transport pushed (frames, or its shared segment) and read back (frames, the shard's
+segment or its pull arena), which the shards count too (stats counters push_bytes / pull_bytes); the
 torch backend's figure is what the kernel counted on gloo's TCP connections (collectives/sockmeter.py), which
 includes gloo's 48-byte header per message (12(N−1) of them per all-reduce, for instance): on small tensors it
 exceeds the payload formula by that framing, on 4 MiB by < 0.1 %. NCCL's traffic cannot be observed from the

@@ -116,7 +116,8 @@ class PSSyncStrategy:
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
-    last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step
+    last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step,
+    #                                                                   counted by the client's transport
     _grads: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _touched: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
@@ -165,9 +166,23 @@ class PSSyncStrategy:
         """The slots this rank pushes and pulls: all of them, except on tp ranks > 0 the replicated ones."""
         return [s for s in replica.slots() if s.name in self._grads]
 
+    def _wire(self) -> tuple[int, int]:
+        """(push payload sent, read payload received) so far, as the client's transport counted them (frames,
+        shared segments, lanes: ps.client's `wire`)."""
+        ops = self.client.wire.snapshot()["by_op"]
+        return ops.get("push", {}).get("sent", 0), ops.get("pull", {}).get("recv", 0)
+
     def step(self, replica: Replica) -> None:
         if self.client is None:
             raise PSStrategyError("PSSyncStrategy.step before attach(replica)")
+        before = self._wire()
+        try:
+            self._step(replica)
+        finally:
+            after = self._wire()
+            self.last_bytes = (after[0] - before[0], after[1] - before[1])
+
+    def _step(self, replica: Replica) -> None:
         clock = self.client.clocks[0]
         if self.abort and (self._aborted or self._committed_without_me()):
             self._aborted = False             # nothing pushed: the pull moves this worker up to the committed clock
@@ -175,7 +190,6 @@ class PSSyncStrategy:
             self.history.append(PSStep(clock, ["aborted"], list(read.versions), []))
             self._zero()
             self._adopt(replica, read)
-            self.last_bytes = (0, sum(v.nbytes for v in read.params.values()))
             return
         try:
             acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
@@ -186,7 +200,6 @@ class PSSyncStrategy:
                                    [[(int(w), int(t)) for w, t in a["staleness"]] for a in acks]))
         self._zero()                          # acked: the shard has read them; start the next sum from zero
         self._adopt(replica, read)
-        self.last_bytes = (self.pushed_bytes, sum(v.nbytes for v in read.params.values()))
 
     @staticmethod
     def _lost_errors() -> tuple[type[BaseException], ...]:
@@ -225,7 +238,6 @@ class PSSyncStrategy:
             self._rewind = self.client.clocks[0]
         self.history.append(PSStep(clock, ["lost"], list(read.versions), []))
         self._adopt(replica, read)
-        self.last_bytes = (0, sum(v.nbytes for v in read.params.values()))
 
     def take_rewind(self) -> int | None:
         """The step the loop continues from after a shard restart (the restored clock on shard 0), once; else None."""

@@ -94,3 +94,29 @@ def test_torch_backend_counts_the_wire_not_the_call():
     for plain, with_extra in res:
         assert plain < 2_000
         assert with_extra - plain >= 1_000_000
+
+
+def zmq_counts_an_extra_message(group):
+    """An all-reduce, then the same with one more message of 40 kB from each rank to the next inside the window."""
+    t = np.ones(ELEMS, np.float32)
+    group.all_reduce(t)
+    group.reset_traffic()
+    group.all_reduce(t)
+    plain = group.traffic()["sent_total"]
+    group.reset_traffic()
+    group.all_reduce(t)
+    extra = np.ones(10_000, np.float32)
+    nxt, prv = (group.rank + 1) % group.world_size, (group.rank - 1) % group.world_size
+    work = group.isend(extra, nxt, tag=7)
+    group.recv(np.empty_like(extra), prv, tag=7)
+    work.wait()
+    return plain, group.traffic()["sent_total"]
+
+
+def test_zmq_backend_counts_what_it_sends_not_the_formula():
+    """The same all-reduce (same formula) with one extra 40 kB message per rank: the measured figure grows by
+    exactly those bytes."""
+    res = collectives.launch(zmq_counts_an_extra_message, 3, "zmq", timeout=60)
+    for plain, with_extra in res:
+        assert abs(plain - 2 * 2 / 3 * ELEMS * 4) <= 2 * 2 * 4
+        assert with_extra - plain == 40_000
