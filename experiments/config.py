@@ -2,7 +2,8 @@
 
     [workload]    name, batch_size, seed
     [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
-                  lr_rule, backup_abort, momentum, betas, staleness_lr, dc_asgd, dc_lambda, dc_adaptive, eval_every, base_step_s, timeout_s,
+                  lr_rule, backup_abort, momentum, betas, staleness_lr, staleness_rule, dc_asgd, dc_lambda, dc_adaptive,
+                  eval_every, base_step_s, timeout_s,
                   target_acc
     [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
     [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, stage_ms, zero,
@@ -33,6 +34,7 @@ from experiments.strategies.spec import LR_RULES, Strategy, parse_strategy
 from experiments.stragglers import StragglerConfig
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+STALENESS_RULES = ("gradient", "mean")   # ps.optim.STALENESS_RULES
 BACKENDS = ("zmq", "torch")
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -74,7 +76,9 @@ class TrainConfig:
                               # (G = workers for local/allreduce/ps-bsp/ps-ssp-agg, 1 for ps-asp/ps-ssp)
     momentum: float = 0.9
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    staleness_lr: bool = False  # lr / tau for tau > 0 (Zhang et al. 2016)
+    staleness_lr: bool = False  # staleness-aware lr (Zhang et al. 2016): each gradient's rate is lr / max(tau, 1)
+    staleness_rule: str = "gradient"  # gradient | mean: per-gradient lr / max(tau_k, 1) (the paper's; Adam: the
+                                      # step at their mean) | the earlier step lr / mean tau, kept for comparison
     dc_asgd: bool = False       # delay-compensated ASGD (Zheng et al. 2017) on the PS
     dc_lambda: float = 0.04     # its compensation strength
     dc_adaptive: bool = False
@@ -257,6 +261,9 @@ class RunConfig:
         if t.lr_rule not in LR_RULES:
             raise ConfigError(f"train.lr_rule must be one of {', '.join(LR_RULES)} (linear: a step that averages G "
                               f"gradients uses G x lr), got {t.lr_rule!r}")
+        if t.staleness_rule not in STALENESS_RULES:
+            raise ConfigError(f"train.staleness_rule must be one of {', '.join(STALENESS_RULES)} (gradient: each "
+                              f"gradient's lr is lr / max(tau, 1)), got {t.staleness_rule!r}")
         if not 0 <= t.momentum < 1:
             raise ConfigError(f"train.momentum must be in [0, 1), got {t.momentum}")
         if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):

@@ -63,8 +63,8 @@ Consistency policies (ps.consistency)::
 Optimizers (ps.optim), state lives on the shard::
 
     OptimizerSpec(name="sgd"|"momentum"|"adam", lr=0.01, momentum=0.9, betas=(0.9, 0.999), eps=1e-8,
-                  weight_decay=0.0, nesterov=False, staleness_lr=False, dc_lambda=None, dc_adaptive=False,
-                  dc_decay=0.95)                      # dc_lambda=None: no DC-ASGD; 0.0 runs DC with lambda 0
+                  weight_decay=0.0, nesterov=False, staleness_lr=False, staleness_rule="gradient"|"mean",
+                  dc_lambda=None, dc_adaptive=False, dc_decay=0.95)                      # dc_lambda=None: no DC-ASGD; 0.0 runs DC with lambda 0
     optimizer_from_string("adam:lr=1e-3,staleness_lr=1") -> OptimizerSpec (an OptimizerSpec passes through)
     spec.to_string() -> "adam:lr=0.001,staleness_lr=1"   # the inverse: name, lr and the non-default options
 

@@ -118,7 +118,11 @@ class ServerConfig:
         if str(policy_from_string(self.policy)) != meta.get("policy"):
             raise CheckpointError(f"checkpoint {path} was written under policy {meta.get('policy')}, but this "
                                   f"server runs {self.policy}; use the same policy or another directory")
-        if self.spec.to_dict() != meta["optimizer"]["spec"]:
+        written = dict(meta["optimizer"]["spec"])
+        written.setdefault("staleness_rule", "mean")     # written before the rule was a field: the rule of then
+        if not written.get("staleness_lr"):               # (without staleness_lr the rule changes nothing)
+            written["staleness_rule"] = self.spec.staleness_rule
+        if self.spec.to_dict() != written:
             raise CheckpointError(f"checkpoint {path} was written with optimizer "
                                   f"{OptimizerSpec.from_dict(meta['optimizer']['spec']).to_string()}, but this "
                                   f"server runs {self.spec.to_string()}; use the same optimizer or another directory")

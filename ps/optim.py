@@ -5,20 +5,32 @@ One optimizer step consumes a list of contributions (gradient g_k computed on ve
 weights w_bak,k the worker read). Under ASP / eager SSP a step has one contribution; under BSP / SSP it has the K of
 one clock, averaged: g = (1/K) sum_k g~_k, so BSP equals local training on the concatenated K*b batch.
 
-Staleness-aware learning rate (Zhang et al., IJCAI 2016): alpha = alpha0 / <tau> if <tau> > 0 else alpha0, with <tau>
-the mean staleness of the step's contributions (one contribution: its own tau).
+Staleness-aware learning rate (Zhang, Gupta, Lian, Liu, IJCAI 2016), `staleness_lr`: each gradient gets its own rate,
 
-Delay compensation (DC-ASGD, Zheng et al., ICML 2017), applied to each gradient before the base optimizer:
+    theta <- theta - (1/K) sum_k alpha(tau_k) g~_k,   alpha(tau) = alpha0 / max(tau, 1)    (staleness_rule="gradient")
+
+(tau = 0 and tau = 1 both give alpha0). SGD and momentum run at alpha0 on the weighted average
+g = (1/K) sum_k g~_k / max(tau_k, 1): for SGD exactly the per-gradient rates, for momentum the per-gradient rates
+entering the buffer (weight decay, computed on the current weights, is not scaled). One plain-SGD contribution takes
+lr = alpha0 / max(tau, 1) instead (the same update, on the bitwise torch.optim.SGD fast path). Adam normalises its
+update by sqrt(v), so a constant gradient scale barely changes it: there the step runs at the mean of the
+per-gradient rates, (1/K) sum_k alpha0 / max(tau_k, 1), which for one gradient is the paper's alpha0 / tau.
+staleness_rule="mean" keeps the earlier rule for comparison: the step's lr is alpha0 / <tau> (<tau> the mean staleness
+of the step, alpha0 when <tau> = 0); it is not the paper's, and it raises the lr above alpha0 when 0 < <tau> < 1.
+
+Delay compensation (DC-ASGD, Zheng et al., ICML 2017), applied to each gradient before the base optimizer (and before
+the staleness weight):
 
     g~ = g + lambda * g (.) g (.) (w_now - w_bak)                      constant lambda
     lambda_t = lambda0 / sqrt(MS_t + eps),  MS_t = m MS_{t-1} + (1-m) g (.) g     adaptive, elementwise
 
-With tau = 0 the staleness-aware rate is alpha0, and with lambda = 0 the compensated gradient is g, so both reduce
-exactly to the plain update.
+With every tau <= 1 the staleness-aware rate is alpha0, and with lambda = 0 the compensated gradient is g, so both
+reduce exactly to the plain update.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Sequence
@@ -29,11 +41,13 @@ import torch
 from .errors import ConfigError
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+STALENESS_RULES = ("gradient", "mean")   # per-gradient alpha0 / max(tau_k, 1) (Zhang et al.) | alpha0 / mean tau
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """What optimizer the shards run. `dc_lambda=None` disables DC-ASGD (0.0 runs its code path with lambda = 0)."""
+    """What optimizer the shards run. `dc_lambda=None` disables DC-ASGD (0.0 runs its code path with lambda = 0);
+    `staleness_rule` says how `staleness_lr` sets the rate (see the module docstring)."""
 
     name: str = "sgd"
     lr: float = 0.01
@@ -43,6 +57,7 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     nesterov: bool = False
     staleness_lr: bool = False
+    staleness_rule: str = "gradient"
     dc_lambda: float | None = None
     dc_adaptive: bool = False
     dc_decay: float = 0.95
@@ -60,6 +75,9 @@ class OptimizerSpec:
         if not 0 < self.eps < 1 or not 0 <= self.weight_decay < float("inf"):
             raise ConfigError(f"eps must be in (0, 1) and weight_decay a finite number >= 0, got eps={self.eps!r}, "
                               f"weight_decay={self.weight_decay!r}")
+        if self.staleness_rule not in STALENESS_RULES:
+            raise ConfigError(f"staleness_rule must be one of {', '.join(STALENESS_RULES)}, "
+                              f"got {self.staleness_rule!r}")
         if self.dc_lambda is not None and self.dc_lambda < 0:
             raise ConfigError(f"DC-ASGD lambda must be >= 0, got {self.dc_lambda!r}")
         if not 0 <= self.dc_decay < 1:
@@ -100,7 +118,8 @@ class OptimizerSpec:
 
 
 def optimizer_from_string(text: str | OptimizerSpec) -> OptimizerSpec:
-    """Parse "sgd:lr=0.1", "momentum:lr=0.1,momentum=0.9", "adam:lr=1e-3,betas=0.9/0.999,dc_lambda=0.04"."""
+    """Parse "sgd:lr=0.1", "momentum:lr=0.1,momentum=0.9", "adam:lr=1e-3,betas=0.9/0.999,dc_lambda=0.04",
+    "sgd:lr=0.1,staleness_lr=1,staleness_rule=mean"."""
     if isinstance(text, OptimizerSpec):
         return text
     name, _, rest = str(text).strip().partition(":")
@@ -117,6 +136,8 @@ def optimizer_from_string(text: str | OptimizerSpec) -> OptimizerSpec:
                 kw[key] = tuple(float(x) for x in val.split("/"))
             elif key in ("nesterov", "staleness_lr", "dc_adaptive"):
                 kw[key] = val.strip().lower() in ("1", "true", "yes", "on")
+            elif key == "staleness_rule":
+                kw[key] = val.strip().lower()
             else:
                 kw[key] = float(val)
         except ValueError:
@@ -164,61 +185,84 @@ class ServerOptimizer:
         self.steps = 0
 
     def learning_rate(self, taus: Sequence[int]) -> float:
-        """alpha0, or alpha0 / mean(tau) under the staleness-aware rule when the mean staleness is > 0."""
-        if self.spec.staleness_lr and taus:
+        """The step's rate, for logging: alpha0 without `staleness_lr`; under the "gradient" rule the mean effective
+        rate (1/K) sum_k alpha0 / max(tau_k, 1) (one gradient: alpha0 / max(tau, 1); Adam runs at exactly this);
+        under the "mean" rule alpha0 / mean(tau) when the mean staleness is > 0."""
+        alpha0 = self.spec.lr
+        if not self.spec.staleness_lr or not taus:
+            return alpha0
+        if self.spec.staleness_rule == "mean":
             mean_tau = sum(taus) / len(taus)
-            if mean_tau > 0:
-                return self.spec.lr / mean_tau
-        return self.spec.lr
+            return alpha0 / mean_tau if mean_tau > 0 else alpha0
+        rates = [alpha0 / max(int(t), 1) for t in taus]
+        return rates[0] if all(r == rates[0] for r in rates) else math.fsum(rates) / len(rates)
+
+    def _divisors(self, taus: Sequence[int]) -> list[int] | None:
+        """max(tau_k, 1) per contribution when the "gradient" rule scales gradients (SGD, momentum), else None:
+        no staleness_lr, the "mean" rule, Adam (its rate carries the rule), every tau <= 1 (weight 1), or one
+        plain-SGD contribution (its lr alpha0 / max(tau, 1) is the same update)."""
+        s = self.spec
+        if not s.staleness_lr or s.staleness_rule != "gradient" or s.name == "adam":
+            return None
+        divisors = [max(int(t), 1) for t in taus]
+        if all(d == 1 for d in divisors) or (len(divisors) == 1 and self._plain):
+            return None
+        return divisors
 
     def step(self, contributions: Sequence[Contribution]) -> float:
-        """Average the (compensated) gradients and apply one step; returns the learning rate used."""
+        """Average the (compensated, staleness-weighted) gradients and apply one step; returns `learning_rate(taus)`,
+        the step's mean effective rate."""
         if not contributions:
             raise ValueError("an optimizer step needs at least one contribution")
         n = len(contributions)
         c = contributions[0]
+        taus = [c.tau for c in contributions]
+        divisors = self._divisors(taus)
         pairs = c.runs if n == 1 and self._plain else None          # one add_ per run of adjacent tensors (ps.flat)
         if pairs is None and n == 1 and self._plain and all(isinstance(c.grads[k], torch.Tensor) for k in self.keys):
             pairs = [(self.params[k], c.grads[k].reshape(self.params[k].shape)) for k in self.keys]
         if pairs is not None:                                        # fastest path: bitwise torch.optim.SGD's step
-            lr = self.learning_rate([c.tau])
+            lr = self.learning_rate(taus)                            # alpha0 / max(tau, 1) (or the "mean" rule's)
             with torch.no_grad():
                 for p, g in pairs:
                     p.add_(g, alpha=-lr)
             self.steps += 1
             return lr
-        if n == 1 and not self.spec.delay_compensated:   # fast path: the optimizer reads the gradient in place
+        if n == 1 and not self.spec.delay_compensated and divisors is None:   # fast path: reads the gradient in place
             with warnings.catch_warnings():                # received frames are read-only; torch.optim only reads
                 warnings.simplefilter("ignore", UserWarning)
                 for k in self.keys:
                     g = contributions[0].grads[k]
                     g = g if isinstance(g, torch.Tensor) else torch.from_numpy(np.asarray(g))
                     self.params[k].grad = g.reshape(self.params[k].shape)
-            return self._apply([c.tau for c in contributions])
+            return self._apply(taus, scaled=False)
         for k in self.keys:
             g = self._gbuf[k]
             for i, c in enumerate(contributions):
                 if i == 0:
-                    g.numpy()[...] = _np(c.grads[k])
-                    if self.spec.delay_compensated:
-                        self._compensate(k, g, c)
+                    t = g
                 else:
                     t = self._tmp.get(k)
                     if t is None:
                         t = self._tmp[k] = torch.empty_like(g)
-                    t.numpy()[...] = _np(c.grads[k])
-                    if self.spec.delay_compensated:
-                        self._compensate(k, t, c)
+                t.numpy()[...] = _np(c.grads[k])
+                if self.spec.delay_compensated:
+                    self._compensate(k, t, c)                # compensate g_k on its own, then weight it
+                if divisors is not None and divisors[i] != 1:
+                    t.div_(divisors[i])
+                if i > 0:
                     g.add_(t)
             if n > 1:
                 g.div_(n)
             self.params[k].grad = g
-        return self._apply([c.tau for c in contributions])
+        return self._apply(taus, scaled=divisors is not None)
 
-    def _apply(self, taus: list[int]) -> float:
+    def _apply(self, taus: list[int], scaled: bool) -> float:
+        """Run torch.optim's step at alpha0 when the gradients carry the staleness weights (`scaled`), else at
+        `learning_rate(taus)`; returns `learning_rate(taus)`."""
         lr = self.learning_rate(taus)
         for group in self.torch_opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.spec.lr if scaled else lr
         try:
             self.torch_opt.step()
         finally:
@@ -279,4 +323,4 @@ def build_optimizer(spec: OptimizerSpec | str, params: Mapping[str, torch.Tensor
 
 
 __all__ = ["OptimizerSpec", "optimizer_from_string", "Contribution", "ServerOptimizer", "build_optimizer",
-           "OPTIMIZERS", "replace"]
+           "OPTIMIZERS", "STALENESS_RULES", "replace"]

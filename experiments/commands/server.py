@@ -32,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="asp", help="asp | bsp | ssp:S (Ho et al.: each push applied at once) | ssp-agg:S (each clock averaged into one step) | bsp-backup:B (default: asp)")
     p.add_argument("--optimizer", default="sgd:lr=0.01",
                    help="sgd|momentum|adam[:key=value,...], keys: lr, momentum, betas=B1/B2, eps, weight_decay, "
-                        "nesterov, staleness_lr, dc_lambda, dc_adaptive, dc_decay (default: %(default)s)")
+                        "nesterov, staleness_lr (each gradient's lr is lr / max(tau, 1), Zhang et al. 2016), "
+                        "staleness_rule=gradient|mean (mean: the step's lr / mean tau, for comparison), dc_lambda, "
+                        "dc_adaptive, dc_decay (default: %(default)s)")
     p.add_argument("--checkpoint-dir", default=None, help="write/resume checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N versions (0: on demand)")
     p.add_argument("--request-timeout", type=float, default=120.0,

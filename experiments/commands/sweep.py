@@ -238,7 +238,8 @@ def _staleness(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0:
         f"{spec.workers} emulated worker(s) per step, {spec.delay} delays with parameter s"
         + (f", and rows with K = {', '.join(map(str, spec.worker_counts))} on the deep model" if spec.worker_counts
            else "") + f". Variants: {variants}. Optimizer options: momentum {base.momentum}, betas "
-        f"{list(base.betas)}, staleness-aware lr {base.staleness_lr}, DC-ASGD {base.dc_asgd}.\n\n"
+        f"{list(base.betas)}, staleness-aware lr {base.staleness_lr} (rule where used: {base.staleness_rule}, "
+        f"'gradient' = each gradient at lr / max(τ, 1)), DC-ASGD {base.dc_asgd}.\n\n"
         f"![staleness curve]({png.name})\n\n{table}\n\n{note}\n\nData: `{data.name}`, `staleness_sweep.csv`. "
         f"Wall time {wall:.0f} s on {jobs} process(es).\n")
     print(table + "\n\n" + note)

@@ -132,7 +132,8 @@ def optimizer_spec(t: "TrainConfig") -> "OptimizerSpec":
     step lr of `t.lr_rule` for the run's strategy (`step_lr`)."""
     from ps.optim import OptimizerSpec
     return OptimizerSpec(name=t.optimizer, lr=step_lr(t), momentum=t.momentum, betas=tuple(t.betas),
-                         staleness_lr=t.staleness_lr, dc_lambda=t.dc_lambda if t.dc_asgd else None,
+                         staleness_lr=t.staleness_lr, staleness_rule=t.staleness_rule,
+                         dc_lambda=t.dc_lambda if t.dc_asgd else None,
                          dc_adaptive=t.dc_adaptive)
 
 

@@ -21,9 +21,10 @@ Presets (`preset_spec`):
   test accuracy, at most 1,000 steps, seeds 0..24 (`--quick`: 0, 1, 2): 25 seeds, the most that fit 10 minutes on
   2 cores (9 seeds left two dips in T(s) and the SGD depth ordering at bootstrap 54 %; docs/tutorial.md section 4).
 - `staleness-remedies`: the deep model with SGD and momentum at s in {0, 4, 8, 16}, the plain optimizer next to the
-  staleness-aware learning rate (Zhang et al. 2016: lr / mean tau; `train.staleness_lr`) and DC-ASGD (Zheng et al.
-  2017: g + lambda g (.) g (.) (w_now - w_read); constant lambda = 0.04, and adaptive with lambda_0 = 2, the paper's
-  values), each with its own bracketed lr; seeds 0..8 (four variants per cell: 25 seeds would not fit 10 minutes).
+  staleness-aware learning rate (Zhang et al. 2016: each gradient's lr / max(tau, 1); `train.staleness_lr`) and
+  DC-ASGD (Zheng et al. 2017: g + lambda g (.) g (.) (w_now - w_read); constant lambda = 0.04, and adaptive with
+  lambda_0 = 2, the paper's values), each with its own bracketed lr; seeds 0..8 (four variants per cell: 25 seeds
+  would not fit 10 minutes).
 
 Cells run in a process pool (`jobs`, one torch thread each); every run is seeded, so the numbers do not depend on
 the pool size.

@@ -4,6 +4,7 @@ statistically (with negative controls that must fail), the single-stream emulato
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -194,6 +195,10 @@ def test_staleness_aware_lr_and_dc_asgd_reach_the_k_worker_step():
     assert run_dai(wl, plain, 0, 20, 2.0, 5).curve == run_dai(wl, aware, 0, 20, 2.0, 5).curve
     base = run_dai(wl, plain, 6, 40, 2.0, 5).curve
     assert run_dai(wl, aware, 6, 40, 2.0, 5).curve != base
+    # K = 2 gradients of different staleness per step: the per-gradient rule is not the old lr / mean tau
+    mean_rule = dataclasses.replace(aware, staleness_rule="mean")
+    assert optimizer_spec(mean_rule).staleness_rule == "mean" and optimizer_spec(aware).staleness_rule == "gradient"
+    assert _final_params(wl, aware, 6, 40)["weight"].tolist() != _final_params(wl, mean_rule, 6, 40)["weight"].tolist()
     with_dc, without = _final_params(wl, dc, 6, 40), _final_params(wl, plain, 6, 40)
     assert not np.array_equal(with_dc["weight"], without["weight"])
     assert np.isfinite(with_dc["weight"]).all()
@@ -216,3 +221,10 @@ def test_the_emulator_step_lr_is_train_lr_whatever_the_real_run_lr_rule():
     b = run_dai(wl, TrainConfig(optimizer="sgd", lr=0.1, strategy="local", workers=4, lr_rule="linear"), 2, 20, 2.0,
                 5).curve
     assert a == b
+
+
+def test_train_staleness_rule_is_validated():
+    from experiments.config import load_config
+    assert load_config(overrides=["train.staleness_rule=mean"]).train.staleness_rule == "mean"
+    with pytest.raises(ConfigError, match="train.staleness_rule must be one of gradient, mean"):
+        load_config(overrides=["train.staleness_rule=median"])

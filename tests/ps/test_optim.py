@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps.errors import ConfigError
-from ps.optim import OptimizerSpec, optimizer_from_string
+from ps.optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
 from ps.shard import ShardState
 
 RNG = np.random.default_rng(0)
@@ -104,3 +104,134 @@ def test_same_as_torch_optim_locally():
         opt.step()
         st.push(0, i, i, {"w": g})
     assert torch.equal(p.detach(), st.params["w"])
+
+
+# --- the staleness-aware rate is per gradient (Zhang et al. 2016): theta -= (1/K) sum_k eta / max(tau_k, 1) g_k ---
+# float64 throughout: the optimizer and the independent references compute the same sums in different orders, so
+# they differ by a few ulp of O(1) numbers (~1e-15); 1e-12 leaves room for that and is far below any rule's effect.
+ETA, TAUS = 0.3, [0, 2, 5]
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def _contribs(seed: int, taus=TAUS) -> list[Contribution]:
+    g = torch.Generator().manual_seed(seed)
+    return [Contribution({"w": torch.randn(7, 3, generator=g, dtype=torch.float64),
+                          "b": torch.randn(4, generator=g, dtype=torch.float64)}, t) for t in taus]
+
+
+def _params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    return {"w": torch.randn(7, 3, generator=g, dtype=torch.float64), "b": torch.randn(4, generator=g,
+                                                                                    dtype=torch.float64)}
+
+
+def _weighted_mean(cs: list[Contribution], k: str) -> np.ndarray:
+    return sum(c.grads[k].numpy() / max(c.tau, 1) for c in cs) / len(cs)
+
+
+def test_sgd_applies_each_gradients_own_rate():
+    init, cs = _params(), _contribs(1)
+    opt = ServerOptimizer(OptimizerSpec("sgd", lr=ETA, staleness_lr=True), {k: v.clone() for k, v in init.items()})
+    lr = opt.step(cs)
+    for k in init:
+        expect = init[k].numpy() - sum((ETA / max(c.tau, 1)) * c.grads[k].numpy() for c in cs) / len(cs)
+        np.testing.assert_allclose(opt.params[k].numpy(), expect, **TOL)
+    assert lr == pytest.approx((ETA + ETA / 2 + ETA / 5) / 3, rel=1e-15)        # the mean effective rate
+
+
+def test_momentum_buffer_takes_the_per_gradient_rates():
+    """Two steps = torch.optim.SGD(momentum) at eta fed the weighted average (1/K) sum_k g_k / max(tau_k, 1)."""
+    init = _params()
+    opt = ServerOptimizer(OptimizerSpec("momentum", lr=ETA, momentum=0.9, staleness_lr=True),
+                          {k: v.clone() for k, v in init.items()})
+    ref = {k: v.clone() for k, v in init.items()}
+    torch_opt = torch.optim.SGD(list(ref.values()), lr=ETA, momentum=0.9, foreach=False)
+    for seed, taus in [(2, TAUS), (3, [3, 1, 4])]:
+        cs = _contribs(seed, taus)
+        opt.step(cs)
+        for k, p in ref.items():
+            p.grad = torch.from_numpy(_weighted_mean(cs, k))
+        torch_opt.step()
+        for k in init:
+            np.testing.assert_allclose(opt.params[k].numpy(), ref[k].numpy(), **TOL)
+
+
+def test_adam_steps_at_the_mean_of_the_per_gradient_rates():
+    init, cs = _params(), _contribs(4)
+    opt = ServerOptimizer(OptimizerSpec("adam", lr=ETA, staleness_lr=True), {k: v.clone() for k, v in init.items()})
+    rate = float(np.mean([ETA / max(t, 1) for t in TAUS]))
+    ref = {k: v.clone() for k, v in init.items()}
+    torch_opt = torch.optim.Adam(list(ref.values()), lr=rate, foreach=False)
+    for k, p in ref.items():
+        p.grad = torch.from_numpy(sum(c.grads[k].numpy() for c in cs) / len(cs))
+    torch_opt.step()
+    assert opt.step(cs) == pytest.approx(rate, rel=1e-15)
+    for k in init:
+        np.testing.assert_allclose(opt.params[k].numpy(), ref[k].numpy(), **TOL)
+
+
+def test_mean_rule_keeps_the_step_lr_over_mean_tau():
+    init, cs = _params(), _contribs(5)
+    opt = ServerOptimizer(OptimizerSpec("sgd", lr=ETA, staleness_lr=True, staleness_rule="mean"),
+                          {k: v.clone() for k, v in init.items()})
+    assert opt.step(cs) == ETA / (7 / 3)
+    for k in init:
+        expect = init[k].numpy() - ETA / (7 / 3) * (sum(c.grads[k].numpy() for c in cs) / 3)
+        np.testing.assert_allclose(opt.params[k].numpy(), expect, **TOL)
+    # taus [0, 1]: the mean rule raises the lr to 2 eta; the per-gradient rule keeps eta for both
+    assert opt.learning_rate([0, 1]) == 2 * ETA
+    gradient_rule = ServerOptimizer(OptimizerSpec("sgd", lr=ETA, staleness_lr=True), _params())
+    assert gradient_rule.learning_rate([0, 1]) == ETA and gradient_rule.learning_rate([1, 1, 1]) == ETA
+
+
+@pytest.mark.parametrize("tau", [0, 1, 2, 3, 4, 5])
+def test_one_contribution_fast_path_equals_the_general_path(tau):
+    """Plain SGD, one contribution: the fast path's lr eta / max(tau, 1) = the general path's gradient weighting
+    (here: the same contribution twice, averaged). Bitwise where max(tau, 1) is a power of 2 (dividing by it is exact),
+    else within float32 rounding; both fast paths (tensor and numpy gradients) agree bitwise."""
+    g = torch.Generator().manual_seed(tau)
+    init = {"w": torch.randn(37, 11, generator=g)}
+    grads = {"w": torch.randn(37, 11, generator=g)}
+    spec = OptimizerSpec("sgd", lr=0.05, staleness_lr=True)
+    fast, numpy_fast, general = (ServerOptimizer(spec, {"w": init["w"].clone()}) for _ in range(3))
+    assert fast.step([Contribution(grads, tau)]) == 0.05 / max(tau, 1)
+    numpy_fast.step([Contribution({"w": grads["w"].numpy()}, tau)])
+    general.step([Contribution(grads, tau), Contribution(grads, tau)])
+    assert torch.equal(fast.params["w"], numpy_fast.params["w"])
+    if max(tau, 1) in (1, 2, 4):
+        assert torch.equal(fast.params["w"], general.params["w"])
+    else:
+        torch.testing.assert_close(fast.params["w"], general.params["w"], rtol=2e-7, atol=2e-7)
+    if tau <= 1:
+        plain = ServerOptimizer(OptimizerSpec("sgd", lr=0.05), {"w": init["w"].clone()})
+        plain.step([Contribution(grads, tau)])
+        assert torch.equal(plain.params["w"], fast.params["w"])
+
+
+def test_dc_asgd_compensates_each_gradient_before_its_weight():
+    """g~_k = g_k + lambda g_k^2 (w - w_bak,k), then the step applies (eta / K) sum_k g~_k / max(tau_k, 1)."""
+    init = _params()
+    backs = [{k: v + 0.1 * (i + 1) for k, v in init.items()} for i in range(len(TAUS))]
+    cs = [Contribution(c.grads, c.tau, backs[i]) for i, c in enumerate(_contribs(6))]
+    opt = ServerOptimizer(OptimizerSpec("sgd", lr=ETA, staleness_lr=True, dc_lambda=0.7),
+                          {k: v.clone() for k, v in init.items()})
+    opt.step(cs)
+    for k in init:
+        w = init[k].numpy()
+        comp = [c.grads[k].numpy() + 0.7 * c.grads[k].numpy() ** 2 * (w - c.backup[k].numpy()) for c in cs]
+        expect = w - ETA * sum(gk / max(c.tau, 1) for gk, c in zip(comp, cs)) / len(cs)
+        np.testing.assert_allclose(opt.params[k].numpy(), expect, **TOL)
+
+
+def test_staleness_rule_round_trips_and_rejects_unknown_values():
+    s = OptimizerSpec("momentum", lr=0.1, staleness_lr=True, staleness_rule="mean")
+    assert s.to_string() == "momentum:lr=0.1,staleness_lr=1,staleness_rule=mean"
+    assert optimizer_from_string(s.to_string()) == s
+    assert OptimizerSpec.from_dict(s.to_dict()) == s
+    default = OptimizerSpec("sgd", lr=0.1, staleness_lr=True)
+    assert default.staleness_rule == "gradient" and default.to_string() == "sgd:lr=0.1,staleness_lr=1"
+    assert optimizer_from_string("sgd:lr=0.1,staleness_rule=gradient") == OptimizerSpec("sgd", lr=0.1)
+    for bad in (lambda: OptimizerSpec("sgd", staleness_rule="median"),
+                lambda: optimizer_from_string("sgd:lr=0.1,staleness_rule=median")):
+        with pytest.raises(ConfigError, match="staleness_rule must be one of gradient, mean, got 'median'"):
+            bad()
