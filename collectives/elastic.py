@@ -301,15 +301,15 @@ class ElasticGroup:
             group = ZmqGroup(tr, range(n), **gopts)
         else:
             from .torch_group import TorchGroup
-            pg = self._gloo(m, store, rank, n)
-            group = TorchGroup(pg, range(n), rank, self.timeout, standalone=True)
+            pg, meter = self._gloo(m, store, rank, n)
+            group = TorchGroup(pg, range(n), rank, self.timeout, standalone=True, meter=meter)
             group.interrupt_every = self.check_interval
         group.store, group.members = store, m.members
         self.group, self.generation, self.membership = group, m.generation, m
         group.interrupt = self.check                     # after `generation` is set: g itself is not news
         return group
 
-    def _gloo(self, m: Membership, store: Any, rank: int, n: int) -> Any:
+    def _gloo(self, m: Membership, store: Any, rank: int, n: int) -> tuple[Any, Any]:
         """Generation m's gloo group. gloo's rendezvous blocks until every member connects (or the timeout), so it
         runs in a thread while this one watches the store: RendezvousError at once if a newer generation is
         published meanwhile (a member of m died before connecting; the thread is left to time out)."""
@@ -318,7 +318,7 @@ class ElasticGroup:
 
         def build() -> None:
             try:
-                out["pg"] = standalone_gloo(store, rank, n, self.timeout)
+                out["pg"], out["meter"] = standalone_gloo(store, rank, n, self.timeout)
             except Exception as e:                       # gloo: "Wait timeout", connection refused ...
                 out["error"] = e
         th = threading.Thread(target=build, daemon=True, name=f"pslab-gloo-g{m.generation}")
@@ -334,7 +334,7 @@ class ElasticGroup:
         if "error" in out:
             raise RendezvousError(f"member {self.member}: the gloo group of generation {m.generation} did not form "
                                   f"within {self.timeout:g}s ({str(out['error'])[:200]})")
-        return out["pg"]
+        return out["pg"], out["meter"]
 
     def _leave(self, staying: tuple[int, ...]) -> None:
         """Destroy the current generation's group. zmq: messages still queued for a member that is `staying` (in

@@ -61,17 +61,13 @@ def store_ports(store: Any) -> tuple[int, ...]:
     return (int(port),) if isinstance(port, int) else ()
 
 
-def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
+def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> tuple[Any, SocketMeter]:
     """A gloo group of its own over `store` (e.g. a PrefixStore per generation), not registered with
-    torch.distributed; on loopback unless GLOO_SOCKET_IFNAME names interfaces (comma-separated). Its socket meter
-    (the connections it opened) is its `pslab_meter` attribute."""
+    torch.distributed; on loopback unless GLOO_SOCKET_IFNAME names interfaces (comma-separated); with the meter of
+    the connections it opened (sockmeter.py)."""
     before = socket_fds()
     pg = _standalone_gloo(store, rank, world_size, timeout)
-    try:
-        pg.pslab_meter = SocketMeter.new_sockets(before, store_ports(store))
-    except AttributeError:           # a pybind object without a __dict__: the group is not observed
-        pass
-    return pg
+    return pg, SocketMeter.new_sockets(before, store_ports(store))
 
 
 def _standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
@@ -112,8 +108,6 @@ class TorchGroup(ProcessGroup):
         self._inflight: list[Any] = []             # works whose wait was interrupted
         self._children = 0
         self.store: Any = None                     # the store of a standalone group (its new_groups rendezvous)
-        if meter is None and standalone:
-            meter = getattr(pg, "pslab_meter", None)
         self.meter = meter if meter is not None and meter.observable and self.world_size > 1 else None
 
     # ---- issuing and waiting -----------------------------------------------------------------------------------
@@ -327,10 +321,10 @@ class TorchGroup(ProcessGroup):
             self._children += 1
             if self._grank not in ranks:
                 return None
-            pg = standalone_gloo(dist.PrefixStore(f"sub{self._children}/", self.store), ranks.index(self._grank),
-                                 len(ranks), self.timeout)
+            pg, meter = standalone_gloo(dist.PrefixStore(f"sub{self._children}/", self.store),
+                                        ranks.index(self._grank), len(ranks), self.timeout)
             child = TorchGroup(pg, ranks, self._grank, self.timeout, standalone=True,
-                               meter=getattr(pg, "pslab_meter", None) if self.meter is not None else None)
+                               meter=meter if self.meter is not None else None)
             child.store, child.interrupt, child.interrupt_every = self.store, self.interrupt, self.interrupt_every
             return child
         before = socket_fds()

@@ -305,6 +305,8 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
         m, f = model.get(kind, (None, ""))
         if m is None and not measured.get(kind):
             continue          # a group of size > 1 that carried nothing (e.g. dp under the PS: only barriers)
+        if f and _gloo(cfg) and kind != "ps push + pull":
+            f += "; payload only: the measured count adds gloo's 48 B header per message"
         out[kind] = {"measured_per_step": None if kind in unobserved else measured.get(kind, 0.0) / steps,
                      "model_per_step": m, "formula": f, "sends_per_step": sends.get(kind, 0) / steps}
     return out
