@@ -17,7 +17,9 @@ stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements
 Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
 Parameter object itself, so the gather before that layer's backward puts the full data back where backward looks.
 `state_bytes()` counts the bytes actually allocated (unique storages) for parameters, gradients and optimizer state;
-`peak_gathered_bytes` is the most full-parameter bytes stage 3 ever held at once.
+`peak_gathered_bytes` is the most full-parameter bytes stage 3 ever held at once, observed: after each gather the
+bytes of the distinct storages the module's parameters point at are summed (a freed parameter points at an empty
+one), not a count the engine keeps of what it meant to allocate.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class ZeroReplica:
             for n, p in u.params:
                 p.data = torch.empty(self.shapes[n], dtype=p.dtype)
             self.gathered_bytes += u.nbytes
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held_bytes())
             u.future = self.thread.submit(self._gather_unit, u)
             u.state = "pending"
         if wait and u.state == "pending":
@@ -147,6 +149,15 @@ class ZeroReplica:
     def _gather_unit(self, u: _Unit) -> None:
         for n, p in u.params:
             self.dp.all_gather(p.data.view(-1), self.shards[n].data, site=f"param {n}")
+
+    def _held_bytes(self) -> int:
+        """Bytes of the distinct storages the full parameters point at now (stage 3: the gathered units')."""
+        seen: dict[int, int] = {}
+        for _, p in self.named:
+            st = p.data.untyped_storage()
+            if st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
 
     def _free(self, u: _Unit) -> None:
         if u.state == "pending":
