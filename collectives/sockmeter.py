@@ -13,8 +13,12 @@ That is TCP *payload*: gloo's own 48-byte header per message is in it (6 × 8 by
 length, roffset), TCP/IP headers are not. `ss -ti` prints the same counters.
 
 A group's sockets are the connected TCP sockets that appeared in this process while it formed (`new_sockets`, a diff
-of /proc/self/fd), less those of the rendezvous store (its port). Each is remembered with its inode: a descriptor
-that gloo closed and the process reused for something else stops being read, never misread.
+of /proc/self/fd; ports read from /proc/self/net/tcp{,6} by inode, without touching the descriptors), less those of
+the rendezvous store (a connection to its port, or one it accepted, if this process serves it). gloo opens exactly
+one connection to each peer per device, so a group of N ranks must show (N−1) × devices of them: any other count
+(a socket another thread opened meanwhile, torch's debug wrapper group, gloo's lazy init) makes the group not
+observable rather than wrongly counted. Each socket is remembered with its inode: a descriptor that gloo closed and
+the process reused for something else stops being read, never misread.
 
 `SocketMeter.claim()` returns the bytes written and received since the previous claim. The torch backend claims
 once at the end of each op it ran on the group (a group runs one collective at a time), so every byte is counted
@@ -73,48 +77,62 @@ def socket_fds() -> dict[int, int]:
     return out
 
 
-def _ports(fd: int) -> tuple[int, int]:
-    """(local port, peer port) of a connected inet socket (0 where unknown)."""
-    try:
-        s = socket.socket(fileno=fd)          # family and type from the descriptor
-    except OSError:
-        return 0, 0
-    try:
+def _tcp_table() -> dict[int, tuple[int, int, int]]:
+    """{inode: (local port, remote port, state)} of this network namespace's TCP sockets (/proc/self/net/tcp{,6})."""
+    out = {}
+    for name in ("tcp", "tcp6"):
         try:
-            local = s.getsockname()
-            peer = s.getpeername()
-        except OSError:
-            return 0, 0
-        return (local[1] if isinstance(local, tuple) else 0), (peer[1] if isinstance(peer, tuple) else 0)
-    finally:
-        s.detach()                    # the descriptor stays gloo's
+            with open(f"/proc/self/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9:
+                        out[int(cols[9])] = (int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16),
+                                             int(cols[3], 16))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 class SocketMeter:
     """Written / received TCP payload bytes of a fixed set of sockets, claimed as deltas (thread-safe)."""
 
-    def __init__(self, sockets: list[tuple[int, int]]) -> None:
-        self.sockets = list(sockets)          # (fd, inode)
+    def __init__(self, sockets: list[tuple[int, int]], why_not: str = "") -> None:
+        """why_not: why the group cannot be observed (then `sockets` is ignored)."""
+        self.sockets = [] if why_not else list(sockets)       # (fd, inode)
         self._buf = ctypes.create_string_buffer(_INFO_LEN)
         self._lock = threading.Lock()
         self._last: dict[tuple[int, int], tuple[int, int]] = {}
-        self.observable = bool(self.sockets)
+        self.why_not = why_not or ("" if self.sockets else "no connection of the group was found")
+        self.observable = not self.why_not
         self._read_all()                       # the baseline: what formation itself sent is nobody's op
 
     @classmethod
-    def new_sockets(cls, before: dict[int, int], exclude_ports: tuple[int, ...] = ()) -> SocketMeter:
-        """A meter over the connected TCP sockets that are in `socket_fds()` now but were not in `before`."""
+    def new_sockets(cls, before: dict[int, int], store_ports: tuple[int, ...] = (), expected: int | None = None
+                    ) -> SocketMeter:
+        """A meter over the connected TCP sockets that are in `socket_fds()` now but were not in `before` (less the
+        store's); not observable unless there are exactly `expected` of them (when given)."""
+        if _getsockopt is None:
+            return cls([], "the kernel's TCP_INFO cannot be read here")
         buf = ctypes.create_string_buffer(_INFO_LEN)
+        table = _tcp_table()
+        held = set(socket_fds().values())
+        serving = {lp for ino, (lp, _, st) in table.items() if st == _LISTEN and ino in held}
         found = []
         for fd, ino in sorted(socket_fds().items()):
-            if before.get(fd) == ino:
+            if before.get(fd) == ino or ino not in table:
                 continue
-            info = _tcp_info(fd, buf)
-            if info is None or info[0] == _LISTEN:
+            local, remote, state = table[ino]
+            if state == _LISTEN:
                 continue
-            if exclude_ports and set(_ports(fd)) & set(exclude_ports):
-                continue
+            if remote in store_ports or (local in store_ports and local in serving):
+                continue                        # the store's: a client connection, or one this process accepted
+            if _tcp_info(fd, buf) is None:
+                return cls([], "the kernel's TCP_INFO has no byte counters (Linux < 4.19)")
             found.append((fd, ino))
+        if expected is not None and len(found) != expected:
+            return cls([], f"found {len(found)} new TCP connections where gloo opens {expected}: "
+                           "TORCH_GLOO_LAZY_INIT, torch's debug wrapper group or another thread's socket")
         return cls(found)
 
     def _read(self, fd: int, ino: int) -> tuple[int, int] | None:

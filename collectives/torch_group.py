@@ -67,7 +67,14 @@ def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> t
     the connections it opened (sockmeter.py)."""
     before = socket_fds()
     pg = _standalone_gloo(store, rank, world_size, timeout)
-    return pg, SocketMeter.new_sockets(before, store_ports(store))
+    return pg, SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
+
+
+def gloo_connections(world_size: int) -> int:
+    """The TCP connections a gloo group of `world_size` opens in each process: one per peer and device (one device
+    per GLOO_SOCKET_IFNAME interface, else one)."""
+    devices = len([x for x in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if x]) or 1
+    return (world_size - 1) * devices
 
 
 def _standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
@@ -109,6 +116,8 @@ class TorchGroup(ProcessGroup):
         self._children = 0
         self.store: Any = None                     # the store of a standalone group (its new_groups rendezvous)
         self.meter = meter if meter is not None and meter.observable and self.world_size > 1 else None
+        self.unobserved_why = ("" if self.meter is not None or self.world_size == 1 else
+                               meter.why_not if meter is not None else "NCCL or a group formed outside pslab")
 
     # ---- issuing and waiting -----------------------------------------------------------------------------------
     def _private(self, t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +200,8 @@ class TorchGroup(ProcessGroup):
     def traffic(self) -> dict[str, Any]:
         snap = super().traffic()
         snap["observed"] = self.observable
+        if not self.observable:
+            snap["unobserved_why"] = self.unobserved_why
         return snap
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
@@ -324,14 +335,16 @@ class TorchGroup(ProcessGroup):
             pg, meter = standalone_gloo(dist.PrefixStore(f"sub{self._children}/", self.store),
                                         ranks.index(self._grank), len(ranks), self.timeout)
             child = TorchGroup(pg, ranks, self._grank, self.timeout, standalone=True,
-                               meter=meter if self.meter is not None else None)
+                               meter=meter if self.meter is not None else
+                               SocketMeter([], self.unobserved_why or "the parent group's"))
             child.store, child.interrupt, child.interrupt_every = self.store, self.interrupt, self.interrupt_every
             return child
         before = socket_fds()
         pg = dist.new_group(list(ranks))
         if self._grank not in ranks:
             return None
-        meter = SocketMeter.new_sockets(before, store_ports(self.store)) if self.meter is not None else None
+        meter = (SocketMeter.new_sockets(before, store_ports(self.store), gloo_connections(len(ranks)))
+                 if self.meter is not None else SocketMeter([], self.unobserved_why or "the parent group's"))
         child = TorchGroup(pg, ranks, self._grank, self.timeout, meter=meter)
         child.store = self.store
         return child

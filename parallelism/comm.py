@@ -14,7 +14,8 @@ Every collective an engine issues goes through `Comm`, which records (kind, site
              experiments/results/bytes.py and parallelism/comm_model.py, not here.
 
 A p2p send is recorded when its wait returns (the torch backend counts its bytes then); a receive adds a record of
-payload 0 only when the backend counted sends while it waited (gloo: sends of the same group still in flight).
+payload 0 with what the backend counted while it waited, if anything (gloo: the 48-byte "ready" message every
+receive writes, and sends of the same group still in flight, whose own waits then claim less).
 
 `CommThread` runs collectives on one worker thread in submission order, so gradient buckets (DP) and ZeRO-3
 prefetches overlap computation while every rank still issues the same collectives in the same order.

@@ -287,29 +287,90 @@ def tiny_checkpointed_activation_bytes(batch: int, seq: int, d: int, heads: int,
     return embed + max((layers + 1) * e * sbh + max(loss, head), layers * e * sbh + block)
 
 
+def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, layers: int, vocab: int, pp: int,
+                                  micro_batches: int, virtual_stages: int, stage: int, e: int = 4, t: int = 1) -> int:
+    """Peak saved bytes on pipeline rank `stage` of `tiny_transformer` under interleaved 1F1B: its chunks s, s+p, …
+    of the v·p-way cut (`pipeline.split_stages`: [Embed, Block × L, Head]'s parameterised children spread evenly),
+    each saving per micro-batch what a stage with its blocks saves (`tiny_stage_activation_bytes`' terms: the
+    positions on chunk 0, the head's on the last chunk, less the received input elsewhere), replayed along the
+    rank's schedule (`schedule.interleaved_1f1b`): a forward adds its chunk's bytes, a backward first holds the
+    received output gradient (e·sbh, every chunk but the last) and then frees them; the token ids (chunk 0) and
+    targets (the last chunk) count once while a micro-batch of their chunk is in flight (views of one storage)."""
+    from .schedule import interleaved_1f1b
+    from .sequence import model_activation_bytes, layer_activation_bytes
+    p, m, v = pp, micro_batches, virtual_stages
+    b = batch // m
+    sbh = seq * b * d
+    sizes = [hi - lo for lo, hi in _chunks(layers + 2, p * v)]        # parameterised children per chunk
+    last = p * v - 1
+
+    def per(c: int) -> int:
+        blocks = sizes[c] - (c == 0) - (c == last)
+        out = blocks * layer_activation_bytes(seq, b, d, heads, t, e=e)
+        out += 8 * seq if c == 0 else -e * sbh
+        if c == last:
+            out += model_activation_bytes(b, seq, d, heads, 0, vocab, e=e) - (8 * b * seq + 8 * seq) - 8 * b * seq
+        return out
+    ids = 8 * batch * seq                     # token ids (chunk 0) or targets (last chunk): one storage, held
+    live = {0: 0, last: 0}                    # while any micro-batch of that chunk is in flight
+    cur = peak = 0
+    for a in interleaved_1f1b(p, m, v).for_stage(stage):
+        c = a.virtual(p)
+        if a.phase == "F":
+            cur += per(c)
+            live[c] = live.get(c, 0) + 1
+            peak = max(peak, cur + ids * sum(1 for k in (0, last) if live[k]))
+        else:
+            peak = max(peak, cur + (e * sbh if c != last else 0) + ids * sum(1 for k in (0, last) if live[k]))
+            cur -= per(c)
+            live[c] -= 1
+    return peak
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of `parts` chunks of n items, the remainder on the first (collectives.chunk_bounds' rule)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
 def tiny_stage_activation_bytes(batch: int, seq: int, d: int, heads: int, layers: int, vocab: int, pp: int,
                                 micro_batches: int, stage: int, schedule: str = "1f1b", e: int = 4,
-                                t: int = 1) -> int:
+                                t: int = 1, cp: int = 1) -> int:
     """Peak saved bytes on pipeline stage `stage` of `tiny_transformer` ([Embed, Block × L, Head] cut as
     `pipeline.split_stages`: the blocks spread evenly, Embed on stage 0, Head on the last), micro-batch b/m:
     in_flight × (what one micro-batch saves on the stage) + the received output gradient that the backward's
     (out·grad).sum() saves (e·sbh, stages before the last) + the token ids (stage 0) and targets (last stage)
     once: micro-batches are views of the whole batch, one storage. The received input of stages k > 0 is a leaf
     that requires grad: the meter skips it. t: the stage's blocks split over t tensor-parallel ranks (3D; the
-    embedding and head replicated, `sequence.layer_activation_bytes`)."""
+    embedding and head replicated, `sequence.layer_activation_bytes`). cp: the stage's rank holds S/C tokens of
+    each sequence (pp × cp): the same terms on S/C, but its token ids and targets are per-micro-batch copies (the
+    cp rank's slice) and its positions one tensor for the step."""
     from .sequence import model_activation_bytes, layer_activation_bytes
     b = batch // micro_batches
+    seq //= cp
     n = stage_layers(layers, pp, stage)
     sbh = seq * b * d
     per = n * layer_activation_bytes(seq, b, d, heads, t, e=e)
     once = 0
     if stage == 0:
-        per += 8 * seq                   # positions, per micro-batch
-        once += 8 * batch * seq          # token ids: views of the whole batch, one storage
+        if cp == 1:
+            per += 8 * seq               # positions, per micro-batch
+            once += 8 * batch * seq      # token ids: views of the whole batch, one storage
+        else:
+            per += 8 * b * seq           # token ids: the cp slice of each micro-batch
+            once += 8 * seq              # positions: the cp rank's, one tensor
     else:
         per -= e * sbh
     if stage == pp - 1:
         per += model_activation_bytes(b, seq, d, heads, 0, vocab, e=e) - (8 * b * seq + 8 * seq) - 8 * b * seq
-        once += 8 * batch * seq          # targets: views of the whole batch
+        if cp == 1:
+            once += 8 * batch * seq      # targets: views of the whole batch
+        else:
+            per += 8 * b * seq           # targets: the cp slice of each micro-batch
     k = micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
     return k * per + once + (e * sbh if stage < pp - 1 else 0)

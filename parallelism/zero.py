@@ -17,9 +17,10 @@ stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements
 Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
 Parameter object itself, so the gather before that layer's backward puts the full data back where backward looks.
 `state_bytes()` counts the bytes actually allocated (unique storages) for parameters, gradients and optimizer state;
-`peak_gathered_bytes` is the most full-parameter bytes stage 3 ever held at once, observed: after each gather the
-bytes of the distinct storages the module's parameters point at are summed (a freed parameter points at an empty
-one), not a count the engine keeps of what it meant to allocate.
+`peak_gathered_bytes` is the most full-parameter bytes stage 3 ever held at once, observed: when a unit's full
+buffers are allocated (just before its all-gather fills them) the bytes of the distinct storages the module's
+parameters point at are summed (a freed parameter points at an empty one), not a count the engine keeps of what it
+meant to allocate.
 """
 
 from __future__ import annotations

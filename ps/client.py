@@ -148,6 +148,7 @@ class PSClient:
         self._lock = threading.RLock()
         self._closed = False
         self.wire = TrafficCounter()   # tensor payload bytes per shard: "push"/"init" sent, "pull" received (below)
+        self.pushes_by_path = {"shm": 0, "frames": 0}   # per shard request: the payload's path
         self._socks, self._monitors = open_sockets(self._ctx, self.addresses, self.user, secret, curve_keys_dir)
         self._poller = zmq.Poller()
         for sock in self._socks + self._monitors:
@@ -272,12 +273,13 @@ class PSClient:
             push = op == "push"
             if push:
                 meta = dict(meta, clock=self.clocks[shard])
-            payload = 0                                       # tensor bytes this request carries, by any path
+            payload, path = 0, "frames"                       # tensor bytes this request carries, by any path
             try:
                 if op == "push" and tensors:
                     entries = link.take_push(seq, tensors)    # one memcpy instead of frames, if the path is free
                     if entries is not None:
                         payload = sum(int(t.nbytes) for t in tensors.values())    # through the shared segment
+                        path = "shm"
                         meta, tensors = dict(meta, shm=entries), None
                 if (op == "pull" or meta.get("pull") is True) and link.take_pull(seq, copy):
                     meta = dict(meta, shm_reply=True)
@@ -291,7 +293,7 @@ class PSClient:
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane, push)
                 if lane.send(seq, frames[0]):     # (never behind a ZeroMQ request: the order holds)
                     self.clocks[shard] += push
-                    self.wire.add_sent(shard, op, payload)
+                    self._sent(shard, op, payload, path)
                     return
                 self._pending[(shard, seq)].lane = None
             else:
@@ -304,7 +306,14 @@ class PSClient:
                 fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
                 return
             self.clocks[shard] += push
-            self.wire.add_sent(shard, op, payload)
+            self._sent(shard, op, payload, path)
+
+    def _sent(self, shard: int, op: str, payload: int, path: str) -> None:
+        """Count a request handed to the transport: its payload bytes (`wire`) and, for a push, its path. (A
+        request the connection then loses stays counted: it left this process.)"""
+        self.wire.add_sent(shard, op, payload)
+        if op == "push":
+            self.pushes_by_path[path] += 1
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, per_shard: Any = None,
              timeout: float | None = None, finish: Any = None) -> Fanout:

@@ -331,6 +331,8 @@ class ShardServer(Parking):
             self.counters["malformed"] += 1
             self._error(identity, 0, ProtocolError(f"malformed message: {e}"))
             return
+        if msg.op == "push" and msg.tensors:       # frames: counted as they arrive, refused or not (shm: _on_push)
+            self.counters["push_bytes"] += sum(int(t.nbytes) for t in msg.tensors.values())
         try:
             if msg.seq < 1:
                 raise ProtocolError(f"request id (seq) must be a positive integer, got {msg.seq}")
@@ -438,7 +440,7 @@ class ShardServer(Parking):
                 grads = link.grads(msg.meta["shm"])
             except (WireError, OSError, ValueError) as e:
                 raise ProtocolError(f"bad shared-memory push: {e}") from None
-        self.counters["push_bytes"] += sum(int(g.nbytes) for g in grads.values())   # frames or the client's segment
+            self.counters["push_bytes"] += sum(int(g.nbytes) for g in grads.values())   # mapped from its segment
         if self.state is None:
             raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
                                       "init before anyone pushes")

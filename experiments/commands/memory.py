@@ -45,6 +45,11 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.cp=2"]),
     "tp=2 cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.cp=2"]),
     "ep=2": (MOE_TOML, ["train.workers=1"]),      # text-moe: activations depend on the routing (measured only)
+    "pp=2 v2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.pp=2", "parallel.micro_batches=4",
+                          "parallel.virtual_stages=2"]),
+    "pp=2 cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.pp=2", "parallel.cp=2",
+                            "parallel.micro_batches=4"]),
+    "pp=2 ep=2": (MOE_TOML, ["train.workers=1", "parallel.pp=2", "parallel.micro_batches=2"]),
 }
 KINDS = ("params", "grads", "optimizer", "activations")
 
@@ -266,14 +271,17 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
     model by its parameter count, experts divided by ep, activations None: they depend on the routing)."""
     from experiments.workloads import get_workload
     from parallelism.memory_model import (Layout, Shape, estimate, tiny_checkpointed_activation_bytes,
-                                          tiny_stage_activation_bytes)
+                                          tiny_chunked_activation_bytes, tiny_stage_activation_bytes)
     from parallelism.models import Attention
     from parallelism.sequence import model_activation_bytes
     cfg = _config(label)
     wl = get_workload(cfg.workload.name, 1, cfg.workload.batch_size, cfg.workload.seed, **cfg.workload.overrides())
     model = wl.make_model()
     p = cfg.parallel
-    if cfg.workload.name == "text-moe":
+    if cfg.workload.name == "text-moe":         # (pp > 1: the rank's stage of the engines' cut)
+        if p.pp > 1:
+            from parallelism.pipeline import rank_stages
+            model = rank_stages(model, p.pp, p.virtual_stages)[rank["coords"].get("pp", 0)]
         total = sum(q.numel() for q in model.parameters())
         experts = sum(q.numel() for n, q in model.named_parameters() if ".experts." in n)
         e = estimate(Layout(dp=cfg.train.workers, ep=p.ep), "fp32", params=total, expert_params=experts)
@@ -287,11 +295,15 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
     assert shape.params() == sum(q.numel() for q in model.parameters()), "Shape.params disagrees with the model"
     stage = rank["coords"].get("pp", 0)
     lay = Layout(dp=cfg.train.workers, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, sp=p.sp,
-                 micro_batches=p.micro_batches if p.pp > 1 else None)
+                 micro_batches=p.micro_batches if p.pp > 1 else None, virtual_stages=p.virtual_stages)
     e = estimate(lay, "fp32", shape=shape, stage=stage)
-    if p.pp > 1:
-        act = (tiny_stage_activation_bytes(b, s, d, a, L, V, p.pp, p.micro_batches, stage, p.schedule, t=p.tp)
-               if not p.sp else None)          # tp x pp with sp: measured only (no closed form here yet)
+    if p.pp > 1 and p.sp:
+        act = None                              # tp x pp with sp: measured only (no closed form here yet)
+    elif p.pp > 1 and p.virtual_stages > 1:     # interleaved 1F1B: the rank's chunks along its schedule
+        act = tiny_chunked_activation_bytes(b, s, d, a, L, V, p.pp, p.micro_batches, p.virtual_stages, stage, t=p.tp)
+    elif p.pp > 1:
+        act = tiny_stage_activation_bytes(b, s, d, a, L, V, p.pp, p.micro_batches, stage, p.schedule, t=p.tp,
+                                          cp=p.cp)
     elif p.activation_checkpointing:
         act = tiny_checkpointed_activation_bytes(b, s, d, a, L, V)
     elif p.cp > 1:                              # (tp x cp: the tp rank's figure, on S/C tokens)

@@ -102,8 +102,9 @@ def _report(rd) -> int:
     for kind, v in (s.get("bytes_by_kind") or {}).items():
         model = v.get("model_per_step")
         seen = v["measured_per_step"]
+        why = v.get("unobserved_why") or "the backend reports no bytes"
         print(f"\n  {kind}: " + (f"{seen / 1e3:.1f} kB/step measured" if seen is not None else
-                                 "measured: not observable on this backend (NCCL)")
+                                 f"measured: not observable ({why})")
               + (f", {model / 1e3:.1f} kB/step by formula ({v['formula']})" if model is not None else ""), end="")
     links = s.get("link_bytes_per_step")
     if links is not None:

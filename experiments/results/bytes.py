@@ -288,7 +288,7 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
     `measured_per_step` is None for a kind no backend could observe (NCCL)."""
     steps = max(1, max((r or {}).get("steps", 0) for r in results) if results else 1)
     measured: dict[str, float] = {}
-    unobserved: set[str] = set()
+    unobserved: dict[str, str] = {}
 
     def kind_of(axis: str) -> str:
         return "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
@@ -298,15 +298,18 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
             measured[kind_of(axis)] = measured.get(kind_of(axis), 0.0) + b
         for axis, n in ((r or {}).get("sends") or {}).items():
             sends[kind_of(axis)] = sends.get(kind_of(axis), 0) + n
-        unobserved |= {kind_of(axis) for axis in (r or {}).get("unobserved") or ()}
+        for axis, why in ((r or {}).get("unobserved") or {}).items():       # {axis: why no byte was counted}
+            unobserved[kind_of(axis)] = why or unobserved.get(kind_of(axis), "")
     model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results], steps)
     out = {}
     for kind in list(dict.fromkeys(list(model) + list(measured))):
         m, f = model.get(kind, (None, ""))
         if m is None and not measured.get(kind):
             continue          # a group of size > 1 that carried nothing (e.g. dp under the PS: only barriers)
-        if f and _gloo(cfg) and kind != "ps push + pull":
+        if f and _gloo(cfg) and kind != "ps push + pull":   # (and an uneven all-gather: padded to the largest chunk)
             f += "; payload only: the measured count adds gloo's 48 B header per message"
         out[kind] = {"measured_per_step": None if kind in unobserved else measured.get(kind, 0.0) / steps,
                      "model_per_step": m, "formula": f, "sends_per_step": sends.get(kind, 0) / steps}
+        if kind in unobserved:
+            out[kind]["unobserved_why"] = unobserved[kind] or "the backend reports no bytes"
     return out

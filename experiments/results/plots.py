@@ -12,6 +12,7 @@ straggler's spike at c(K − 1); the SSP bound). Runs with failures (events.json
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,10 @@ def _bars(runs: list[dict[str, Any]], values: list[float], ylabel: str, title: s
         if _style(r) == "--":
             b.set_hatch("//")
     for x, v in zip(xs, values):
-        ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+        if math.isnan(v):
+            ax.annotate("not observable", (x, 0), ha="center", va="bottom", fontsize=7, rotation=90)
+        else:
+            ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(xs, [run_label(r) for r in runs], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     return _finish(fig, ax, path, title + "  (hatched: with straggler)", legend=False)
@@ -168,7 +172,8 @@ def plot_wait(runs: list[dict[str, Any]], out: Path) -> Path:
 
 
 def plot_bytes(runs: list[dict[str, Any]], out: Path) -> Path:
-    v = [float((r.get("summary") or {}).get("bytes_per_worker") or 0.0) / 1e6 for r in runs]
+    v = [float(b) / 1e6 if (b := (r.get("summary") or {}).get("bytes_per_worker")) is not None else math.nan
+         for r in runs]                                  # nan: not observable (no bar), not 0
     return _bars(runs, v, "bytes sent + received per worker (MB)", "Traffic per worker", out / "bytes_per_worker.png")
 
 
@@ -190,13 +195,15 @@ def plot_bytes_by_kind(runs: list[dict[str, Any]], out: Path) -> Path | None:
     xs = np.arange(len(runs))
     for i, (which, alpha) in enumerate((("measured_per_step", 1.0), ("model_per_step", 0.4))):
         bottom = np.zeros(len(runs))
-        for k in kinds:
+        for k in kinds:                              # a measured None (not observable) draws no bar, not 0
             v = np.array([float((d.get(k) or {}).get(which) or 0.0) for d in data]) / 1e3
             ax.bar(xs + (i - 0.5) * 0.38, v, 0.36, bottom=bottom, color=colors[k], alpha=alpha,
                    edgecolor="black", linewidth=0.4, label=k if i == 0 else None)
             bottom += v
-        for x, total in zip(xs + (i - 0.5) * 0.38, bottom):
-            if total > 0:
+        for x, total, d in zip(xs + (i - 0.5) * 0.38, bottom, data):
+            if i == 0 and any(v.get("measured_per_step", 0) is None for v in d.values()):
+                ax.annotate("not observable", (x, total), ha="center", va="bottom", fontsize=7, rotation=90)
+            elif total > 0:
                 ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=7)
     ax.bar([np.nan], [0], color="lightgrey", edgecolor="black", label="right bar, lighter: formula")
     ax.margins(y=0.12)

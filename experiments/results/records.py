@@ -6,8 +6,9 @@ runner (the training loop, the PS simulator, the all-reduce simulator) — and t
     loss        training loss on batch(worker, step)       batch   digest of that batch's example indices
                 (both null in a timing-only simulation: no batch is drawn)
     staleness   τ = (version when applied) − (version read); 0 for all-reduce and local; None if never applied
-    bytes_sent / bytes_recv   payload bytes this update moved on the worker's first rank (pp = tp = 0): its process
-                groups as the backend counted them, plus PS push / pull (all ranks: summary.json bytes_by_kind)
+    bytes_sent / bytes_recv   bytes this update moved on the worker's first rank (pp = tp = 0): its process groups
+                as the backend counted them (torch: gloo's framing included), plus PS push / pull payload (all
+                ranks: summary.json bytes_by_kind); None where a group could not be observed (NCCL, ...)
     wait_s      time blocked synchronising (PS gate + transfer, or the all-reduce waiting for peers)
     dropped     true for a backup-BSP gradient that arrived after its clock closed (not applied)
 
@@ -31,8 +32,8 @@ class UpdateRecord:
     time_s: float
     loss: float | None
     staleness: int | None
-    bytes_sent: int
-    bytes_recv: int
+    bytes_sent: int | None           # None: a group of the worker's could not be observed (not_observable)
+    bytes_recv: int | None
     wait_s: float
     batch: str | None
     dropped: bool = False
@@ -141,6 +142,7 @@ def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wa
         "target_acc": target_acc, "time_to_target_s": hit[0] if hit else None,
         "updates_to_target": hit[1] if hit else None,
         "wait_s_total": sum(u.get("wait_s") or 0.0 for u in ups),
-        "bytes_per_worker": (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
+        "bytes_per_worker": None if any(u.get("bytes_sent", 0) is None for u in ups) else   # not observable
+                            (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
                              / len(workers)) if workers else 0,
     }

@@ -44,7 +44,9 @@ EXPLAIN = {
                         "and pulls one model per step (2 × model bytes). Ring all-reduce moves 2(N−1)/N × model "
                         "bytes each way per step for large tensors; this small model's tensors (≤ 32 KiB each) take "
                         "the one-step direct exchange instead, which sends every peer a copy (N−1 × bytes each "
-                        "way), so here all-reduce moves more than the PS.",
+                        "way), so here all-reduce moves more than the PS. On the torch backend gloo runs a ring "
+                        "at every size, and its figure is what the kernel counted on its connections, 48-byte "
+                        "message headers included.",
     "bytes_by_kind": "Bytes sent per training step, summed over all ranks, by kind of communication: the "
                      "data-parallel gradient all-reduce, ZeRO's reduce-scatter + all-gather, tensor parallelism's "
                      "per-layer activation all-reduces, pipeline boundaries, parameter-server push + pull. Left bar: "
@@ -78,7 +80,7 @@ def bytes_table(runs: list[dict[str, Any]]) -> str:
             model = v.get("model_per_step")
             seen = v["measured_per_step"]
             rows.append(f"| {run_label(r)} | {kind} | "
-                        f"{_fmt(seen / 1e3) if seen is not None else 'formula (not observable on this backend)'} | "
+                        f"{_fmt(seen / 1e3) if seen is not None else 'not observable: ' + str(v.get('unobserved_why') or '')} | "
                         f"{_fmt(model / 1e3 if model is not None else None)} | {v.get('formula') or '—'} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 

@@ -202,6 +202,8 @@ class _Worker(ElasticMember):
                         measured["ps"] = measured.get("ps", 0) + ps_sent + ps_recv
                     sent = sum(v[0] for v in after.values()) - sum(v[0] for v in before.values()) + ps_sent
                     recv = sum(v[1] for v in after.values()) - sum(v[1] for v in before.values()) + ps_recv
+                    if not all(getattr(g, "observable", True) for _, g in _groups(self.mesh)):
+                        sent = recv = None               # a group's bytes are unknown (NCCL, ...): not 0
                     # -- phase 4: one record per worker ----------------------------------------------------------------
                     now = time.time() - t0
                     if self.records is not None:
@@ -274,8 +276,9 @@ class _Worker(ElasticMember):
                                or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent),
-                               "unobserved": [axis for axis, g in _groups(self.mesh)      # NCCL: no byte counted
-                                              if not g.traffic().get("observed", True)]}
+                               "unobserved": {axis: g.traffic().get("unobserved_why", "")   # NCCL, ...: no
+                                              for axis, g in _groups(self.mesh)            # byte counted
+                                              if not g.traffic().get("observed", True)}}
         if self.pipe_span > 0:
             out["pipeline_busy_s"], out["pipeline_span_s"] = self.pipe_busy, self.pipe_span
         moe = _moe_stats(replica)

@@ -1,6 +1,7 @@
 """CommLog records what the backend counted for each op, not a formula: on the zmq backend a small all-reduce is the
 direct exchange ((N−1)·S sent), a large one the ring (2(N−1)/N·S, to the rounding of uneven chunks); on gloo a ring
-at every size plus its 48-byte message headers; a p2p send is recorded when its wait returns."""
+at every size plus its 48-byte message headers; a p2p send is recorded when its wait returns (on gloo a receive
+waiting meanwhile may claim the send's bytes: the two records together hold them)."""
 
 from __future__ import annotations
 
