@@ -110,7 +110,7 @@ def run_sync(servers, k: int, b: int) -> tuple[list, list]:
 
 @pytest.mark.parametrize("opt_name, k, shards", [("sgd", 2, 2), ("momentum", 2, 2), ("adam", 2, 2), ("adam", 3, 1)])
 def test_bsp_equals_local_on_concatenated_batch(thread_servers, opt_name, k, shards):
-    """BSP, K workers x batch 4 = local training on the concatenated batch of 4K (rel 1e-6); the aggregate
+    """BSP, K workers x batch 4 = local training on the concatenated batch of 4K (rel 2e-5); the aggregate
     SSP(0) gives bitwise the BSP trajectory."""
     b = 4
     concat = None
@@ -127,7 +127,8 @@ def test_bsp_equals_local_on_concatenated_batch(thread_servers, opt_name, k, sha
         finals[policy] = final.params
         servers.stop()
     local = local_run(opt_name, concat)
-    # averaging two half-batch means differs from one full-batch mean only by float rounding
-    assert_close(finals["bsp"], local, rtol=1e-6, atol=1e-7)
+    # averaging two half-batch means differs from one full-batch mean only by float rounding, which momentum
+    # carries over 50 steps: up to ~6e-6 relative on this machine's kernels (a wrong aggregation is off by ~1e-2)
+    assert_close(finals["bsp"], local, rtol=2e-5, atol=1e-6)
     for n in finals["bsp"]:
         np.testing.assert_array_equal(finals["bsp"][n], finals["ssp-agg:0"][n])
