@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS,
                    help="staleness: steps-to-target vs s per model, optimizer and worker count, lr bracketed "
                         "per cell, medians over seeds with censoring (Dai et al. 2019); staleness-remedies: the "
-                        "deep model with plain SGD/momentum next to the staleness-aware lr (Zhang et al. 2016) and "
+                        "deep model with plain SGD/momentum/Adam next to the staleness-aware lr (Zhang et al. 2016) and "
                         "DC-ASGD (Zheng et al. 2017); momentum: the mean trajectory under "
                         "geometric delays next to momentum SGD with mu = 1 - 1/M, with z scores (Mitliagkas et al. "
                         "2016); coherence: cos(grad F(x_k), grad F(x_k-m)) per model depth (Dai et al. 2019); "

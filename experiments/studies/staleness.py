@@ -20,8 +20,9 @@ Presets (`preset_spec`):
   the deep model with SGD (Dai's worker count: K gradients on K batches of 32, each with its own delay). Target 95 %
   test accuracy, at most 1,000 steps, seeds 0..24 (`--quick`: 0, 1, 2): 25 seeds, the most that fit 10 minutes on
   2 cores (9 seeds left two dips in T(s) and the SGD depth ordering at bootstrap 54 %; docs/tutorial.md section 4).
-- `staleness-remedies`: the deep model with SGD and momentum at s in {0, 4, 8, 16}, the plain optimizer next to the
-  staleness-aware learning rate (Zhang et al. 2016: each gradient's lr / max(tau, 1); `train.staleness_lr`) and
+- `staleness-remedies`: the deep model with SGD, momentum and Adam at s in {0, 4, 8, 16}, the plain optimizer next to
+  the staleness-aware learning rate (Zhang et al. 2016: each gradient's lr / max(tau, 1), Adam's step at the mean of
+  the gradients' rates; `train.staleness_lr`) and
   DC-ASGD (Zheng et al. 2017: g + lambda g (.) g (.) (w_now - w_read); constant lambda = 0.04, and adaptive with
   lambda_0 = 2, the paper's values), each with its own bracketed lr; seeds 0..8 (four variants per cell: 25 seeds
   would not fit 10 minutes).
@@ -128,7 +129,7 @@ def preset_spec(preset: str = "staleness", quick: bool = False, **changes: Any) 
                              staleness=(0, 4, 16), target_acc=0.9, max_steps=300, worker_counts=(4,), widen=2)
     else:
         spec = SweepSpec(models={"mlp3": "digits-mlp3"},
-                         optimizers={k: LR_GRID[k] for k in ("sgd", "momentum")},
+                         optimizers={k: LR_GRID[k] for k in ("sgd", "momentum", "adam")},
                          staleness=(0, 4, 8, 16), variants=dict(REMEDIES), preset=preset, seeds=REMEDY_SEEDS)
         if quick:
             spec = SweepSpec(models={"mlp3": "digits-mlp3"}, optimizers={"sgd": (0.1, 0.2, 0.4)},
