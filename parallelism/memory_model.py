@@ -296,12 +296,13 @@ def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, laye
     rank's schedule (`schedule.interleaved_1f1b`): a forward adds its chunk's bytes, a backward first holds the
     received output gradient (e·sbh, every chunk but the last) and then frees them; the token ids (chunk 0) and
     targets (the last chunk) count once while a micro-batch of their chunk is in flight (views of one storage)."""
+    from collectives.group import chunk_bounds
     from .schedule import interleaved_1f1b
     from .sequence import model_activation_bytes, layer_activation_bytes
     p, m, v = pp, micro_batches, virtual_stages
     b = batch // m
     sbh = seq * b * d
-    sizes = [hi - lo for lo, hi in _chunks(layers + 2, p * v)]        # parameterised children per chunk
+    sizes = [hi - lo for lo, hi in chunk_bounds(layers + 2, p * v)]   # parameterised children per chunk
     last = p * v - 1
 
     def per(c: int) -> int:
@@ -325,17 +326,6 @@ def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, laye
             cur -= per(c)
             live[c] -= 1
     return peak
-
-
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) of `parts` chunks of n items, the remainder on the first (collectives.chunk_bounds' rule)."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
 
 
 def tiny_stage_activation_bytes(batch: int, seq: int, d: int, heads: int, layers: int, vocab: int, pp: int,
