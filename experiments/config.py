@@ -320,13 +320,13 @@ def _others(p: ParallelConfig, ax: str) -> str:
 
 
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp with ep or zero, or ep with tp, cp or zero (not composed yet), else None."""
+    """cp with ep or zero, or ep with cp or zero (not composed yet), else None."""
     if p.cp > 1 and (p.ep > 1 or p.zero):
         return "cp"
-    return "ep" if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.zero) else None
+    return "ep" if p.ep > 1 and (p.cp > 1 or p.zero) else None
 
 
-_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data and pipeline parallelism"}
+_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data, tensor and pipeline parallelism"}
 
 
 def _split(p: ParallelConfig) -> bool:
@@ -336,8 +336,8 @@ def _split(p: ParallelConfig) -> bool:
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce, with checkpointing); dp x pp x
-# ep (allreduce and ps-*); ZeRO 1-3 over dp, ZeRO 1 also with tp and pp (the distributed optimizer); overlap on dp and
-# pp (without tp).
+# ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1 also with
+# tp and pp (the distributed optimizer); overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -352,11 +352,14 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.sp and p.cp > 1,
      lambda p, s: f"parallel.sp and parallel.cp = {p.cp} both split the sequence (over tp, over cp) and are not "
                   "composed with each other yet: drop parallel.sp (tp x cp runs)"),
-    (lambda p, s, sim: (p.ep > 1 and p.activation_checkpointing) or (p.overlap and (p.cp > 1 or p.ep > 1)),
-     lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: "
-                  + ("overlap applies to the data and pipeline engines" if p.overlap else
-                     "activation_checkpointing would detach the mixture of experts' load-balancing loss")
-                  + "; drop it"),
+    (lambda p, s, sim: p.overlap and (p.cp > 1 or p.ep > 1),
+     lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: overlap applies to the data and "
+                  "pipeline engines (the cp ring and the ep all-to-alls would share the transport with the bucket "
+                  "thread); drop it"),
+    (lambda p, s, sim: p.ep > 1 and p.tp > 1 and s.uses_ps,
+     lambda p, s: f"parallel.ep = {p.ep} with tp = {p.tp} needs train.strategy = allreduce: under {s.label} one rank "
+                  "of a shared group pushes the tensors it shares, and a tensor shared over tp and ep at once has "
+                  "no such rank yet"),
     (lambda p, s, sim: p.cp > 1 and s.uses_ps,
      lambda p, s: f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the same "
                   f"parameters and would push the same averaged gradient to the shards ({s.label})"),
@@ -482,14 +485,14 @@ def _validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"parallel.ep = {p.ep} places the experts of MoE layers; workload {w.name!r} has none: "
                               "use workload.name = text-moe")
         return
-    others = [f"{ax} = {getattr(p, ax)}" for ax in ("tp", "cp") if getattr(p, ax) > 1] + \
+    others = [f"{ax} = {getattr(p, ax)}" for ax in ("cp",) if getattr(p, ax) > 1] + \
         ([f"zero = {p.zero}"] if p.zero else [])
     if others:
-        raise ConfigError(f"workload text-moe runs data, pipeline or expert parallel (parallel.pp, parallel.ep), "
+        raise ConfigError(f"workload text-moe runs data, tensor, pipeline or expert parallel (parallel.tp, pp, ep), "
                           f"not with {', '.join(others)}: set them to 1 (zero = 0)")
-    if p.activation_checkpointing:
-        raise ConfigError("parallel.activation_checkpointing would detach text-moe's load-balancing loss (the "
-                          "checkpointed forward runs without gradients): drop it for the MoE workload")
+    if p.sp:
+        raise ConfigError("parallel.sp would route each tp rank's sequence shard on its own, but text-moe's capacity "
+                          "and load-balancing loss are per whole sequence: drop parallel.sp (tp without it runs)")
     _positive("workload.experts", w.experts)
     if w.experts > 256:
         raise ConfigError(f"workload.experts = {w.experts}: at most 256 experts per MoE layer here")

@@ -19,7 +19,9 @@ own group of the mesh:
     4. ep  each MoE layer's experts over the ep ranks         talks on ep  (all-to-alls; then gradients, loss)
     5. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
     6. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
-    (not yet: cp with sp, ep or ZeRO; ep with tp, cp or ZeRO; an MoE model with tp or checkpointing.)
+    An MoE model goes through every step but cp: under tp each expert's MLP is split like a dense one (the router
+    replicated, so all tp ranks route alike), under ac its blocks return their load-balancing losses from the
+    checkpoint. (not yet: cp with sp, ep or ZeRO; ep with cp or ZeRO; MoE with sp.)
 
 Files, one idea each:
     compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × pp × ep

@@ -10,6 +10,12 @@ saved for backward (parameters excluded, shared storages counted once) and relea
 so `peak_bytes` is the high-water mark of saved activations over forward *and* backward (recomputation included).
 Checkpointing uses torch.utils.checkpoint with use_reentrant=True: its forward runs under no_grad and saves only the
 block input through the outer hook, and its recomputation saves through the same hook, so both are measured.
+
+A block with mixture-of-experts layers also returns their load-balancing (aux) losses from the checkpointed
+function: computed under no_grad they would be constants, returned they become outputs of the checkpoint whose
+gradient, in backward, flows through the recomputed router like the block output's. The wrapper puts them back on
+the layers (`last_aux`), where `moe.moe_aux_loss` reads them. Routing statistics count once: the no-grad forward
+does not count, the recomputation does.
 """
 
 from __future__ import annotations
@@ -30,10 +36,16 @@ class CheckpointWrapper(torch.nn.Module):
         super().__init__()
         self.module = module
         self.forwards = 0
+        from .moe import MoEBase
+        self._moe = [m for m in module.modules() if isinstance(m, MoEBase)]
 
     def _run(self, *args: Any) -> Any:
         self.forwards += 1
         return self.module(*args)
+
+    def _run_with_aux(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        out = self._run(*args)
+        return (out, *[m.last_aux for m in self._moe])
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -44,6 +56,11 @@ class CheckpointWrapper(torch.nn.Module):
                          else a for a in args)
             if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 return self.module(*args)   # integer inputs (token ids): nothing to gain, run it plainly
+        if self._moe:               # the aux losses leave as outputs, so their gradient reaches the router
+            out, *auxes = checkpoint(self._run_with_aux, *args, use_reentrant=True)
+            for m, aux in zip(self._moe, auxes):
+                m.last_aux = aux
+            return out
         return checkpoint(self._run, *args, use_reentrant=True)
 
 

@@ -8,15 +8,16 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
                    a balanced cut of the parameterised ones (interleaved:                      p2p at the cuts
                    v chunks of a v·p-way cut, chunks s, s+p, …)
     2. tp  split   Attention / MLP → Megatron column- and row-parallel shards  tensor.py       talks on tp:
-       sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py     every block
+                   (an MoE layer: each expert's MLP, the router replicated)                    every block
+       sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py
     3. cp  ring    attention (each tp rank's heads) by ring attention over     context.py      talks on cp:
                    the cp group, every layer on the rank's S/C tokens                          K/V blocks, then
                                                                                                gradients, loss
     4. ep  experts each MoE layer's experts over the ep group (a sample       expert.py       talks on ep:
                    chunk per ep rank, all-to-all dispatch and combine)                         all-to-alls, then
                                                                                                gradients
-    5. ac  wrap    activation checkpointing of the stage's layers              checkpointing.py  (recompute
-                                                                                               replays 2 and 3)
+    5. ac  wrap    activation checkpointing of the stage's layers (an MoE     checkpointing.py  (recompute
+                   block's aux losses leave the checkpoint as outputs)                         replays 2, 3, 4)
     6. dp  sync    the slots the steps left are averaged over dp once a step   engine.py (strategy), or
                    (ZeRO-1) reduce-scattered, updated in chunks, all-gathered  distributed_optimizer.py
     then one executor runs the step: the pipeline schedule over m micro-batches (pp > 1), or one forward/backward.
@@ -102,23 +103,21 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     return [p for p in stage.parameters() if not getattr(p, SHARD_ATTR, False)]
 
 
-# what a mixture-of-experts model cannot go through yet, by step
+# what a mixture-of-experts model cannot go through, by step
 _MOE_REFUSED = {
-    "tp": "tensor parallelism does not split mixture-of-experts layers: use the data or expert-parallel engine "
-          "(parallel.ep) for MoE models",
-    "cp": "context parallelism does not add a mixture-of-experts model's load-balancing loss: use the data or "
-          "expert-parallel engine for MoE models",
-    "ac": "activation checkpointing would detach a mixture-of-experts model's load-balancing loss (the checkpointed "
-          "forward runs without gradients): drop it for MoE models",
+    "sp": "sequence parallelism would route each tp rank's sequence shard on its own, but an MoE layer's capacity "
+          "and load-balancing loss are per token group (whole sequences): drop sequence parallelism for MoE models",
+    "cp": "context parallelism does not add a mixture-of-experts model's load-balancing loss: use the data, tensor "
+          "or expert-parallel engine for MoE models",
 }
 
 
 def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequence_parallel: bool = False,
             regather: bool = False, checkpoint_activations: bool = False, refuse_moe: str | None = None,
             virtual_stages: int = 1, context_layout: str = "zigzag") -> Composed:
-    """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe ("tp" or "cp"):
-    refuse a mixture-of-experts model for that step's reason even at degree 1 (the tensor- and context-parallel
-    engines' promise); virtual_stages: model chunks per pipeline rank (interleaved 1F1B)."""
+    """Build this rank's piece of the model by the steps of ORDER (module docstring). refuse_moe ("cp"): refuse a
+    mixture-of-experts model for that step's reason even at degree 1 (the context-parallel engine's promise);
+    virtual_stages: model chunks per pipeline rank (interleaved 1F1B)."""
     if regather and not sequence_parallel:
         raise EngineError("regather=True keeps sequence shards of the linear inputs; it needs sequence_parallel=True")
     model = model_factory()
@@ -134,8 +133,8 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     pp = Comm(mesh.group("pp"), log)
     stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)
-    if moe and tp.size > 1:
-        raise EngineError(_MOE_REFUSED["tp"])
+    if moe and sequence_parallel and tp.size > 1:
+        raise EngineError(_MOE_REFUSED["sp"])
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
     cp = Comm(mesh.group("cp"), log)
     if cp.size > 1:
@@ -151,8 +150,6 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
         from .expert import expert_parallelize
         expert_parallelize(stage, ep, require=pp.size == 1)               # 4. ep
     if checkpoint_activations:
-        if moe:
-            raise EngineError(_MOE_REFUSED["ac"])
         wrap_children(stage)                                                # 5. activation checkpointing
     dp = Comm(mesh.group("dp"), log)                                        # 6. dp: the strategy's, on dp
     return Composed(stage, pp, tp, dp, cp, ep, mesh.world.ranks[mesh.rank], sequence_parallel and tp.size > 1,

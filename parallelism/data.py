@@ -220,11 +220,6 @@ class DataParallelEngine:
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> DataParallelReplica:
         model = model_factory()
         if self.checkpoint_activations:
-            from .moe import moe_layers
-            if moe_layers(model):   # reentrant checkpointing runs the first forward under no_grad: the aux loss
-                raise EngineError("activation checkpointing would detach a mixture-of-experts model's "
-                                  "load-balancing loss (computed in the no-grad forward); train MoE models "
-                                  "without it")
-            wrap_children(model)
+            wrap_children(model)        # an MoE block's aux losses leave the checkpoint as outputs (checkpointing.py)
         return DataParallelReplica(model, Comm(mesh.group("dp"), self.log), mesh.world.ranks[mesh.rank],
                                    self.bucket_bytes, self.loss_fn)

@@ -109,8 +109,9 @@ class ExpertParallelReplica(LocalReplica):
     rest (their gradients summed over ep after backward, see the module docstring)."""
 
     def __init__(self, module: nn.Module, dp: Comm, ep: Comm, rank: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        super().__init__(module, dp, rank, loss_fn)
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+        super().__init__(module, dp, rank, loss_fn, name_of)
         self.ep = ep
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -144,23 +145,27 @@ class ExpertParallelReplica(LocalReplica):
 
 
 class ExpertParallelEngine:
-    """Split every MoE layer's experts over the mesh's ep axis (dp × ep meshes); replicas averaged over dp.
-    loss_fn defaults to `lm_loss`; the training loss is loss_fn(logits, y) + moe_aux_loss(model)."""
+    """Split every MoE layer's experts over the mesh's ep axis (dp × ep, or dp × ep × tp meshes: under tp each
+    expert's MLP is itself split column/row over the tp group, compose.py's step 2); replicas averaged over dp.
+    loss_fn defaults to `lm_loss`; the training loss is loss_fn(logits, y) + moe_aux_loss(model);
+    checkpoint_activations wraps the blocks (their aux losses kept, checkpointing.py)."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 log: CommLog | None = None) -> None:
-        self.loss_fn, self.log = loss_fn or lm_loss, log
+                 log: CommLog | None = None, checkpoint_activations: bool = False) -> None:
+        self.loss_fn, self.log, self.checkpoint_activations = loss_fn or lm_loss, log, checkpoint_activations
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> ExpertParallelReplica:
-        others = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "tp") if mesh.size(ax) > 1]
+        from .compose import compose
+        others = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp") if mesh.size(ax) > 1]
         if others:
-            raise EngineError(f"ExpertParallelEngine runs on dp x ep meshes; this one also has {', '.join(others)} "
-                              "(pp x ep: PipelineEngine)")
-        log = self.log if self.log is not None else CommLog()
-        ep = Comm(mesh.group("ep"), log)
-        model = expert_parallelize(model_factory(), ep)
-        return ExpertParallelReplica(model, Comm(mesh.group("dp"), log), ep, mesh.world.ranks[mesh.rank],
-                                     self.loss_fn)
+            raise EngineError(f"ExpertParallelEngine runs on dp x ep (x tp) meshes; this one also has "
+                              f"{', '.join(others)} (pp x ep: PipelineEngine)")
+        c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(),
+                    checkpoint_activations=self.checkpoint_activations)
+        if not c.moe:
+            raise EngineError("ExpertParallelEngine found no MoE layer in the model; build it with "
+                              "parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
+        return ExpertParallelReplica(c.module, c.dp, c.ep, c.rank, self.loss_fn, c.name_of)
 
 
 def expert_parallelize(model: nn.Module, ep: Comm, require: bool = True) -> nn.Module:

@@ -77,7 +77,7 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
         return None
     mp = Comm(mesh.group("mp"), replica.log)
     pieces = [] if mesh.coord("cp") else local_pieces(   # cp ranks > 0 hold copies of cp rank 0's (context.py)
-        replica.slots(), send_replicated=mesh.coord("tp") == 0 and mesh.coord("ep") == 0)
+        replica.slots(), send_replicated=mesh.coord("tp") == 0, ep_first=mesh.coord("ep") == 0)
     if mp.rank != 0:
         _send_pieces(mp, pieces)
         return None
@@ -111,11 +111,15 @@ def _gather_zero(replica: ZeroReplica, root: bool) -> dict[str, torch.Tensor] | 
             for n, p in replica.module.named_parameters()}
 
 
-def local_pieces(slots: list[ParamSlot], send_replicated: bool = True) -> list[Piece]:
+def local_pieces(slots: list[ParamSlot], send_replicated: bool = True, ep_first: bool = True) -> list[Piece]:
     """This rank's pieces of the full model: tp shards (placed by their `_tp_index`) and whole tensors (only if
-    `send_replicated`: tp coordinate 0 sends them, the other tp ranks hold identical copies)."""
+    `send_replicated`: tp coordinate 0 sends them, the other tp ranks hold identical copies). Under expert
+    parallelism an expert's pieces live on its ep rank only, everything else is sent by ep coordinate 0
+    (`ep_first`): the other ep ranks hold identical copies."""
     out: list[Piece] = []
     for s in slots:
+        if not ep_first and not is_expert(s.param):
+            continue
         p = s.param.detach()
         dtype = str(p.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
@@ -134,7 +138,7 @@ def local_pieces(slots: list[ParamSlot], send_replicated: bool = True) -> list[P
         elif "#" in s.name:
             raise EngineError(f"slot {s.name} is a shard without a _tp_index, so it cannot be put in place; build "
                               f"tensor-parallel layers with ColumnParallelLinear/RowParallelLinear.from_full")
-        elif send_replicated or is_expert(s.param):      # an expert (expert.py) lives on one ep rank only
+        elif send_replicated:
             entry = {"name": s.name, "dim": None, "index": None}
         else:
             continue

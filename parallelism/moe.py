@@ -197,8 +197,9 @@ class MoE(MoEBase):
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoEBase]]:
-    """The model's MoE layers (name, module), in module order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEBase)]
+    """The model's MoE layers (name, module), in module order; names are the single-process model's (a checkpoint
+    wrapper's ".module" component left out)."""
+    return [(n.replace(".module.", "."), m) for n, m in model.named_modules() if isinstance(m, MoEBase)]
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:

@@ -263,7 +263,7 @@ class TensorParallelEngine:
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         from .compose import compose
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
-                    self.regather, self.checkpoint_activations, refuse_moe="tp")
+                    self.regather, self.checkpoint_activations)
         if c.sequence_parallel:
             from .models import lm_loss
             return SequenceParallelReplica(c.module, c.dp, c.tp, c.rank, c.replicated, self.loss_fn or lm_loss,

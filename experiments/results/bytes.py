@@ -9,6 +9,9 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
                           and one backward (f) of the activation A = b·S·d·4 B; under a pipeline, per micro-batch
                           (a_i = A·b_i/b, the rule chosen by a_i's size); checkpointing replays g in backward
                                                                          D·T · 2L · (2 | 3) · Σ_i AR_T(a_i)
+                          an MoE model: each of a rank's E/ep experts is a split MLP too, its all-reduces of the
+                          (ep·b_i sequences, capacity C, d) expert buffer; under ep, D·ep tp groups on b/ep sequences
+                                                  + D·ep·T · L_moe · (E/ep) · (2 | 3) · Σ_i AR_T(ep·b_i·C·d·4 B)
                           sequence parallel: 2 all-gathers / reduce-scatters per region forward, 2 backward (+2
                           recomputed), the same bytes, + the replicated parameters' gradients summed over tp (R
                           bytes; per stage, R_s, under a pipeline) and the loss
@@ -26,6 +29,8 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
                           each an all-to-all of the (b/ep sequences, experts, capacity, d) buffer; then the
                           replicated (non-expert) parameters' gradients and the loss summed over ep (R + 4 bytes)
                                                             D·ep · (4·L·(ep−1)/ep·(b/ep)·experts·C·d·4 + AR_ep(R + 4))
+                          checkpointing replays dispatch and combine (6 all-to-alls per layer); under tp, D·ep·T
+                          ranks, each summing its shards of the split non-expert tensors
     ps push + pull        push the gradient, pull the weights            Σ_r 2 · S_r
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
@@ -82,14 +87,20 @@ def _activations(model: torch.nn.Module, wl: Workload) -> list[int]:
     return out
 
 
-def _replicated_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters tensor parallelism does not split: all but qkv, proj.weight, fc1, fc2.weight."""
+def _split_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters tensor parallelism splits: qkv, proj.weight, fc1, fc2.weight (experts' MLPs too)."""
     split = set()
     for m in model.modules():
         if isinstance(m, Attention):
             split |= {id(m.qkv.weight), id(m.qkv.bias), id(m.proj.weight)}
         elif isinstance(m, MLP):
             split |= {id(m.fc1.weight), id(m.fc1.bias), id(m.fc2.weight)}
+    return split
+
+
+def _replicated_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters tensor parallelism does not split: all but qkv, proj.weight, fc1, fc2.weight."""
+    split = _split_ids(model)
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in split)
 
 
@@ -168,11 +179,11 @@ def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: in
 
 
 def _micro_sizes(cfg: RunConfig) -> list[int]:
-    """Examples per micro-batch of one worker's batch (pp > 1: torch.tensor_split into m, of the rank's 1/ep
-    sample chunk under ep; else the batch)."""
+    """Examples per micro-batch of one rank (pp > 1: torch.tensor_split into m of the rank's 1/ep sample chunk
+    under ep; else that chunk, the worker's batch without ep)."""
     b, p = cfg.workload.batch_size, cfg.parallel
     if p.pp == 1:
-        return [b]
+        return [b // p.ep]
     return [len(c) for c in torch.tensor_split(torch.arange(b // p.ep), p.micro_batches)]
 
 
@@ -180,11 +191,13 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
     """Tensor (+ sequence) parallelism, also inside pipeline stages: every Attention and MLP region communicates
     per micro-batch (of a_i = A · b_i/b bytes), activation checkpointing replays its forward collectives."""
     p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
-    D *= C                                  # tp × cp: D·C tp groups, each on its S/C tokens
-    regions = sum(1 for m in model.modules() if isinstance(m, (Attention, MLP)))
+    D *= C * p.ep                  # tp × cp: D·C tp groups, each on its S/C tokens; tp × ep: D·ep, on b/ep sequences
+    regions = sum(1 for n, m in model.named_modules() if isinstance(m, (Attention, MLP)) and ".experts." not in n)
     A = (acts[1] if len(acts) > 1 else acts[0]) / C
     b = cfg.workload.batch_size
     micro = [A * n / b for n in _micro_sizes(cfg)]
+    experts, etext = _expert_mlps(cfg, model, wl.batch(0, 0)[0].shape[1], _micro_sizes(cfg), T,
+                                  3 if p.activation_checkpointing else 2)
     ac = p.activation_checkpointing
     mtext = f" over {len(micro)} micro-batches (a_i = A·b_i/b)" if len(micro) > 1 else ""
     if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
@@ -209,14 +222,33 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
     else:
         per_region = 3 if ac else 2
         parts = [_allreduce(a, T, "T", "a_i" if mtext else "A", _gloo(cfg)) for a in micro]
-        total = D * T * regions * per_region * sum(x for x, _ in parts)
-        formula = (f"D·{'C·' if C > 1 else ''}T ranks · {regions * per_region} all-reduces (g forward, f backward"
-                   + (", g recomputed" if ac else "") + f", per attention and MLP) · {parts[0][1]}{mtext}; "
-                   + ("A = b·(S/C)·d·4 B" if C > 1 else "A = b·S·d·4 B"))
+        total = D * T * (regions * per_region * sum(x for x, _ in parts) + experts)
+        formula = (f"D·{'C·' if C > 1 else ''}{'ep·' if p.ep > 1 else ''}T ranks · ({regions * per_region} "
+                   "all-reduces (g forward, f backward" + (", g recomputed" if ac else "")
+                   + f", per attention and MLP) · {parts[0][1]}{mtext}{etext}); "
+                   + ("A = b·(S/C)·d·4 B" if C > 1 else "A = (b/ep)·S·d·4 B" if p.ep > 1 else "A = b·S·d·4 B"))
     if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
         total += D * (T - 1) * _replicated_bytes(model)
         formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
     return total, formula
+
+
+def _expert_mlps(cfg: RunConfig, model: torch.nn.Module, S: int, sizes: list[int], T: int, per_region: int
+                 ) -> tuple[float, str]:
+    """Tensor parallelism splits each expert's MLP like a dense one: per MoE layer, each of a rank's E/ep experts
+    all-reduces its (ep·n_i sequences, capacity C, d) output forward and input gradient backward (+ the recomputed
+    forward) per micro-batch of n_i sequences. (bytes, formula text); (0, "") without MoE layers."""
+    from parallelism.moe import capacity, moe_layers
+    layers = [m for _, m in moe_layers(model)]
+    if not layers:
+        return 0.0, ""
+    w, p = cfg.workload, cfg.parallel
+    C = capacity(S, w.experts, w.top_k, w.capacity_factor)          # groups are single sequences
+    d = layers[0].router.in_features
+    parts = [_allreduce(p.ep * n * C * d * 4, T, "T", "e_i", _gloo(cfg)) for n in sizes]
+    per_rank = len(layers) * (w.experts // p.ep) * per_region * sum(x for x, _ in parts)
+    return per_rank, (f" + {len(layers)} MoE layers · {w.experts // p.ep} experts · {per_region} all-reduces · "
+                      f"{parts[0][1]}, e_i = ep·b_i sequences · capacity {C} · d {d} · 4 B")
 
 
 def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
@@ -268,15 +300,22 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
         stages = rank_stages(model, P, cfg.parallel.virtual_stages)
     else:
         stages = [model]
+    T, ac = cfg.parallel.tp, cfg.parallel.activation_checkpointing
+    if ac:                 # checkpointing replays the forward's dispatch and combine in backward: 6, not 4
+        a2a = a2a * 6 / 4
     grads, R = 0.0, 0
-    for st in stages:
-        R_s = sum(q.numel() * q.element_size() for n, q in st.named_parameters() if ".experts." not in n)
+    for st in stages:      # a tp rank holds 1/T of the split tensors (their shard) and the replicated ones whole
+        split = _split_ids(st)
+        R_s = sum(q.numel() * q.element_size() // (T if id(q) in split else 1)
+                  for n, q in st.named_parameters() if ".experts." not in n)
         g, rule = _allreduce(R_s + 4, ep, "ep", "(R_s + 4)" if P > 1 else "(R + 4)", _gloo(cfg))
         grads, R = grads + g, R + R_s
-    total = D * ep * (a2a + grads)
-    formula = (f"D·ep ranks{' (of all stages)' if P > 1 else ''} · ({len(layers)} MoE layers · 4 all-to-alls · "
+    total = D * ep * T * (a2a + grads)
+    formula = (f"D·ep{'·T' if T > 1 else ''} ranks{' (of all stages)' if P > 1 else ''} · ({len(layers)} MoE layers "
+               f"· {6 if ac else 4} all-to-alls{' (2 recomputed)' if ac else ''} · "
                f"(ep−1)/ep · (b/ep sequences · {w.experts} experts · capacity {C} · d {d} · 4 B) + replicated "
-               f"gradients and loss {rule}{' per stage' if P > 1 else ''}, R = {R} B)")
+               f"gradients and loss {rule}{' per stage' if P > 1 else ''}, R = {R} B"
+               + (" (a tp rank's: its shards of the split tensors)" if T > 1 else "") + ")")
     if cfg.strategy.uses_ps:      # ep rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
         total += D * (ep - 1) * R
         formula += " + D·(ep−1)·R (PS: ep rank 0 broadcasts the replicated tensors)"

@@ -15,7 +15,8 @@ Engines, chosen in this fixed order (the first that applies; config.py's table r
     parallel.tp > 1     TensorParallelEngine        attention heads and MLP width split over T ranks
                         (parallel.sp: + sequence parallelism: LayerNorm regions split along the sequence)
     otherwise           DataParallelEngine          the whole model on every rank
-(`activation_checkpointing` wraps the blocks of the data, tensor and pipeline engines.)
+(`activation_checkpointing` wraps the blocks of the data, tensor, context, expert and pipeline engines; under tp
+an MoE layer's experts are split like MLPs, over ep placed inside that.)
 
 Strategies:
     local      LocalStrategy: K virtual workers in one process, their gradients averaged
@@ -152,7 +153,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
         return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
     if p.ep > 1:
         from parallelism.expert import ExpertParallelEngine
-        return ExpertParallelEngine(loss_fn=loss)
+        return ExpertParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
     if p.tp > 1:
         return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp,
                                     checkpoint_activations=p.activation_checkpointing)

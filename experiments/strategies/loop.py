@@ -282,7 +282,7 @@ class _Worker(ElasticMember):
         if self.pipe_span > 0:
             out["pipeline_busy_s"], out["pipeline_span_s"] = self.pipe_busy, self.pipe_span
         moe = _moe_stats(replica)
-        if moe:
+        if moe and self.mesh.coord("tp") == 0:      # tp ranks route the same tokens as tp rank 0: counted once
             out["moe"] = moe
         if hasattr(strategy, "refresh"):
             strategy.refresh(replica)

@@ -287,7 +287,8 @@ MOE = ["workload.name=text-moe", "workload.batch_size=8", "train.steps=4", "trai
 def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
     """text-moe (top-2, capacity factor 0.75: tokens are dropped) with ep = 2 x dp = 2 under allreduce (zmq and gloo)
     and under ps-bsp, and cut into pipeline stages (dp x pp x ep; under ps-bsp interleaved too), each stage adding
-    its MoE layers' aux loss: every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
+    its MoE layers' aux loss; with tp (each expert's MLP split column/row, alone on gloo and inside ep with
+    activation checkpointing) and checkpointed pipelines (the aux losses leave the checkpoint as outputs): every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
     the summary reports the expert load (the same counts as local: routing per sequence does not depend on the
     split), the all-to-all bytes equal their formula, and `pslab report` draws the expert-load plot."""
     from experiments.cli import main
@@ -300,7 +301,14 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
                         "allreduce pp=2 x ep=2": ["train.strategy=allreduce", "parallel.pp=2", "parallel.ep=2",
                                                   "parallel.micro_batches=2"],
                         "ps-bsp pp=2 x ep=2 v2": ["train.strategy=ps-bsp", "parallel.pp=2", "parallel.ep=2",
-                                                  "parallel.virtual_stages=2", "parallel.micro_batches=2"]}.items():
+                                                  "parallel.virtual_stages=2", "parallel.micro_batches=2"],
+                        "allreduce ep=2 x tp=2 ckpt": ["train.strategy=allreduce", "parallel.ep=2", "parallel.tp=2",
+                                                       "parallel.activation_checkpointing=true"],
+                        "allreduce tp=2 torch": ["train.strategy=allreduce", "parallel.tp=2", "train.backend=torch"],
+                        "ps-bsp tp=2": ["train.strategy=ps-bsp", "parallel.tp=2"],
+                        "allreduce pp=2 x ep=2 ckpt": ["train.strategy=allreduce", "parallel.pp=2", "parallel.ep=2",
+                                                       "parallel.micro_batches=2",
+                                                       "parallel.activation_checkpointing=true"]}.items():
         rd = execute(small_config(*MOE, *extra, *more), tmp_path, label=label, quiet=True)
         runs[label] = (rd, {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(rd.metrics_path)},
                        json.loads((rd.path / "summary.json").read_text()))
@@ -315,6 +323,7 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
             assert_counted_equals_formula(v, "torch" in label, 2, (label, kind))
         assert ("ep all-to-all + grads" in s["bytes_by_kind"]) == ("ep=2" in label), label
         assert ("pp boundaries" in s["bytes_by_kind"]) == ("pp=2" in label), label
+        assert ("tp activations" in s["bytes_by_kind"]) == ("tp=2" in label), label
     rd = runs["allreduce ep=2"][0]
     assert main(["report", str(rd.path)]) == 0
     report = (rd.path / "report" / "report.md").read_text()

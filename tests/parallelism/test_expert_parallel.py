@@ -282,20 +282,12 @@ def test_moe_in_a_pipeline_matches_single_process(backend, mesh_shape, v, opt):
     assert routed == {"1.mlp": tokens, "2.mlp": tokens}
 
 
-def test_moe_with_checkpointing_and_zero1_on_ep_are_refused():
-    """Activation checkpointing would run the MoE forward without gradients (the aux loss detached): compose refuses
-    it in one line; the distributed optimizer refuses a replica split over ep (its chunks would repeat per ep)."""
+def test_zero1_on_ep_is_refused():
+    """The distributed optimizer refuses a replica split over ep (its chunks would repeat per ep). (MoE with
+    activation checkpointing runs: tests/parallelism/test_moe_composition.py.)"""
     from types import SimpleNamespace
-    from parallelism.compose import compose
-    from parallelism.comm import CommLog
     from parallelism.distributed_optimizer import DistributedOptimizerStrategy
 
-    class _G:
-        rank, world_size, ranks = 0, 1, (0,)
-
-    mesh = SimpleNamespace(group=lambda axis: _G(), world=_G(), rank=0)
-    with pytest.raises(EngineError, match="would detach a mixture-of-experts model's load-balancing loss"):
-        compose(_pp_factory(), mesh, CommLog(), checkpoint_activations=True)
     fake = SimpleNamespace(ep=SimpleNamespace(size=2), dp=SimpleNamespace(size=2, rank=0), slots=lambda: [])
     with pytest.raises(EngineError, match="split over ep = 2"):
         DistributedOptimizerStrategy(sgd).attach(fake)

@@ -1,0 +1,133 @@
+"""A mixture-of-experts model through the other axes (parallelism/compose.py): tensor parallelism splits every
+expert's MLP column/row over the tp group like a dense MLP (router replicated, so every tp rank routes the same
+tokens), expert parallelism places the experts over ep inside that, pipelines cut around them, and activation
+checkpointing returns the blocks' load-balancing losses from the checkpoint so their gradient still reaches the
+routers. Every step's loss, the gathered model and the routed counts equal one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import collectives
+from parallelism.engine import AllReduceStrategy, EngineError
+from parallelism.export import gather_full_state
+from parallelism.models import lm_loss, tiny_moe_transformer
+from parallelism.moe import moe_aux_loss, moe_layers
+
+from tests.parallelism.par_helpers import adam_attention, assert_close, plain, run_training, sgd, tf_batches
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 3
+MOE_CFG = dict(vocab=16, d=16, heads=4, layers=2, seq=6, experts=4, top_k=2, capacity_factor=1.0, aux_weight=0.05,
+               group_samples=1)              # capacity per sequence: any split of the batch routes the same
+FACTORY = functools.partial(tiny_moe_transformer, **MOE_CFG)
+OPTS = {"sgd": sgd, "adam": adam_attention}
+
+
+def _reference(opt: str):
+    torch.set_num_threads(1)
+    model = FACTORY()
+    optim = OPTS[opt](list(model.parameters()))
+    losses = []
+    for x, y in tf_batches(STEPS):
+        loss = lm_loss(model(x), y) + moe_aux_loss(model)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(float(loss.detach()))
+    stats = {n: m.pop_stats() for n, m in moe_layers(model)}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, stats
+
+
+def _engine(mesh_shape: dict[str, int], ckpt: bool):
+    if mesh_shape.get("pp", 1) > 1:
+        from parallelism.pipeline import PipelineEngine
+        return PipelineEngine("1f1b", 2, loss_fn=lm_loss, checkpoint_activations=ckpt)
+    if mesh_shape.get("ep", 1) > 1:
+        from parallelism.expert import ExpertParallelEngine
+        return ExpertParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
+    if mesh_shape.get("tp", 1) > 1:
+        from parallelism.tensor import TensorParallelEngine
+        return TensorParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
+    from parallelism.data import DataParallelEngine
+    return DataParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
+
+
+def _worker(group, mesh_shape, ckpt, opt):
+    torch.set_num_threads(1)
+    mesh, replica, losses = run_training(group, _engine(mesh_shape, ckpt), FACTORY, tf_batches(STEPS), mesh_shape,
+                                         strategy=AllReduceStrategy(OPTS[opt]))
+    stats = {n: m.pop_stats() for n, m in moe_layers(replica.module if hasattr(replica, "module") else replica.stage)}
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in
+                  (replica.module if hasattr(replica, "module") else replica.stage).modules())
+    return plain({"losses": losses, "state": gather_full_state(replica, mesh), "coords": mesh.coords,
+                  "stats": stats, "sites": sorted(replica.log.by_site()), "wrapped": wrapped})
+
+
+CASES = [  # backend, mesh, activation checkpointing, optimizer
+    ("zmq", {"dp": 2}, True, "sgd"),
+    ("zmq", {"tp": 2}, False, "adam"),
+    ("torch", {"tp": 2}, True, "sgd"),
+    ("zmq", {"ep": 2, "tp": 2}, False, "sgd"),
+    ("zmq", {"dp": 2, "ep": 2}, True, "adam"),
+    ("torch", {"ep": 2, "tp": 2}, True, "sgd"),
+    ("zmq", {"pp": 2, "tp": 2}, True, "sgd"),
+    ("zmq", {"dp": 2, "ep": 2, "tp": 2}, True, "sgd"),
+    ("zmq", {"pp": 2, "ep": 2, "tp": 2}, False, "adam"),
+]
+
+
+@pytest.mark.parametrize("backend,mesh_shape,ckpt,opt", CASES,
+                         ids=["-".join(f"{k}{v}" for k, v in m.items()) + ("-ac" if c else "") + f"-{o}-{b}"
+                              for b, m, c, o in CASES])
+def test_moe_composes_with_tp_ep_pp_and_checkpointing(backend, mesh_shape, ckpt, opt):
+    """Losses of every step, the gathered model and the routed / dropped counts (summed over the ranks that see
+    distinct tokens: tp ranks see the same ones) equal one process; under tp every expert's weights are split
+    (sites of the experts' f/g appear), under checkpointing every block is wrapped."""
+    ref_losses, ref_w, ref_stats = _reference(opt)
+    out = collectives.launch(_worker, math.prod(mesh_shape.values()), backend=backend,
+                             args=(mesh_shape, ckpt, opt), timeout=200)
+    for r in out:
+        assert_close(r["losses"], ref_losses, f"losses {r['coords']}")
+        assert (r["wrapped"] > 0) == ckpt
+        if mesh_shape.get("tp", 1) > 1:
+            assert any(".experts." in s for s in r["sites"]), r["sites"]
+    root = out[0]["state"]
+    assert root is not None and all(r["state"] is None for r in out[1:])
+    assert list(root) == list(ref_w)
+    for n, w in ref_w.items():
+        assert_close(root[n], w, n)
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for r in out:
+        if r["coords"].get("tp", 0):
+            continue                                # tp ranks route the same tokens as tp rank 0
+        for layer, st in r["stats"].items():
+            for k, v in st.items():
+                got.setdefault(layer, {}).setdefault(k, torch.zeros_like(ref_stats[layer][k]))
+                got[layer][k] += torch.as_tensor(v)
+    assert set(got) == set(ref_stats)
+    for layer, st in ref_stats.items():
+        for k in ("routed", "dropped"):
+            assert got[layer][k].tolist() == st[k].tolist(), (layer, k)
+    assert sum(int(st["dropped"].sum()) for st in ref_stats.values()) > 0
+
+
+def test_moe_with_sequence_parallelism_is_refused():
+    """sp would route each tp rank's sequence shard alone, while capacity and the aux loss are per whole sequence:
+    compose refuses it in one line."""
+    from types import SimpleNamespace
+    from parallelism.comm import CommLog
+    from parallelism.compose import compose
+
+    class _G:
+        def __init__(self, size: int) -> None:
+            self.rank, self.world_size, self.ranks = 0, size, tuple(range(size))
+
+    mesh = SimpleNamespace(group=lambda axis: _G(2 if axis == "tp" else 1), world=_G(1), rank=0)
+    with pytest.raises(EngineError, match="sequence parallelism would route each tp rank's sequence shard"):
+        compose(FACTORY, mesh, CommLog(), sequence_parallel=True)
