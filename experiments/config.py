@@ -124,6 +124,11 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp * self.ep
 
     @property
+    def slot_groups(self) -> int:
+        """Shard sets a parameter server needs: one per (pp, ep, tp) coordinate (the cp ranks share one)."""
+        return self.tp * self.pp * self.ep
+
+    @property
     def distributed_optimizer(self) -> bool:
         """ZeRO on a split model (zero = 1 with tp or pp): parallelism/distributed_optimizer.py, not ZeroEngine."""
         return bool(self.zero) and (self.tp > 1 or self.pp > 1)
@@ -335,9 +340,9 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce, with checkpointing); dp x pp x
-# ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1 also with
-# tp and pp (the distributed optimizer); overlap on dp and pp (without tp).
+# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
+# dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
+# also with tp and pp (the distributed optimizer); overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -360,9 +365,6 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
      lambda p, s: f"parallel.ep = {p.ep} with tp = {p.tp} needs train.strategy = allreduce: under {s.label} one rank "
                   "of a shared group pushes the tensors it shares, and a tensor shared over tp and ep at once has "
                   "no such rank yet"),
-    (lambda p, s, sim: p.cp > 1 and s.uses_ps,
-     lambda p, s: f"parallel.cp = {p.cp} needs train.strategy = allreduce: the cp ranks of a worker hold the same "
-                  f"parameters and would push the same averaged gradient to the shards ({s.label})"),
     (lambda p, s, sim: sim and (_split(p) or p.overlap or p.activation_checkpointing),
      lambda p, s: "the simulator models data parallelism only: drop the [parallel] settings "
                   f"({p.describe()}) or run without --simulate"),

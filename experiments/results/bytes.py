@@ -25,6 +25,9 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
                           every tp rank runs its heads' ring (blocks of d/T) and averages its own slots, and tp's
                           all-reduces act on the S/C tokens (A/C, D·C·T ranks)
                                                                   D·C·T · (L · ring + AR_C(R + (M−R)/T) + AR_C(8 B))
+                          under ps-*, cp rank 0 alone talks to the shards and broadcasts the slots it read (M_r, its
+                          share: R + (M−R)/T) with 12 B of clock, rewind and dropped flag over cp
+                                                                                  + D·T·(C−1)·(M_r + 12)
     ep all-to-all + grads expert parallelism over ep ranks: per MoE layer dispatch + combine forward and backward,
                           each an all-to-all of the (b/ep sequences, experts, capacity, d) buffer; then the
                           replicated (non-expert) parameters' gradients and the loss summed over ep (R + 4 bytes)
@@ -227,8 +230,8 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
                    "all-reduces (g forward, f backward" + (", g recomputed" if ac else "")
                    + f", per attention and MLP) · {parts[0][1]}{mtext}{etext}); "
                    + ("A = b·(S/C)·d·4 B" if C > 1 else "A = (b/ep)·S·d·4 B" if p.ep > 1 else "A = b·S·d·4 B"))
-    if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py)
-        total += D * (T - 1) * _replicated_bytes(model)
+    if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py; under
+        total += cfg.train.workers * (T - 1) * _replicated_bytes(model)       # cp: cp rank 0's tp group only)
         formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
     return total, formula
 
@@ -266,20 +269,25 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     rb = ring_bytes(x.shape[0], x.shape[1], att[0].d // T, C) if att else {"total": 0, "forward": 0}
     ring = rb["total"] + (rb["forward"] if ac else 0)
     stages = rank_stages(model, p.pp, p.virtual_stages) if p.pp > 1 else [model]
-    grads = 0.0
+    grads, held = 0.0, 0
     for st in stages:
         M = sum(q.numel() * q.element_size() for q in st.parameters())
         R = _replicated_bytes(st) if T > 1 else M
         g, rule = _allreduce(R + (M - R) // T, C, "C", ("(R + (M−R)/T)" if T > 1 else "M") + ("_s" if p.pp > 1 else ""),
                              _gloo(cfg))
-        grads += g
+        grads, held = grads + g, held + R + (M - R) // T
     loss, _ = _allreduce(8, C, "C", "8 B", _gloo(cfg))
     ranks = "D·C·T" if T > 1 else "D·C"
-    return (D * C * T * (len(att) * ring + grads + loss),
-            f"{ranks} ranks{' (of each stage)' if p.pp > 1 else ''} · ({len(att)} layers · ring {ring} B (K, V"
-            f"{' of d/T' if T > 1 else ''}: 2(C−1) blocks forward, 2(C−1)+2C backward"
-            f"{', 2(C−1) recomputed' if ac else ''}) + gradients {rule}{' per stage' if p.pp > 1 else ''} + loss "
-            "(C−1)·8 B)")
+    total = D * C * T * (len(att) * ring + grads + loss)
+    formula = (f"{ranks} ranks{' (of each stage)' if p.pp > 1 else ''} · ({len(att)} layers · ring {ring} B (K, V"
+               f"{' of d/T' if T > 1 else ''}: 2(C−1) blocks forward, 2(C−1)+2C backward"
+               f"{', 2(C−1) recomputed' if ac else ''}) + gradients {rule}{' per stage' if p.pp > 1 else ''} + loss "
+               "(C−1)·8 B)")
+    if cfg.strategy.uses_ps:     # cp rank 0 broadcasts every slot it read (+ clock, rewind, dropped: 12 B)
+        total += D * T * (C - 1) * (held + 12 * len(stages))
+        formula += (f" + D·{'T·' if T > 1 else ''}(C−1)·(M_r + 12 B) (PS: cp rank 0 broadcasts the {held} B of "
+                    "slots it read to the other cp ranks" + (", per stage" if p.pp > 1 else "") + ")")
+    return total, formula
 
 
 def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]:

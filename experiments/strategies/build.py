@@ -52,7 +52,7 @@ def check_processes(cfg: RunConfig, force: bool = False) -> None:
     import os
     cores = os.cpu_count() or 1
     limit = max(16, 8 * cores)
-    n = world_size(cfg) + (cfg.train.shards * cfg.parallel.model_parallel if cfg.strategy.uses_ps else 0)
+    n = world_size(cfg) + (cfg.train.shards * cfg.parallel.slot_groups if cfg.strategy.uses_ps else 0)
     if n > limit and not force:
         raise ConfigError(f"this run would start {n} processes on {cores} cores (limit {limit}): pass --force to "
                           "start them anyway, or --simulate to study that many workers in virtual time")
@@ -190,4 +190,5 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
                           shared_group=_shared_group(mesh), abort=cfg.train.backup_abort,
+                          mirror_group=mesh.group("cp") if mesh.size("cp") > 1 else None,
                           secret=secret)

@@ -1,7 +1,7 @@
 """Real runs on this machine: start the shards (ps-* only), launch world_size(cfg) ranks of `train_worker`, and
 turn what the ranks returned into summary fields.
 
-    shards  ps.start_servers(train.shards, num_workers=D, policy, optimizer spec, groups=P·T)  (forked, loopback)
+    shards  ps.start_servers(train.shards, num_workers=D, policy, optimizer spec, groups=P·E·T)  (forked, loopback)
     ranks   collectives.launch(train_worker, D·T·P, backend=train.backend)   (local: 1 rank playing all K workers)
             with [topology]: launch(..., topology=Topology) -- each rank's transport emulates its links
 
@@ -27,14 +27,14 @@ START_METHOD = os.environ.get("PSLAB_START_METHOD", "fork")
 
 def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: str | None = None,
                  run_path: str | None = None) -> Any:
-    """The run's shard servers: one set of train.shards per slot group (pp × tp), each serving D workers; with
+    """The run's shard servers: one set of train.shards per slot group (pp × ep × tp), each serving D workers; with
     faults.shard_checkpoint_every = k they checkpoint every k updates into RUN_DIR/shards (a restarted shard
     resumes there)."""
     import ps
     from experiments.strategies.spec import optimizer_spec
     every = cfg.faults.shard_checkpoint_every
     return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, optimizer_spec(cfg.train),
-                            groups=cfg.parallel.model_parallel, start_method=START_METHOD, bind_host=bind_host,
+                            groups=cfg.parallel.slot_groups, start_method=START_METHOD, bind_host=bind_host,
                             curve_keys_dir=curve_keys_dir, request_timeout=cfg.train.timeout_s,
                             idle_timeout=cfg.train.timeout_s,
                             checkpoint_dir=os.path.join(run_path, "shards") if every and run_path else None,

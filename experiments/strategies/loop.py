@@ -270,10 +270,11 @@ class _Worker(ElasticMember):
         """After the last step: PS replicas adopt the shards' final weights; the final evaluation; the shards'
         stats (from the current rank 0). `ran`: the steps this process took, over which `measured` was counted."""
         strategy, replica = self.strategy, self.replica
+        pushed = getattr(strategy, "pushed_bytes", None)     # a PS strategy's (a cp rank > 0 pushes nothing: 0)
         out: dict[str, Any] = {"rank": self.member, "bytes_sent": measured, "sends": dict(self.sends),
                                "steps": max(1, ran),
-                               "slot_bytes": getattr(strategy, "pushed_bytes", None)
-                               or sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
+                               "slot_bytes": pushed if pushed is not None
+                               else sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent),
                                "unobserved": {axis: g.traffic().get("unobserved_why", "")   # NCCL, ...: no

@@ -1,6 +1,6 @@
 """The real parameter server as a `SyncStrategy` for the parallelism engines: every `ps-*` run goes through it.
 
-    servers = ps.start_servers(shards, num_workers=D, policy=..., optimizer=spec, groups=P * T)
+    servers = ps.start_servers(shards, num_workers=D, policy=..., optimizer=spec, groups=P * E * T)
     strategy = PSSyncStrategy(servers.group_addresses[slot_group(mesh)])     # on every rank
     strategy.attach(replica)   # dp rank 0 initialises its group's shards; gradients now live in the push segment
     loss = replica.forward_backward(x, y); strategy.step(replica)           # one push_pull round trip
@@ -24,6 +24,11 @@ until the next read, which only this strategy makes). Then what backward wrote i
 buffers for dense gradients, only the touched rows for sparse ones (a gradient hook notes which).
 (A tensor split across two shards is reassembled into one reused buffer, and a shard without the shared-memory
 path sends frames: then the client copies, the worker still does not.)
+
+With cp > 1 the cp ranks of a worker hold the same slots, and after backward the same gradients (the context-parallel
+replica averages them over cp): cp rank 0 alone talks to the shards (slot groups are P·E·T, not P·C·E·T) and after
+each read broadcasts every slot's new value over cp, with the clock, a rewind and the dropped flag, so the other cp
+ranks step, rewind and record as it does (`mirror_group`; they hold no client and push nothing).
 
 With tp > 1 the tensors every tp rank holds whole (LayerNorm, embeddings, row-parallel biases) live only on the
 tp-rank-0 shard set: tp rank 0 pushes their gradient (equal on every tp rank) and broadcasts their new values to its
@@ -82,9 +87,10 @@ class PSStrategyError(ExperimentError):
 
 
 def slot_group(mesh: DeviceMesh) -> int:
-    """Index of this rank's slot group (its shard set): its rank inside its model replica, e.g. pp · T + tp; there
-    are P · C · E · T groups, each of D ranks."""
-    return mesh.layout.rank_of(**{**mesh.coords, "dp": 0})
+    """Index of this rank's slot group (its shard set): (pp · E + ep) · T + tp; there are P · E · T groups, each of
+    D workers. The cp ranks of a worker hold the same slots: they share their cp rank 0's group (only it connects)."""
+    c = mesh.coords
+    return (c["pp"] * mesh.size("ep") + c["ep"]) * mesh.size("tp") + c["tp"]
 
 
 def own_slot(slot: Any) -> bool:
@@ -113,6 +119,9 @@ class PSSyncStrategy:
     secret: str | None = None     # the job secret the shards admit (None: PSLAB_JOB_SECRET / _FILE, as launched)
     shared_group: Any = None      # tp > 1 (or ep > 1): the tensor- (expert-) parallel group, whose ranks share the
                                   # replicated tensors (`own_slot` says which are a rank's own)
+    mirror_group: Any = None      # cp > 1: the context-parallel group, whose ranks hold the same slots (and, after
+                                  # backward, the same cp-averaged gradients): its rank 0 talks to the shards, the
+                                  # others take every slot's new value from it (module docstring)
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
@@ -125,6 +134,12 @@ class PSSyncStrategy:
     _aborted: bool = field(default=False, init=False, repr=False)
     restarts: list[dict[str, Any]] = field(default_factory=list, init=False)   # shard restarts recovered from
     _rewind: int | None = field(default=None, init=False, repr=False)
+    _mirror_clock: int = field(default=0, init=False, repr=False)
+
+    @property
+    def mirror(self) -> bool:
+        """Whether this rank is a cp rank > 0: no client, every slot's value from cp rank 0 after each read."""
+        return self.mirror_group is not None and self.mirror_group.rank > 0
 
     def attach(self, replica: Replica) -> None:
         import ps
@@ -134,13 +149,16 @@ class PSSyncStrategy:
         if not slots or len(set(names)) != len(names):
             raise PSStrategyError(f"a replica must expose distinct, non-empty slot names to push by; got {names[:8]}")
         self.close()
+        if self.mirror:
+            self._receive(replica)
+            return
         worker, workers = replica.dp.rank, replica.dp.size
         self._shared = [s.name for s in slots if self.shared_group is not None and not own_slot(s)]
         if self.shared_group is not None and self.shared_group.rank > 0:
             slots = [s for s in slots if s.name not in self._shared]     # rank 0's shard set holds them
         params = {s.name: s.param.detach() for s in slots}
         fix = "start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size " \
-              "(ps.start_servers(..., groups=the model-parallel ranks of a worker, pp x cp x ep x tp))"
+              "(ps.start_servers(..., groups=pp x ep x tp: the slot groups of a worker))"
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
                                      curve_keys_dir=self.curve_keys_dir, secret=self.secret)
@@ -173,6 +191,9 @@ class PSSyncStrategy:
         return ops.get("push", {}).get("sent", 0), ops.get("pull", {}).get("recv", 0)
 
     def step(self, replica: Replica) -> None:
+        if self.mirror:
+            self._receive(replica)
+            return
         if self.client is None:
             raise PSStrategyError("PSSyncStrategy.step before attach(replica)")
         before = self._wire()
@@ -297,7 +318,7 @@ class PSSyncStrategy:
     @property
     def clock(self) -> int:
         """This worker's clock on its shards (after a read; backup-BSP may move it past a clock)."""
-        return self.client.clocks[0] if self.client is not None else 0
+        return self.client.clocks[0] if self.client is not None else self._mirror_clock
 
     @property
     def pushed_bytes(self) -> int:
@@ -312,7 +333,35 @@ class PSSyncStrategy:
 
     def refresh(self, replica: Replica) -> None:
         """Read the shards' current weights into the replica (e.g. after every worker has finished)."""
+        if self.mirror:
+            self._receive(replica)
+            return
         self._adopt(replica, self.client.pull(copy=False).result(self.timeout))
+
+    def _send_mirrors(self, replica: Replica) -> None:
+        """cp rank 0, after each read: every slot's value to the other cp ranks, with the clock, the rewind (or −1)
+        and whether the step's gradient was dropped, so they step, rewind and record exactly as it does."""
+        head = torch.tensor([float(self.clock), float(-1 if self._rewind is None else self._rewind),
+                             float(self.dropped)])
+        flat = torch.cat([s.param.detach().reshape(-1) for s in replica.slots()] + [head])
+        self.mirror_group.broadcast(flat, src=0)
+
+    def _receive(self, replica: Replica) -> None:
+        """A cp rank > 0: take cp rank 0's slot values (and clock, rewind, dropped); its gradients are not pushed."""
+        slots = replica.slots()
+        flat = torch.empty(sum(s.param.numel() for s in slots) + 3)
+        self.mirror_group.broadcast(flat, src=0)
+        off = 0
+        for s in slots:
+            with torch.no_grad():
+                s.param.copy_(flat[off:off + s.param.numel()].view_as(s.param))
+            s.param.grad = None                      # cp-averaged like cp rank 0's, which pushed it
+            off += s.param.numel()
+        clock, rewind, dropped = (int(v) for v in flat[off:].tolist())
+        self._mirror_clock = clock
+        if rewind >= 0:
+            self._rewind = rewind
+        self.history.append(PSStep(clock, ["dropped" if dropped else "mirrored"], [], []))
 
     def _adopt(self, replica: Replica, read: Any) -> None:
         """Point every pushed slot's data at the pulled (read-only) values: no copy. With tp > 1, tp rank 0 then
@@ -333,6 +382,8 @@ class PSSyncStrategy:
                         s.param.copy_(flat[off:off + s.param.numel()].view_as(s.param))
                     s.param.grad = None              # computed like tp rank 0's, which pushes it
                     off += s.param.numel()
+        if self.mirror_group is not None:
+            self._send_mirrors(replica)
 
     def shard_stats(self, series: bool = False) -> list[dict[str, Any]]:
         """Per shard: version, clocks, staleness summary (histogram, per worker), waits, counters; with `series`

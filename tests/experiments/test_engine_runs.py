@@ -67,6 +67,12 @@ LAYOUTS = {
                                                             "parallel.virtual_stages=2", "train.backend=torch"],
                                           {"tp activations", "pp boundaries"}),
     "ps-bsp pp=2 v2": ("ps-bsp", 1, ["parallel.pp=2", "parallel.virtual_stages=2"], {"ps push + pull", "pp boundaries"}),
+    # cp under the parameter server: cp rank 0 pushes the cp-averaged gradient, then broadcasts what it read
+    "ps-bsp dp=2 x cp=2": ("ps-bsp", 2, ["parallel.cp=2"], {"ps push + pull", "cp ring + grads"}),
+    "ps-bsp tp=2 x cp=2": ("ps-bsp", 1, ["parallel.tp=2", "parallel.cp=2"],
+                           {"ps push + pull", "tp activations", "cp ring + grads"}),
+    "ps-bsp pp=2 x cp=2": ("ps-bsp", 1, ["parallel.pp=2", "parallel.cp=2"],
+                           {"ps push + pull", "pp boundaries", "cp ring + grads"}),
     "allreduce cp=2": ("allreduce", 1, ["parallel.tp=1", "parallel.cp=2"], {"cp ring + grads"}),
     "allreduce dp=2 x cp=2 torch": ("allreduce", 2, ["parallel.cp=2", "train.backend=torch"],
                                     {"dp gradient sync", "cp ring + grads"}),

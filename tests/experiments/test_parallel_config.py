@@ -55,7 +55,6 @@ TF = ["--set", "workload.name=text-transformer"]
      "combines with data, tensor and pipeline parallelism"),
     (["parallel.cp=2", "parallel.zero=1", "train.strategy=allreduce"], "combines with data, tensor and pipeline"),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.strategy=allreduce"], "both split the sequence"),
-    (["parallel.cp=2"], "needs train.strategy = allreduce"),
     (["parallel.cp=3", "train.strategy=allreduce"], "choose cp in [2, 4, 8"),
     (["parallel.cp=2", "train.strategy=allreduce", "workload.name=digits-mlp"], "has no attention"),
     (["parallel.cp=2", "train.strategy=allreduce", "parallel.overlap=true"],

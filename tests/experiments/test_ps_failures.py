@@ -5,6 +5,7 @@ run ends with the weights of single-process large-batch SGD; the strategy report
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from typing import Any
@@ -18,19 +19,32 @@ from experiments.strategies.ps import PSSyncStrategy
 from parallelism.data import DataParallelEngine
 from parallelism.engine import train_step
 from parallelism.mesh import DeviceMesh
+from parallelism.models import lm_loss, tiny_transformer
 
 from tests.parallelism.par_helpers import MLP_FACTORY, assert_close, dp_shard, mlp_batches, plain, reference
 
 LR, STEPS, K, KILL_AT = 0.1, 12, 3, 7
 TIMEOUT = 60
+CP_FACTORY = functools.partial(tiny_transformer, vocab=16, d=16, heads=4, layers=2, seq=8)   # S = 8: 2·cp chunks
 
 
-def _worker(group: Any, addresses: list[str], shard_pid: int) -> dict[str, Any]:
+def _cp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
+            for _ in range(STEPS)]
+
+
+def _worker(group: Any, addresses: list[str], shard_pid: int, cp: int = 1) -> dict[str, Any]:
     torch.set_num_threads(1)
-    mesh = DeviceMesh(group, dp=2)
-    replica = DataParallelEngine().build(MLP_FACTORY, mesh)
-    strategy = PSSyncStrategy(addresses, timeout=TIMEOUT)
-    batches = mlp_batches(STEPS)
+    mesh = DeviceMesh(group, dp=2, cp=cp)
+    if cp > 1:         # context parallel: cp rank 0 talks to the shard, cp rank 1 mirrors it (its rewind too)
+        from parallelism.context import ContextParallelEngine
+        replica = ContextParallelEngine(loss_fn=lm_loss).build(CP_FACTORY, mesh)
+        batches = _cp_batches()
+    else:
+        replica = DataParallelEngine().build(MLP_FACTORY, mesh)
+        batches = mlp_batches(STEPS)
+    strategy = PSSyncStrategy(addresses, timeout=TIMEOUT, mirror_group=mesh.group("cp") if cp > 1 else None)
     rewinds = []
     try:
         strategy.attach(replica)
@@ -54,7 +68,8 @@ def _worker(group: Any, addresses: list[str], shard_pid: int) -> dict[str, Any]:
         strategy.refresh(replica)
         return plain({"slots": {s.name: s.param.detach().clone() for s in replica.slots()},
                       "restarts": strategy.restarts, "rewinds": rewinds,
-                      "statuses": [h.status for h in strategy.history], "clock": strategy.clock})
+                      "statuses": [h.status for h in strategy.history], "clock": strategy.clock,
+                      "mirror": strategy.mirror})
     finally:
         strategy.close(replica)
 
@@ -81,21 +96,31 @@ class ShardWatch:
         self.events += self.servers.check(self.shard_detect_s)
 
 
-@pytest.mark.timeout(180)
-def test_a_killed_shard_under_ps_bsp_is_survived_by_the_engine_run(tmp_path):
-    ref_losses, ref_w = reference(MLP_FACTORY, mlp_batches(STEPS), opt=lambda p: torch.optim.SGD(p, lr=LR))
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_killed_shard_under_ps_bsp_is_survived_by_the_engine_run(tmp_path, cp):
+    """(cp = 2: dp 2 x cp 2 of the tiny transformer; the cp ranks > 0 hold no client and take the weights, the
+    clock and the rewind from their cp rank 0, so they redo the same clocks.)"""
+    if cp > 1:
+        ref_losses, ref_w = reference(CP_FACTORY, _cp_batches(), opt=lambda p: torch.optim.SGD(p, lr=LR),
+                                      loss_fn=lm_loss)
+    else:
+        ref_losses, ref_w = reference(MLP_FACTORY, mlp_batches(STEPS), opt=lambda p: torch.optim.SGD(p, lr=LR))
     with ps.start_servers(1, 2, "bsp", f"sgd:lr={LR}", start_method="fork", checkpoint_dir=str(tmp_path),
                           checkpoint_every=K, request_timeout=TIMEOUT, idle_timeout=TIMEOUT) as servers:
         watch = ShardWatch(servers)
-        out = collectives.launch(_worker, 2, backend="zmq", timeout=150, secret=servers.secret, supervisor=watch,
-                                 args=(servers.addresses, servers.processes[0].pid))
+        out = collectives.launch(_worker, 2 * cp, backend="zmq", timeout=200, secret=servers.secret,
+                                 supervisor=watch, args=(servers.addresses, servers.processes[0].pid, cp))
         assert [e["event"] for e in watch.events] == ["detect", "shard_restart"], watch.events
         restart = watch.events[1]
         assert restart["how"].startswith("from ") and 0 <= restart["lost_updates"] <= K
     for r in out:
         assert r["clock"] == STEPS
-        assert [x["shard"] for x in r["restarts"]] == [0] and r["restarts"][0]["lost_updates"] <= K
         assert r["rewinds"] and r["rewinds"][0][1] == restart["restored_version"]
-        assert r["statuses"].count(["lost"]) == 1
+        if r["mirror"]:
+            assert r["restarts"] == [] and r["statuses"].count(["dropped"]) == 1
+        else:
+            assert [x["shard"] for x in r["restarts"]] == [0] and r["restarts"][0]["lost_updates"] <= K
+            assert r["statuses"].count(["lost"]) == 1
         for n, w in r["slots"].items():                # the redone clocks: as if nothing had failed
             assert_close(w, ref_w[n], n)
