@@ -18,10 +18,11 @@ own group of the mesh:
     3. cp  each tp rank's heads by ring attention             talks on cp  (K/V blocks; then gradients, loss)
     4. ep  each MoE layer's experts over the ep ranks         talks on ep  (all-to-alls; then gradients, loss)
     5. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
-    6. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO, or the PS shards)
+    6. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO — 2-3 with tp too —,
+                                                                            or the PS shards)
     An MoE model goes through every step but cp: under tp each expert's MLP is split like a dense one (the router
     replicated, so all tp ranks route alike), under ac its blocks return their load-balancing losses from the
-    checkpoint. (not yet: cp with sp, ep or ZeRO; ep with cp or ZeRO; MoE with sp.)
+    checkpoint. (not yet: cp with sp, ep or ZeRO; ep with cp or ZeRO; MoE with sp; ZeRO 2-3 with pp, sp, cp, ep.)
 
 Files, one idea each:
     compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × pp × ep

@@ -71,13 +71,15 @@ def gather_full_state(replica: Replica, mesh: DeviceMesh) -> dict[str, torch.Ten
     Raises EngineError if the replica was not built on this mesh or its pieces do not add up to whole tensors."""
     _check_mesh(replica, mesh)
     root = mesh.rank == mesh.layout.rank_of(0, 0, 0)
-    if isinstance(replica, ZeroReplica):
+    if isinstance(replica, ZeroReplica) and mesh.size("tp") == 1:
         return _gather_zero(replica, root)
+    # ZeRO over dp × tp: each tp rank's shards made whole (stage 3: every dp rank takes part), assembled like tp's
+    slots = _zero_tp_slots(replica) if isinstance(replica, ZeroReplica) else replica.slots()
     if mesh.coord("dp") != 0:
         return None
     mp = Comm(mesh.group("mp"), replica.log)
     pieces = [] if mesh.coord("cp") else local_pieces(   # cp ranks > 0 hold copies of cp rank 0's (context.py)
-        replica.slots(), send_replicated=mesh.coord("tp") == 0, ep_first=mesh.coord("ep") == 0)
+        slots, send_replicated=mesh.coord("tp") == 0, ep_first=mesh.coord("ep") == 0)
     if mp.rank != 0:
         _send_pieces(mp, pieces)
         return None
@@ -99,6 +101,20 @@ def _check_mesh(replica: Replica, mesh: DeviceMesh) -> None:
     if want != got:
         raise EngineError(f"gather_full_state: the replica's dp group has ranks {got} but this mesh's is {want}; "
                           f"pass the DeviceMesh the replica was built on")
+
+
+def _zero_tp_slots(replica: ZeroReplica) -> list[ParamSlot]:
+    """A ZeRO replica over tp shards: each parameter whole on this tp rank (stage 3 all-gathers it over dp), named
+    and indexed as tensor parallelism names its shards, so `local_pieces` places them."""
+    from .tensor import TP_INDEX_ATTR
+    full = replica.full_parameters()
+    out = []
+    for n, p in replica.named:
+        t = full[n]
+        if tp_index(p) is not None:
+            setattr(t, TP_INDEX_ATTR, tp_index(p))
+        out.append(ParamSlot(replica.name_of(unwrap_name(n), p), t, replica.rank))
+    return out
 
 
 def _gather_zero(replica: ZeroReplica, root: bool) -> dict[str, torch.Tensor] | None:

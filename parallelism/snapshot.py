@@ -84,15 +84,22 @@ def targets(replica: Replica, strategy: Any) -> list[Target]:
         raise SnapshotError("the distributed optimizer is not attached to this replica: attach it before a snapshot")
     if isinstance(replica, ZeroReplica):
         for n, p in replica.named:
-            shape = tuple(replica.shapes[n])
+            shape, idx = list(replica.shapes[n]), tp_index(p)
+            whole: dict[str, Any] = {"kind": "whole"}
+            index = None
+            if idx is not None:            # ZeRO over a tp shard (dp × tp): the shard, and chunks of it
+                index = idx[1]
+                shape[idx[0]] = shape[idx[0]] * int(replica.name_of(n, p).rsplit("/", 1)[1])
+                whole = {"kind": "index", "dim": int(idx[0])}
             if replica.stage == 0:
-                out.append(Target(n, shape, {"kind": "whole"}, None, p, p))
+                out.append(Target(n, tuple(shape), whole, index, p, p))
                 continue
             if replica.stage in (1, 2):
-                out.append(Target(n, shape, {"kind": "whole"}, None, p, None))
+                out.append(Target(n, tuple(shape), whole, index, p, None))
             a, b = replica.bounds[n]
-            out.append(Target(n, shape, {"kind": "flat", "start": a, "stop": b}, None, replica.shards[n],
-                              replica.shards[n]))
+            chunk = {"kind": "flat", "start": a, "stop": b} if idx is None else \
+                {**whole, "kind": "index_flat", "start": a, "stop": b}
+            out.append(Target(n, tuple(shape), chunk, index, replica.shards[n], replica.shards[n]))
         return out
     for k, s in enumerate(replica.slots()):
         name, idx = s.name.split("#", 1)[0], tp_index(s.param)

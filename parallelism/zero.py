@@ -60,10 +60,11 @@ class ZeroReplica:
 
     def __init__(self, module: nn.Module, dp: Comm, stage: int, optimizer_factory: OptimizerFactory, rank: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise EngineError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.module, self.dp, self.log, self.stage, self.rank = module, dp, dp.log, stage, rank
+        self.name_of = name_of or (lambda name, p: name)     # + "#tp{t}/{T}" for a tensor-parallel shard
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.prefetch = prefetch
         self.n, self.r = dp.size, dp.rank
@@ -226,8 +227,9 @@ class ZeroReplica:
 
     def slots(self) -> list[ParamSlot]:
         if self.stage == 0:
-            return [ParamSlot(n, p, self.rank) for n, p in self.named]
-        return [ParamSlot(f"{n}#shard{self.bounds[n][0]}:{self.bounds[n][1]}", s, self.rank)
+            return [ParamSlot(self.name_of(n, p), p, self.rank) for n, p in self.named]
+        params = dict(self.named)
+        return [ParamSlot(f"{self.name_of(n, params[n])}#shard{self.bounds[n][0]}:{self.bounds[n][1]}", s, self.rank)
                 for n, s in self.shards.items()]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -268,7 +270,16 @@ class ZeroStrategy:
 
 
 class ZeroEngine:
-    """ZeRO over the mesh's dp axis (pp = tp = 1)."""
+    """ZeRO over the mesh's dp axis, on the whole model or on each tp rank's shards (dp × tp: 2D, FSDP + TP).
+
+    With tp the model is first split over the tp group (`compose.py`'s step 2); ZeRO then chunks what the rank holds
+    (its shards, and the tensors tp replicates) over its dp group — the ranks with the same tp coordinate — exactly
+    as it chunks a whole model. The replicated tensors' gradients are equal on every tp rank, so nothing more is
+    summed. Stage 3 gathers without prefetch under tp: the prefetch runs on the communication thread while tp's
+    collectives run on the training thread, and one process's transport is not shared by two threads at once.
+    Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
+    distributed optimizer), cp, ep or sequence parallelism (their gradient reductions after backward would meet
+    gradients that stages 2–3 already reduce-scattered inside it)."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
                  log: CommLog | None = None) -> None:
@@ -276,7 +287,13 @@ class ZeroEngine:
             stage, optimizer_factory, loss_fn, prefetch, log)
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
-        if mesh.size("pp") > 1 or mesh.size("tp") > 1:
-            raise EngineError("ZeroEngine shards over dp only; use a mesh with pp=1 and tp=1")
-        return ZeroReplica(model_factory(), Comm(mesh.group("dp"), self.log), self.stage, self.optimizer_factory,
-                           mesh.world.ranks[mesh.rank], self.loss_fn, self.prefetch)
+        other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
+        if other:
+            raise EngineError(f"ZeroEngine shards over dp, on the whole model or its tp shards; this mesh also has "
+                              f"{', '.join(other)} (with pp: zero = 1, DistributedOptimizerStrategy)")
+        from .compose import compose
+        log = self.log if self.log is not None else CommLog()
+        c = compose(model_factory, mesh, log)
+        prefetch = self.prefetch and c.tp.size == 1
+        return ZeroReplica(c.module, c.dp, self.stage, self.optimizer_factory, c.rank, self.loss_fn, prefetch,
+                           c.name_of)

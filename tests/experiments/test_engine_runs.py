@@ -67,6 +67,11 @@ LAYOUTS = {
                                                             "parallel.virtual_stages=2", "train.backend=torch"],
                                           {"tp activations", "pp boundaries"}),
     "ps-bsp pp=2 v2": ("ps-bsp", 1, ["parallel.pp=2", "parallel.virtual_stages=2"], {"ps push + pull", "pp boundaries"}),
+    # ZeRO 2-3 over each tp rank's shards (2D: FSDP + TP)
+    "allreduce dp=2 x tp=2 zero=3": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=3"],   # (Adam with eps 1e-8
+                                     {"zero RS + AG", "tp activations"}),   # turns the key biases' 1e-10 noise into steps)
+    "allreduce dp=2 x tp=2 zero=2 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=2", "train.backend=torch"],
+                                           {"zero RS + AG", "tp activations"}),
     # cp under the parameter server: cp rank 0 pushes the cp-averaged gradient, then broadcasts what it read
     "ps-bsp dp=2 x cp=2": ("ps-bsp", 2, ["parallel.cp=2"], {"ps push + pull", "cp ring + grads"}),
     "ps-bsp tp=2 x cp=2": ("ps-bsp", 1, ["parallel.tp=2", "parallel.cp=2"],

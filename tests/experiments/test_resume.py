@@ -209,3 +209,19 @@ def test_resume_refusals(tmp_path):
         with pytest.raises(ConfigError, match=change.split("=")[0]):
             resume_config(moe.path, [change, "train.steps=4"])
     assert (moe.path / "config.toml").read_text() == written      # nothing written by a refused resume
+
+
+def test_zero3_over_tp_resumed_at_another_layout(tmp_path):
+    """dp 2 x tp 2 with ZeRO-3 (each tp rank's shards chunked over dp: the checkpoint holds chunks of tp shards) for
+    2 steps, resumed as itself and as dp 2 x tp 2 with ZeRO-2 and as dp 2 without ZeRO or tp: every resume continues
+    the uninterrupted run's losses (itself bitwise, the others to float32 tolerance)."""
+    fsdp_tp = [*TF, "train.workers=2", "parallel.tp=2", "parallel.zero=3"]
+    straight = execute(small_config(*fsdp_tp, "train.steps=4"), tmp_path, label="zero3-tp2", quiet=True)
+    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
+    for label, change in (("same", []), ("zero2", ["parallel.zero=2"]), ("dp", ["parallel.tp=1", "parallel.zero=0"])):
+        first = execute(small_config(*fsdp_tp, "train.steps=2"), tmp_path, label=label, quiet=True)
+        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
+        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
+        assert sorted(got) == sorted(ref), label
+        for k, v in ref.items():
+            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
