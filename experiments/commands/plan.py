@@ -374,6 +374,9 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
             raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
         rows = check(cluster, topo, repeats=args.repeats, progress=progress)
         out["check"] = rows
+        if len(rows) > 1:
+            from experiments.studies.plan_check import ranking
+            out["ranking"] = ranking(rows)
         if not args.json:
             print(format_table(rows))
     if args.json:

@@ -14,11 +14,13 @@ with `shape` read off the workload (layers, hidden, heads, sequence, vocabulary;
 batch / m) and `cluster` the calibration (`experiments/bench/calibrate.py`: a Cluster named "here"). Bytes: the
 planner's `comm_model.step_comm(..., algorithm="pslab", act_bytes=4, grad_bytes=4)` summed per kind and per link
 class, next to the run's measured bytes_by_kind and link_bytes_per_step (both summed over ranks, per step). The
-default configs (DEFAULT_CONFIGS) cover dp (hierarchical all-reduce across the hosts; with and without overlap),
-tp inside a host vs across the slow link (placement packed vs spread), tp over both hosts, dp x pp with the
-pipeline inside a host vs across, ZeRO 1 and 3, and five layouts with two model-parallel axes, tp x pp (composed,
-parallelism/compose.py): packed and spread, with sequence parallelism packed and spread, and GPipe. A config
-without a placement takes the topology's.
+default configs (DEFAULT_CONFIGS, 17) cover dp (hierarchical all-reduce across the hosts; with and without
+overlap), tp inside a host vs across the slow link (placement packed vs spread), tp over both hosts, dp x pp with the
+pipeline inside a host vs across (spread, and the explicit axis order "dp,pp"), ZeRO 1 and 3 over dp and ZeRO-3 over
+dp x tp (FSDP + TP), and six layouts with two model-parallel axes, tp x pp (composed, parallelism/compose.py):
+packed and spread, with sequence parallelism packed and spread, GPipe, and interleaved 1F1B (v = 2). A config
+without a placement takes the topology's. `ranking(rows)`: Spearman's ρ between the predicted and measured order and
+the measured cost of the planner's top pick over the measured best.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ BATCH = 8              # per data-parallel worker (workload.batch_size)
 DEFAULT_TOPOLOGY = Topology(hosts=2, per_host=2, intra_latency_s=20e-6, intra_bandwidth_Bps=2e9,
                             inter_latency_s=2e-3, inter_bandwidth_Bps=20e6)
 
-# label -> layout (dp, tp, sp, pp, zero, micro_batches, schedule, overlap) and placement; world size 4 each
+# label -> layout (dp, tp, sp, pp, zero, micro_batches, schedule, overlap, virtual_stages) and placement; world
+# size 4 each
 DEFAULT_CONFIGS: list[dict[str, Any]] = [
     {"label": "dp=4", "dp": 4},
     {"label": "dp=2 x tp=2 packed", "dp": 2, "tp": 2, "placement": "packed"},
@@ -57,6 +60,10 @@ DEFAULT_CONFIGS: list[dict[str, Any]] = [
     {"label": "tp=2 sp x pp=2 packed", "tp": 2, "sp": True, "pp": 2, "micro_batches": 4, "placement": "packed"},
     {"label": "tp=2 sp x pp=2 spread", "tp": 2, "sp": True, "pp": 2, "micro_batches": 4, "placement": "spread"},
     {"label": "tp=2 x pp=2 gpipe", "tp": 2, "pp": 2, "micro_batches": 4, "schedule": "gpipe"},
+    {"label": "tp=2 x pp=2 v2 packed", "tp": 2, "pp": 2, "micro_batches": 4, "virtual_stages": 2,
+     "placement": "packed"},
+    {"label": "dp=2 x pp=2 m4 dp,pp", "dp": 2, "pp": 2, "micro_batches": 4, "placement": "dp,pp"},
+    {"label": "zero=3 dp=2 x tp=2", "dp": 2, "tp": 2, "zero": 3, "placement": "packed"},
 ]
 
 
@@ -65,12 +72,13 @@ class CheckError(ValueError):
 
 
 def _norm(c: dict[str, Any]) -> dict[str, Any]:
-    known = {"label", "dp", "tp", "sp", "pp", "zero", "micro_batches", "schedule", "placement", "overlap"}
+    known = {"label", "dp", "tp", "sp", "pp", "zero", "micro_batches", "schedule", "placement", "overlap",
+             "virtual_stages"}
     unknown = sorted(set(c) - known)
     if unknown:
         raise CheckError(f"check config has unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     out = {"dp": 1, "tp": 1, "sp": False, "pp": 1, "zero": 0, "micro_batches": 1, "schedule": "1f1b",
-           "placement": "packed", "overlap": False, **c}
+           "placement": "packed", "overlap": False, "virtual_stages": 1, **c}
     if out["pp"] == 1:
         out["micro_batches"] = 1
     out.setdefault("label", f"dp={out['dp']} tp={out['tp']} pp={out['pp']} zero={out['zero']} {out['placement']}")
@@ -97,7 +105,8 @@ def overrides(c: dict[str, Any], topology: Topology, steps: int, batch: int = BA
                  f"topology.inter_latency_us={us(topology.inter_latency_s)}",
                  f"topology.inter_bandwidth_GBps={gbps(topology.inter_bandwidth_Bps)}"]
     if c["pp"] > 1:
-        ov += [f"parallel.micro_batches={c['micro_batches']}", f"parallel.schedule={c['schedule']}"]
+        ov += [f"parallel.micro_batches={c['micro_batches']}", f"parallel.schedule={c['schedule']}",
+               f"parallel.virtual_stages={c['virtual_stages']}"]
     return ov
 
 
@@ -113,7 +122,8 @@ def layout_of(c: dict[str, Any]) -> Any:
     from parallelism.memory_model import Layout
     c = _norm(c)
     return Layout(dp=c["dp"], tp=c["tp"], pp=c["pp"], zero=c["zero"], sp=c["sp"],
-                  micro_batches=c["micro_batches"] if c["pp"] > 1 else 1, schedule=c["schedule"])
+                  micro_batches=c["micro_batches"] if c["pp"] > 1 else 1, schedule=c["schedule"],
+                  virtual_stages=c["virtual_stages"])
 
 
 def predict_row(c: dict[str, Any], cluster: Cluster, batch: int = BATCH, steps: int | None = None) -> dict[str, Any]:
@@ -153,7 +163,8 @@ def _row(c: dict[str, Any], pred: dict[str, Any], runs: list[dict]) -> dict[str,
     pk = {k: pred["bytes_by_kind"].get(k, 0.0) for k in kinds}
     mk = {k: mk.get(k, 0.0) for k in kinds}
     pl = pred["bytes_by_link"]
-    return {"label": c["label"], "layout": {k: c[k] for k in ("dp", "tp", "sp", "pp", "zero", "micro_batches")},
+    return {"label": c["label"],
+            "layout": {k: c[k] for k in ("dp", "tp", "sp", "pp", "zero", "micro_batches", "virtual_stages")},
             "placement": c["placement"], "predicted_s": pred["step_s"], "measured_s": meas,
             "measured_all_s": [r["step_s"] for r in runs], "ratio": pred["step_s"] / meas,
             "error_pct": abs(pred["step_s"] - meas) / meas * 100, "prediction": pred["prediction"],
@@ -201,6 +212,39 @@ def check(cluster: Cluster, topology: Topology, configs: list[dict] | None = Non
     return rows
 
 
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def ranking(rows: list[dict]) -> dict[str, Any]:
+    """How well the planner orders the configs: Spearman's ρ between predicted and measured step times (the
+    Pearson correlation of their ranks), and its top pick (the config it predicts fastest) against the measured
+    best: `top_pick_excess` = measured(top pick) / measured(best) − 1 (0 when it picked the best)."""
+    if len(rows) < 2:
+        raise CheckError("a ranking needs at least 2 configs")
+    rp, rm = _ranks([r["predicted_s"] for r in rows]), _ranks([r["measured_s"] for r in rows])
+    mp, mm = statistics.fmean(rp), statistics.fmean(rm)
+    cov = sum((a - mp) * (b - mm) for a, b in zip(rp, rm))
+    var = math.sqrt(sum((a - mp) ** 2 for a in rp) * sum((b - mm) ** 2 for b in rm))
+    pick = min(rows, key=lambda r: r["predicted_s"])
+    best = min(rows, key=lambda r: r["measured_s"])
+    return {"spearman": cov / var if var else float("nan"), "top_pick": pick["label"],
+            "top_pick_measured_s": pick["measured_s"], "best": best["label"], "best_measured_s": best["measured_s"],
+            "top_pick_excess": pick["measured_s"] / best["measured_s"] - 1,
+            "within_25pct": sum(r["error_pct"] <= 25 for r in rows), "configs": len(rows)}
+
+
 def format_table(rows: list[dict]) -> str:
     """The check as text: one line per config (predicted, measured, ratio, error), then bytes per kind and link."""
     out = [f"{'config':<22} {'predicted ms':>12} {'measured ms':>12} {'ratio':>6} {'error':>7}  "
@@ -213,6 +257,11 @@ def format_table(rows: list[dict]) -> str:
                    f"{p.get('overhead_s', 0) * 1e3:>6.2f}  {'= measured' if r['bytes_equal'] else 'DIFFER'}")
     within = sum(r["error_pct"] <= 25 for r in rows)
     out.append(f"{within} of {len(rows)} configs within 25 % (compute/bubble/comm/ovh: the prediction's terms, ms)")
+    if len(rows) > 1:
+        rk = ranking(rows)
+        out.append(f"ranking: Spearman ρ = {rk['spearman']:.2f} (predicted vs measured order); the planner's top pick "
+                   f"{rk['top_pick']!r} measured {rk['top_pick_measured_s'] * 1e3:.2f} ms, the measured best "
+                   f"{rk['best']!r} {rk['best_measured_s'] * 1e3:.2f} ms (+{rk['top_pick_excess'] * 100:.1f} %)")
     out.append("")
     out.append("bytes per step, all ranks (planner / measured):")
     for r in rows:

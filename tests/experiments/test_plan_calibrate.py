@@ -81,3 +81,23 @@ def test_check_refuses_a_config_that_does_not_fill_the_topology(calibrated):
         check(c, topo, [{"dp": 4}], progress=False)
     with pytest.raises(CheckError, match="unknown"):
         check(c, topo, [{"dp": 2, "tpp": 2}], progress=False)
+
+
+def test_ranking_is_spearman_with_tied_ranks_and_the_top_picks_excess():
+    """Spearman's ρ: 1 for the same order, −1 for the reverse, 0.8 for one swap of neighbours among 4; tied values
+    share their mean rank and ρ is the Pearson correlation of the ranks (the textbook 1 − 6Σd²/(n(n²−1)) holds
+    only without ties); the top pick's excess is its measured time over the measured best's, minus 1."""
+    from experiments.studies.plan_check import CheckError, ranking
+
+    def rows(pred, meas):
+        return [{"label": str(i), "predicted_s": p, "measured_s": m, "error_pct": abs(p - m) / m * 100}
+                for i, (p, m) in enumerate(zip(pred, meas))]
+    assert ranking(rows([1, 2, 3, 4], [10, 20, 30, 40]))["spearman"] == pytest.approx(1.0)
+    assert ranking(rows([1, 2, 3, 4], [40, 30, 20, 10]))["spearman"] == pytest.approx(-1.0)
+    assert ranking(rows([1, 2, 3, 4], [1.1, 2.5, 2.4, 5]))["spearman"] == pytest.approx(0.8)
+    # ties: predicted (1, 2, 2, 3) -> ranks (1, 2.5, 2.5, 4); measured in order -> ranks (1, 2, 3, 4)
+    assert ranking(rows([1, 2, 2, 3], [1, 2, 3, 4]))["spearman"] == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    r = ranking(rows([1, 2, 3], [0.12, 0.10, 0.3]))
+    assert (r["top_pick"], r["best"]) == ("0", "1") and r["top_pick_excess"] == pytest.approx(0.2)
+    with pytest.raises(CheckError, match="at least 2 configs"):
+        ranking(rows([1], [1]))
