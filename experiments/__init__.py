@@ -4,6 +4,7 @@ Where is X? (paths from here)
 
     cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench, workloads
     config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate] [faults], validation
+    combinations.py                 which [parallel] / [topology] combinations run: the table of refusals, each's reason
     errors.py                       ExperimentError / ConfigError: one line, exit 1
     stragglers.py                   the step-time model (per-worker factors, transient slow-downs, random delays)
     runner.py                       `execute(cfg)`: one run into a run directory (real ranks or the simulator)
