@@ -17,14 +17,14 @@ from experiments.strategies.spec import Strategy
 def _others(p: ParallelConfig, ax: str) -> str:
     """The other split axes that are set, e.g. "tp = 2, zero = 1" (for the refusals below)."""
     out = [f"{o} = {getattr(p, o)}" for o in ("tp", "pp", "cp", "ep") if o != ax and getattr(p, o) > 1]
-    return ", ".join(out + ([f"zero = {p.zero}"] if p.zero else []))
+    return ", ".join(out + ([f"zero = {p.zero}"] if p.zero > 1 else []))
 
 
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp with ep or zero, or ep with cp or zero (not composed yet), else None."""
-    if p.cp > 1 and (p.ep > 1 or p.zero):
+    """cp with ep or zero 2-3, or ep with cp or zero 2-3 (not composed yet), else None."""
+    if p.cp > 1 and (p.ep > 1 or p.zero > 1):
         return "cp"
-    return "ep" if p.ep > 1 and (p.cp > 1 or p.zero) else None
+    return "ep" if p.ep > 1 and (p.cp > 1 or p.zero > 1) else None
 
 
 _COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data, tensor and pipeline parallelism"}
@@ -49,8 +49,8 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     # context parallelism composes with tp and pp, expert parallelism with pp; the rest not yet
     (lambda p, s, sim: _uncomposed(p) is not None,
      lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
-                  f"{_COMPOSES_WITH[_uncomposed(p)]} only, not with {_others(p, _uncomposed(p))}: set the others "
-                  "to 1 (and zero = 0)"),
+                  f"{_COMPOSES_WITH[_uncomposed(p)]} (and zero = 1) only, not with {_others(p, _uncomposed(p))}: "
+                  "set the others to 1 (zero to 0 or 1)"),
     (lambda p, s, sim: p.sp and p.cp > 1,
      lambda p, s: f"parallel.sp and parallel.cp = {p.cp} both split the sequence (over tp, over cp) and are not "
                   "composed with each other yet: drop parallel.sp (tp x cp runs)"),
@@ -190,10 +190,10 @@ def validate_moe(w: WorkloadConfig, p: ParallelConfig) -> None:
                               "use workload.name = text-moe")
         return
     others = [f"{ax} = {getattr(p, ax)}" for ax in ("cp",) if getattr(p, ax) > 1] + \
-        ([f"zero = {p.zero}"] if p.zero else [])
+        ([f"zero = {p.zero}"] if p.zero > 1 or (p.zero and p.model_parallel == 1) else [])
     if others:
-        raise ConfigError(f"workload text-moe runs data, tensor, pipeline or expert parallel (parallel.tp, pp, ep), "
-                          f"not with {', '.join(others)}: set them to 1 (zero = 0)")
+        raise ConfigError(f"workload text-moe runs data, tensor, pipeline or expert parallel (parallel.tp, pp, ep; "
+                          f"zero = 1 with them), not with {', '.join(others)}: set them to 1 (zero to 0 or 1)")
     if p.sp:
         raise ConfigError("parallel.sp would route each tp rank's sequence shard on its own, but text-moe's capacity "
                           "and load-balancing loss are per whole sequence: drop parallel.sp (tp without it runs)")

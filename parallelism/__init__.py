@@ -22,7 +22,7 @@ own group of the mesh:
                                                                             or the PS shards)
     An MoE model goes through every step but cp: under tp each expert's MLP is split like a dense one (the router
     replicated, so all tp ranks route alike), under ac its blocks return their load-balancing losses from the
-    checkpoint. (not yet: cp with sp, ep or ZeRO; ep with cp or ZeRO; MoE with sp; ZeRO 2-3 with pp, sp, cp, ep.)
+    checkpoint. (not yet: cp with sp or ep; ep with cp; MoE with sp; ZeRO 2-3 with pp, sp, cp, ep.)
 
 Files, one idea each:
     compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × pp × ep

@@ -12,8 +12,13 @@ the optimizer's work and state D ways. Per slot tensor of n elements, rank r of 
 the same 2(D−1)/D·S bytes as the plain all-reduce of the gradients it replaces (an all-reduce is a reduce-scatter
 plus an all-gather), while the optimizer state per rank drops from K·Ψ to K·Ψ/D (`zero_memory.py`). With tp and pp
 each (pp, tp) coordinate runs its own distributed optimizer over its own dp group — Megatron's "distributed
-optimizer per model-parallel rank" — since those ranks hold different tensors. ZeRO 2 and 3 also shard the
-gradients and the parameters inside backward and forward; they stay `zero.py`'s, on plain data parallelism.
+optimizer per model-parallel rank" — since those ranks hold different tensors. The same holds per cp and per ep
+rank: every rank chunks over its own dp group what it holds (after the cp average, or the ep sum of the replicated
+tensors' gradients, its cp / ep peers hold identical copies of those), so each keeps K·Ψ_rank/D of optimizer state.
+Megatron shards the replicated part once more, over dp × cp (a C times smaller share); here the cp ranks repeat
+their dp group's chunks, as the ep ranks repeat the non-expert ones (correct, not the most frugal: a checkpoint
+stores one copy). ZeRO 2 and 3 also shard the gradients and the parameters inside backward and forward; they stay
+`zero.py`'s, on data parallelism and dp × tp.
 Snapshots and checkpoints hold the state as the chunks it is kept in (`snapshot.py`: "flat" chunks of whole slots,
 "index_flat" chunks of tp shards), so a resume may re-cut it for any other layout.
 """
@@ -38,11 +43,7 @@ class DistributedOptimizerStrategy:
         self.bounds: list[tuple[int, int]] = []
 
     def attach(self, replica: Replica) -> None:
-        for ax in ("cp", "ep"):
-            g = getattr(replica, ax, None)
-            if g is not None and g.size > 1:
-                raise EngineError(f"the distributed optimizer shards over dp a replica's own slots; this one is split "
-                                  f"over {ax} = {g.size} too, which it does not handle: use zero = 0")
+        from .expert import EP_EXPERT_ATTR
         dp = replica.dp
         self.bounds, self.shards = [], []
         for s in replica.slots():
@@ -51,7 +52,10 @@ class DistributedOptimizerStrategy:
                                   "contiguous")
             a, b = chunk_bounds(s.param.numel(), dp.size)[dp.rank]
             self.bounds.append((a, b))
-            self.shards.append(nn.Parameter(s.param.data.view(-1)[a:b]))   # a view: updates land in the slot
+            shard = nn.Parameter(s.param.data.view(-1)[a:b])      # a view: updates land in the slot
+            if getattr(s.param, EP_EXPERT_ATTR, False):              # (snapshots: an expert's chunk is its ep
+                setattr(shard, EP_EXPERT_ATTR, True)                  # rank's own to store)
+            self.shards.append(shard)
         self.optimizer = self.optimizer_factory(self.shards)
 
     def step(self, replica: Replica) -> None:

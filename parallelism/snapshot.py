@@ -126,15 +126,15 @@ def targets(replica: Replica, strategy: Any) -> list[Target]:
 
 def _stored(t: Target, mesh: Any) -> bool:
     """Whether a checkpoint must store this piece (False: an identical copy is stored by another rank)."""
+    if mesh.coord("cp") != 0:      # context parallelism (context.py) replicates every parameter on each cp rank
+        return False
+    if mesh.coord("ep") != 0 and not is_expert(t.param):     # expert parallelism: ep rank 0 stores the replicas
+        return False
     if t.sel["kind"] == "index_flat":                         # the distributed optimizer's chunk of a tp shard
         return True
     if t.sel["kind"] == "flat":        # (a chunk of a tensor tp replicates: tp rank 0's chunks cover it)
         return mesh.coord("tp") == 0
     if t.opt_param is None:            # ZeRO 1–2's full copy, the distributed optimizer's slots: chunks are stored
-        return False
-    if mesh.coord("ep") != 0 and not is_expert(t.param):     # expert parallelism: ep rank 0 stores the replicas
-        return False
-    if mesh.coord("cp") != 0:      # context parallelism (context.py) replicates every parameter on each cp rank
         return False
     return mesh.coord("dp") == 0 and (t.sel["kind"] == "index" or mesh.coord("tp") == 0)
 

@@ -5,8 +5,8 @@
 
 Engines, chosen in this fixed order (the first that applies; config.py's table refuses what none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
-      (with tp: over each tp rank's shards, 2D; zero = 1 with tp or pp: the engine below and
-       DistributedOptimizerStrategy, ZeRO-1 per (pp, tp) coordinate)
+      (with tp: over each tp rank's shards, 2D; zero = 1 with tp, pp, cp or ep: the engine below and
+       DistributedOptimizerStrategy, ZeRO-1 over each model-parallel rank's dp group)
     parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages (virtual_stages v: P·v
                                                     chunks, v per stage), then each stage split over tp (+ sp)
                                                     and checkpointed: dp × tp × pp, 3D

@@ -72,6 +72,9 @@ LAYOUTS = {
                                      {"zero RS + AG", "tp activations"}),   # turns the key biases' 1e-10 noise into steps)
     "allreduce dp=2 x tp=2 zero=2 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=2", "train.backend=torch"],
                                            {"zero RS + AG", "tp activations"}),
+    # the distributed optimizer (ZeRO-1) on a cp replica: each cp rank chunks its slots over its dp group
+    "allreduce dp=2 x cp=2 zero=1": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=1"],
+                                     {"zero RS + AG", "cp ring + grads"}),
     # cp under the parameter server: cp rank 0 pushes the cp-averaged gradient, then broadcasts what it read
     "ps-bsp dp=2 x cp=2": ("ps-bsp", 2, ["parallel.cp=2"], {"ps push + pull", "cp ring + grads"}),
     "ps-bsp tp=2 x cp=2": ("ps-bsp", 1, ["parallel.tp=2", "parallel.cp=2"],
@@ -316,6 +319,7 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
                         "allreduce ep=2 x tp=2 ckpt": ["train.strategy=allreduce", "parallel.ep=2", "parallel.tp=2",
                                                        "parallel.activation_checkpointing=true"],
                         "allreduce tp=2 torch": ["train.strategy=allreduce", "parallel.tp=2", "train.backend=torch"],
+                        "allreduce ep=2 zero=1": ["train.strategy=allreduce", "parallel.ep=2", "parallel.zero=1"],
                         "ps-bsp tp=2": ["train.strategy=ps-bsp", "parallel.tp=2"],
                         "allreduce pp=2 x ep=2 ckpt": ["train.strategy=allreduce", "parallel.pp=2", "parallel.ep=2",
                                                        "parallel.micro_batches=2",

@@ -225,3 +225,22 @@ def test_zero3_over_tp_resumed_at_another_layout(tmp_path):
         assert sorted(got) == sorted(ref), label
         for k, v in ref.items():
             assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+
+
+@pytest.mark.parametrize("layout", ["cp", "ep"])
+def test_zero1_on_a_cp_or_ep_replica_resumed(tmp_path, layout):
+    """The distributed optimizer on dp 2 x cp 2 (the text transformer) and on dp 2 x ep 2 (text-moe): each cp / ep
+    rank chunks its slots over its dp group; a checkpoint stores one copy (cp rank 0's; ep rank 0's replicas, every
+    ep rank's experts), and a resume at the same layout continues the uninterrupted run bitwise, one without ZeRO
+    to float32 tolerance."""
+    base = ([*TF, "train.workers=2", "parallel.cp=2", "parallel.zero=1"] if layout == "cp" else
+            [*TF, "workload.name=text-moe", "train.workers=2", "parallel.ep=2", "parallel.zero=1"])
+    straight = execute(small_config(*base, "train.steps=4"), tmp_path, label=f"{layout}-zero1", quiet=True)
+    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
+    for label, change in (("same", []), ("no zero", ["parallel.zero=0"])):
+        first = execute(small_config(*base, "train.steps=2"), tmp_path, label=f"{layout} {label}", quiet=True)
+        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
+        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
+        assert sorted(got) == sorted(ref), label
+        for k, v in ref.items():
+            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)

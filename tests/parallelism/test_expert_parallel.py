@@ -280,14 +280,3 @@ def test_moe_in_a_pipeline_matches_single_process(backend, mesh_shape, v, opt):
     x, _ = tf_batches(STEPS)[0]
     tokens = STEPS * x.numel() * MOE_CFG["top_k"]                 # every token's top-k choices, every step
     assert routed == {"1.mlp": tokens, "2.mlp": tokens}
-
-
-def test_zero1_on_ep_is_refused():
-    """The distributed optimizer refuses a replica split over ep (its chunks would repeat per ep). (MoE with
-    activation checkpointing runs: tests/parallelism/test_moe_composition.py.)"""
-    from types import SimpleNamespace
-    from parallelism.distributed_optimizer import DistributedOptimizerStrategy
-
-    fake = SimpleNamespace(ep=SimpleNamespace(size=2), dp=SimpleNamespace(size=2, rank=0), slots=lambda: [])
-    with pytest.raises(EngineError, match="split over ep = 2"):
-        DistributedOptimizerStrategy(sgd).attach(fake)
