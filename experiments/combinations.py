@@ -125,7 +125,8 @@ def validate_parallel(p: ParallelConfig, s: Strategy, batch_size: int, simulated
 
 def validate_topology(cfg: RunConfig) -> None:
     """[topology]: numbers in range, placement known; hosts x gpus_per_host = the run's world size; a strategy and
-    backend whose processes can all be placed (allreduce over zmq), a fixed membership (faults abort)."""
+    backend whose processes can all be placed (allreduce or ps-* over zmq; shard_host a host), a fixed membership
+    (faults abort)."""
     tp, t, s = cfg.topology, cfg.train, cfg.strategy
     for key in ("hosts", "gpus_per_host"):
         v = getattr(tp, key)
@@ -150,6 +151,8 @@ def validate_topology(cfg: RunConfig) -> None:
                               f"fastest-varying first (cp, ep optional when 1), e.g. \"tp,dp,pp\" (a host per "
                               "pipeline stage)")
     if not tp.enabled:
+        if tp.shard_host:
+            raise ConfigError(f"topology.shard_host = {tp.shard_host} needs topology.hosts >= 1 (0: no topology)")
         if tp.gpus_per_host:
             raise ConfigError(f"topology.gpus_per_host = {tp.gpus_per_host} needs topology.hosts >= 1 (0: no topology)")
         return
@@ -158,10 +161,15 @@ def validate_topology(cfg: RunConfig) -> None:
     if cfg.simulate.enabled or cfg.simulate.timing_only:
         raise ConfigError("[topology] emulates links in real runs; the simulator's network is [simulate]'s "
                           "(latency_*, bandwidth_*, workers_per_host): drop [topology] or --simulate")
-    if s.kind != "allreduce":
-        why = "is one process: it has no links" if s.kind == "local" else \
-            "has shard processes that the topology does not place on a host"
-        raise ConfigError(f"[topology] needs train.strategy = allreduce: {s.label} {why}")
+    if s.kind == "local":
+        raise ConfigError(f"[topology] needs train.strategy = allreduce or ps-*: {s.label} is one process: it has no "
+                          "links")
+    if isinstance(tp.shard_host, bool) or not isinstance(tp.shard_host, int) or not 0 <= tp.shard_host < tp.hosts:
+        raise ConfigError(f"topology.shard_host must be one of the emulated hosts 0..{tp.hosts - 1} (where ps-*'s "
+                          f"shards run), got {tp.shard_host!r}")
+    if tp.shard_host and not s.uses_ps:
+        raise ConfigError(f"topology.shard_host places the parameter server's shards: it needs train.strategy = "
+                          f"ps-*, not {s.label}")
     if t.backend != "zmq":
         raise ConfigError(f"[topology] is emulated by the zmq backend only (gloo has no emulation): set "
                           f"train.backend = zmq, not {t.backend!r}")

@@ -178,7 +178,8 @@ PLACEMENTS = ("packed", "spread")
 class TopologyConfig:
     """Real runs on emulated hosts: the zmq transport delays each message by its link's latency + bytes/bandwidth
     (collectives/topology.py) and counts bytes per link class. hosts x gpus_per_host must be the run's world size
-    (train.workers x the model-parallel degree); allreduce and zmq only (the PS shards' processes have no host)."""
+    (train.workers x the model-parallel degree); allreduce or ps-*, zmq only. Under ps-* the shards live on host
+    shard_host: a rank's requests to them and their replies cross its link to that host (ps/link_delay.py)."""
 
     hosts: int = 0                   # emulated hosts; 0: no topology (every link as fast as this machine's)
     gpus_per_host: int = 0           # ranks ("GPUs") per host
@@ -190,6 +191,7 @@ class TopologyConfig:
     intra_bandwidth_GBps: float = 0.0   # ... its bandwidth in GB/s (1e9 bytes/s); 0: unlimited
     inter_latency_us: float = 0.0    # a link between hosts (InfiniBand's role): latency in microseconds
     inter_bandwidth_GBps: float = 0.0   # ... its bandwidth in GB/s; 0: unlimited
+    shard_host: int = 0              # ps-*: the emulated host the parameter server's shards run on (0..hosts-1)
 
     @property
     def enabled(self) -> bool:

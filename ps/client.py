@@ -109,9 +109,12 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
                  timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None,
                  curve_keys_dir: str | None = None, secret: str | None = None, user: str | None = None,
-                 lane: bool | None = None) -> None:
+                 lane: bool | None = None, link: tuple[float, float] | None = None) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
+        from .link_delay import EmulatedLink       # link = (latency s, bandwidth B/s): an emulated network
+        self._link_out = [EmulatedLink(*link) for _ in addresses] if link is not None else None
+        self._link_in = [EmulatedLink(*link) for _ in addresses] if link is not None else None
         self.addresses = list(addresses)
         self.worker = int(worker)
         self.user = user if user is not None else worker_user(self.worker)
@@ -288,6 +291,8 @@ class PSClient:
             except BaseException:
                 link.release(seq)                             # never sent: the shm slots stay free
                 raise
+            if self._link_out is not None:                  # delivered when the emulated link would
+                self._link_out[shard].carry(payload)
             lane = self._lanes.free(shard) if op in LANE_OPS and len(frames) == 1 else None
             if lane is not None and not any(p.shard == shard and p.lane is None for p in self._pending.values()):
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, lane, push)
@@ -618,8 +623,11 @@ class PSClient:
                                  pend.shard)
             else:
                 got = msg.tensors if copied is None else copied
+                nbytes = sum(int(v.nbytes) for v in got.values()) if got else 0
                 if got:                              # a read's values: from frames, or the shared segments
-                    self.wire.add_recv(shard, "pull", sum(int(v.nbytes) for v in got.values()))
+                    self.wire.add_recv(shard, "pull", nbytes)
+                if self._link_in is not None:        # handed over when the emulated link would deliver it
+                    self._link_in[shard].carry(nbytes)
                 pend.future.settle(pend.shard, (msg.meta, got))
         except Exception as e:                 # never leave the popped future waiting forever
             pend.future.fail(PSError(f"shard {shard} sent a reply this client cannot use: "
@@ -694,7 +702,7 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
             shm: bool | None = None, curve_keys_dir: str | None = None, secret: str | None = None,
-            lane: bool | None = None) -> PSClient:
+            lane: bool | None = None, link: tuple[float, float] | None = None) -> PSClient:
     """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
 
     `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
@@ -703,6 +711,7 @@ def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
     shared memory, carry push/pull headers through the doorbell lane too (None: where both sides can, ps.lane;
     False: always ZeroMQ). `secret`: the
     job secret (ServerGroup.secret); None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE. Admin operations (checkpoint,
-    shutdown) need `ps.connect_admin` instead."""
+    shutdown) need `ps.connect_admin` instead. `link` = (latency s, bandwidth B/s): every request and reply to a
+    shard crosses an emulated link (`ps.link_delay`; the shards on one machine, as `pslab run` with [topology])."""
     return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir,
-                    secret=secret, lane=lane)
+                    secret=secret, lane=lane, link=link)

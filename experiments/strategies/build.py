@@ -169,6 +169,17 @@ def _shared_group(mesh: Any) -> Any:
     return None
 
 
+def ps_link(cfg: RunConfig, rank: int) -> tuple[str, float, float] | None:
+    """[topology] under ps-*: (link class, latency s, bandwidth B/s) between global rank `rank`'s emulated host and
+    the shards' (topology.shard_host); None without a topology."""
+    topo = cfg.topology.build(cfg.parallel, cfg.train.workers)
+    if topo is None:
+        return None
+    if topo.host(rank) == cfg.topology.shard_host:
+        return "intra", topo.intra_latency_s, topo.intra_bandwidth_Bps
+    return "inter", topo.inter_latency_s, topo.inter_bandwidth_Bps
+
+
 def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] | None = None,
                   curve_keys_dir: str | None = None, secret: str | None = None) -> Any:
     """The sync strategy; `addresses[g]` are slot group g's shards (ps-* only), admitting `secret` (None: the
@@ -192,4 +203,5 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
                           shared_group=_shared_group(mesh), abort=cfg.train.backup_abort,
                           mirror_group=mesh.group("cp") if mesh.size("cp") > 1 else None,
+                          link=ps_link(cfg, mesh.rank),
                           secret=secret)

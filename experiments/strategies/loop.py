@@ -195,6 +195,9 @@ class _Worker(ElasticMember):
                     for c, v in link_bytes(self.group).items():
                         self.link_sent[c] += v - links0[c]
                     ps_sent, ps_recv = getattr(self.strategy, "last_bytes", (0, 0))
+                    ps_link = getattr(self.strategy, "link_class", None)   # [topology]: PS traffic on its link
+                    if ps_link is not None:
+                        self.link_sent[ps_link] += ps_sent + ps_recv
                     for axis, (sent, _, sends) in after.items():
                         measured[axis] = measured.get(axis, 0) + sent - before[axis][0]
                         self.sends[axis] = self.sends.get(axis, 0) + sends - before[axis][2]

@@ -30,6 +30,9 @@ replica averages them over cp): cp rank 0 alone talks to the shards (slot groups
 each read broadcasts every slot's new value over cp, with the clock, a rewind and the dropped flag, so the other cp
 ranks step, rewind and record as it does (`mirror_group`; they hold no client and push nothing).
 
+With [topology] (`link`), the rank's requests and their replies cross the emulated link between its host and the
+shards' (`topology.shard_host`): `ps.link_delay` holds each until a real link would deliver it.
+
 With tp > 1 the tensors every tp rank holds whole (LayerNorm, embeddings, row-parallel biases) live only on the
 tp-rank-0 shard set: tp rank 0 pushes their gradient (equal on every tp rank) and broadcasts their new values to its
 tp peers after each read — one copy, on the tensor-parallel link, so the peers never train on a different version.
@@ -123,6 +126,8 @@ class PSSyncStrategy:
                                   # backward, the same cp-averaged gradients): its rank 0 talks to the shards, the
                                   # others take every slot's new value from it (module docstring)
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
+    link: tuple[str, float, float] | None = None   # [topology]: (link class, latency s, bandwidth B/s) between this
+                                                   # rank's emulated host and the shards' (ps.link_delay)
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
     last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step,
@@ -135,6 +140,12 @@ class PSSyncStrategy:
     restarts: list[dict[str, Any]] = field(default_factory=list, init=False)   # shard restarts recovered from
     _rewind: int | None = field(default=None, init=False, repr=False)
     _mirror_clock: int = field(default=0, init=False, repr=False)
+
+    @property
+    def link_class(self) -> str | None:
+        """The emulated link class ("intra" / "inter") this rank's PS traffic crosses, or None (no topology, or a
+        cp rank > 0, which sends none)."""
+        return None if self.link is None or self.mirror else self.link[0]
 
     @property
     def mirror(self) -> bool:
@@ -161,7 +172,8 @@ class PSSyncStrategy:
               "(ps.start_servers(..., groups=pp x ep x tp: the slot groups of a worker))"
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
-                                     curve_keys_dir=self.curve_keys_dir, secret=self.secret)
+                                     curve_keys_dir=self.curve_keys_dir, secret=self.secret,
+                                     link=self.link[1:] if self.link is not None else None)
         except (ProtocolError, AuthenticationError) as e:   # e.g. this dp rank is no worker id the shards serve
             raise PSStrategyError(f"dp rank {worker} of {workers} cannot register with {list(self.addresses)}: {e}; "
                                   f"{fix}") from e

@@ -51,7 +51,9 @@ def runs(tmp_path_factory):
      r"2 x 1 = 2 ranks, but the run has 4 \(train.workers 2 x model-parallel degree 2\)"),
     (["train.workers=1"], r"2 x 2 = 4 ranks, but the run has 2"),
     (["train.backend=torch"], "zmq backend only"),
-    (["train.strategy=ps-bsp"], "shard processes that the topology does not place"),
+    (["train.strategy=ps-bsp", "topology.shard_host=2"], "shard_host must be one of the emulated hosts 0..1"),
+    (["topology.shard_host=1"], "it needs train.strategy = ps-\\*, not allreduce"),
+    (NO_TOPOLOGY + ["train.strategy=ps-bsp", "topology.shard_host=1"], "shard_host = 1 needs topology.hosts >= 1"),
     (["train.strategy=local", "parallel.tp=1", "faults.on_failure=auto"], "one process"),
     (["topology.placement=round-robin"], "'round-robin' names round-robin, not an axis: it must be packed, spread"),
     (["topology.placement=tp"], r"'tp' leaves out dp: .* every axis this run splits \(dp, tp\) once"),
@@ -176,3 +178,30 @@ def test_3d_placement_keeps_tp_and_pp_inside_a_host(tmp_path):
     ko = _kinds(out["tp,dp,pp"])
     assert out["tp,dp,pp"]["link_bytes_per_step"] == pytest.approx(
         {"intra": ko["dp gradient sync"] + ko["tp activations"], "inter": ko["pp boundaries"]}, rel=1e-12)
+
+
+# ---- the parameter server on emulated hosts -----------------------------------------------------------------------
+PS = ["parallel.tp=1", "train.strategy=ps-bsp", "train.workers=2", "topology.hosts=2", "topology.gpus_per_host=1",
+      "topology.inter_latency_us=20000", "topology.intra_latency_us=0"]
+
+
+@pytest.mark.timeout(240)
+def test_ps_shards_live_on_a_host_and_each_rank_crosses_its_link(tmp_path):
+    """ps-bsp, dp 2 on 2 hosts x 1, the shards on host 0 (then host 1): rank 0's push and read cross the intra link,
+    rank 1's the inter link (each 2·S per step: push + pull, as the client counts them), the other way round with
+    the shards on host 1; the losses equal the run without a topology bit for bit (the emulation moves time only);
+    and under BSP every step waits for the worker across the 20 ms link at least twice (its push, the read): a lower
+    bound on the step time, which a loaded machine only raises."""
+    out = {}
+    for label, extra in {"host0": [], "host1": ["topology.shard_host=1"], "none": NO_TOPOLOGY}.items():
+        rd = execute(_cfg(*PS, *extra), tmp_path, label=label, quiet=True)
+        out[label] = ({(u["worker"], u["step"]): u["loss"] for u in read_jsonl(rd.metrics_path)},
+                      json.loads((rd.path / "summary.json").read_text()))
+    per_step = out["none"][1]["bytes_by_kind"]["ps push + pull"]["measured_per_step"]     # Σ_r 2·S_r
+    for label, (losses, s) in out.items():
+        assert losses == out["none"][0], label
+        if label == "none":
+            continue
+        links = s["link_bytes_per_step"]
+        assert links["intra"] == pytest.approx(per_step / 2, rel=1e-9) and links["inter"] == links["intra"], links
+        assert s["step_time_s"] >= 2 * 0.020, s["step_time_s"]
