@@ -141,11 +141,26 @@ def _slowest(links: Iterable[str]) -> str:
     return "inter" if "inter" in set(links) else "intra"
 
 
-def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str) -> Cost:
+def pass_latency(pl: Placement, group: list[int], steps: int) -> float:
+    """Latency seconds of one pslab ring pass of `steps` steps over `group` (collectives/ring.py), hop by hop: member
+    i sends step j once it has received step j−1 from its left neighbour, so a step received over a fast hop lets
+    the next one start early; then each member waits for its right neighbour's closing acknowledgement ("one extra
+    latency": only after it may reuse its buffers). The pass ends when the last member is done. On N members of
+    one link class: (steps + 1)·α; on 2 hosts × 2 packed, a reduce-scatter: 2α of data, 3α with the ack."""
+    n = len(group)
+    hop = [pl.cluster.link(pl.link(group[i], group[(i + 1) % n]))[0] for i in range(n)]   # i -> i+1 (and back)
+    sent = [0.0] * n
+    for _ in range(steps):
+        sent = [sent[i - 1] + hop[i - 1] for i in range(n)]      # received from the left: the next step leaves
+    return max(max(sent[i], sent[(i + 1) % n] + hop[i]) for i in range(n))
+
+
+def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str, ack: bool = False) -> Cost:
     """One ring pass (collectives/ring.py) over `numel` elements of `e` bytes: phase "ar" (all-reduce: member i
     sends 2(N−1) chunks, all but chunks i+1 and i+2 twice), "rs" (reduce-scatter: all chunks but its own), "ag"
-    (all-gather: all but chunk i+1). Bytes per link exact (chunk_bounds); seconds: the textbook per-rank share
-    on the slowest hop's link, 2(N−1) (ar) or N−1 latencies."""
+    (all-gather: all but chunk i+1). Bytes per link exact (chunk_bounds); seconds: the per-rank share of the bytes
+    on the slowest hop's link, plus 2(N−1) (ar) or N−1 latencies of that link (textbook), or with `ack` (pslab's
+    own ring) the pass's latency hop by hop with its closing acknowledgement (`pass_latency`)."""
     c, n = Cost(), len(group)
     if n == 1:
         return c
@@ -167,7 +182,13 @@ def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str) -> Cos
         x = sum(sent(i) for i in cross)
         c.bytes["inter"] += x * e
         c.bytes["intra"] += (total - x) * e
-    c.wait(pl, "inter" if cross else "intra", 2 * (n - 1) if phase == "ar" else n - 1, total / n * e)
+    steps = 2 * (n - 1) if phase == "ar" else n - 1
+    if ack:
+        cls = "inter" if cross else "intra"
+        c.wait(pl, cls, 0, total / n * e)
+        c.secs[cls] += pass_latency(pl, group, steps)
+    else:
+        c.wait(pl, "inter" if cross else "intra", steps, total / n * e)
     return c
 
 
@@ -193,9 +214,9 @@ def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
 
 
 def all_reduce(pl: Placement, group: list[int], numel: int, e: int, small: int = 0,
-               hierarchical: bool = True) -> Cost:
+               hierarchical: bool = True, ack: bool = False) -> Cost:
     """All-reduce of numel·e bytes on every member: direct exchange when <= small, hierarchical where it applies
-    (and is allowed), else the ring."""
+    (and is allowed), else the ring (`ack`: pslab's ring passes, see `ring`)."""
     n = len(group)
     if n == 1 or numel == 0:
         return Cost()
@@ -203,19 +224,19 @@ def all_reduce(pl: Placement, group: list[int], numel: int, e: int, small: int =
         return direct(pl, group, numel * e)
     hosts = pl.hosts_of(group) if hierarchical else None
     if hosts is None:
-        return ring(pl, group, numel, e, "ar")
+        return ring(pl, group, numel, e, "ar", ack)
     c = Cost()
     c.hierarchical = True
     L = len(hosts[0])
     for members in hosts:                                     # reduce-scatter + all-gather inside each node
         sub = [group[i] for i in members]
-        inside = ring(pl, sub, numel, e, "rs").add(ring(pl, sub, numel, e, "ag"))
+        inside = ring(pl, sub, numel, e, "rs", ack).add(ring(pl, sub, numel, e, "ag", ack))
         c.bytes["intra"] += inside.bytes["intra"]
         c.bytes["inter"] += inside.bytes["inter"]
         c.secs["intra"] = max(c.secs["intra"], inside.secs["intra"])
     slowest = 0.0
     for l, (a, b) in enumerate(chunk_bounds(numel, L)):      # local rank l's shard, across the nodes
-        across = ring(pl, [group[h[l]] for h in hosts], b - a, e, "ar")
+        across = ring(pl, [group[h[l]] for h in hosts], b - a, e, "ar", ack)
         c.bytes["intra"] += across.bytes["intra"]
         c.bytes["inter"] += across.bytes["inter"]
         slowest = max(slowest, across.secs["inter"])

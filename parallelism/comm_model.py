@@ -59,6 +59,10 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
     cp ring + grads  + the loss all-reduced over cp (8 B)
     one-off bytes (the shape headers; the hierarchical all-reduce's set-up barrier, 1 byte to every peer) count
     only when `steps` is given: spread over that many steps, as a run's summary reports them.
+    seconds          every ring pass's latency hop by hop, with its closing acknowledgement (collectives/ring.py:
+                     one more latency before a member may reuse its buffers; `comm_cost.pass_latency`): 2 members
+                     across a slow link pay 2 latencies per reduce-scatter, not 1 (`pslab plan --check` measured it
+                     in latency-bound ZeRO-3 and sequence-parallel layouts)
 
 dp/zero gradient terms are `overlappable` (they may hide behind backward compute: step_model decides how much).
 """
@@ -220,13 +224,13 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
             k = stage(grp)
             n = stage_blocks(shape, lay, k, algorithm) * m * per_layer
             if lay.sp:
-                c = Cost().add(ring(pl, grp, A, act, "ag"), n).add(ring(pl, grp, A, act, "rs"), n)
+                c = Cost().add(ring(pl, grp, A, act, "ag", pslab), n).add(ring(pl, grp, A, act, "rs", pslab), n)
                 if pslab:
-                    c.add(all_reduce(pl, grp, replicated_tensors(shape, lay, k, algorithm), g, small))
+                    c.add(all_reduce(pl, grp, replicated_tensors(shape, lay, k, algorithm), g, small, ack=pslab))
                     if k == P - 1:                         # the loss: scored on the last stage only
-                        c.add(all_reduce(pl, grp, 1, 8, small))
+                        c.add(all_reduce(pl, grp, 1, 8, small, ack=pslab))
             else:
-                c = Cost().add(all_reduce(pl, grp, A, act, small, hierarchical=pslab), n)
+                c = Cost().add(all_reduce(pl, grp, A, act, small, hierarchical=pslab, ack=pslab), n)
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()
 
@@ -276,7 +280,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
         for grp, times in pl.group_classes("dp"):
             c = Cost()
             for n in (stage_tensors(shape, lay, stage(grp), algorithm) if pslab else [psi[stage(grp)]]):
-                c.add(ring(pl, grp, n, g, "rs"), n_rs).add(ring(pl, grp, n, g, "ag"), n_ag)
+                c.add(ring(pl, grp, n, g, "rs", pslab), n_rs).add(ring(pl, grp, n, g, "ag", pslab), n_ag)
             kind.group(c, times=times)
         out += kind.terms()
     elif D > 1:
@@ -292,7 +296,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                      if bucketed else [psi[k]])
             c = Cost()
             for n in parts:
-                c.add(all_reduce(pl, grp, n, g, small))
+                c.add(all_reduce(pl, grp, n, g, small, ack=pslab))
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()
 
@@ -310,9 +314,9 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                 c.send(pl, grp[i], grp[(i + 1) % C], layers * blocks * block)
             c.wait(pl, _slowest(pl.link(grp[i], grp[(i + 1) % C]) for i in range(C)), layers * blocks // 2,
                    layers * blocks * block)
-            c.add(all_reduce(pl, grp, psi[k], g, small))
+            c.add(all_reduce(pl, grp, psi[k], g, small, ack=pslab))
             if pslab and k == P - 1:                   # the loss: scored on the last stage only
-                c.add(all_reduce(pl, grp, 1, 8, small))
+                c.add(all_reduce(pl, grp, 1, 8, small, ack=pslab))
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()
 
@@ -322,7 +326,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
         for grp, times in pl.group_classes("ep"):
             k = stage(grp)
             n = stage_blocks(shape, lay, k, algorithm) * m * 4
-            c = Cost().add(all_to_all(pl, grp, A * act), n).add(all_reduce(pl, grp, psi[k], g, small))
+            c = Cost().add(all_to_all(pl, grp, A * act), n).add(all_reduce(pl, grp, psi[k], g, small, ack=pslab))
             kind.group(c, once(grp, c), steps, times)
         out += kind.terms()
     return out

@@ -53,6 +53,26 @@ def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients():
         assert c.bytes["intra"] + c.bytes["inter"] == 4 * 2 * 3 * numel
 
 
+def test_pslab_ring_passes_pay_their_latency_hop_by_hop_and_the_closing_acknowledgement():
+    """collectives/ring.py: member i sends step j once step j−1 arrived from its left, and waits at the end for its
+    right neighbour's empty acknowledgement. Worked by hand (α = 1 ms inside a node, 10 ms across):
+    one link class, N members, s steps: (s + 1)·α; 2 members on 2 nodes, one step: 2·α_inter (the textbook ring
+    charges 1); 2 nodes x 2 packed, a reduce-scatter (3 steps): 2 crossings and 1 intra hop of the data lie on the
+    critical path (the other intra hop pipelines), and the members whose right neighbour sits across then wait one
+    more: 3·α_inter + α_intra (the textbook rule says 3·α_inter)."""
+    from parallelism.comm_cost import pass_latency
+    cl = Cluster("t", 2, 2, 80e9, 1e12, 1.0, intra_latency_s=1e-3, intra_bandwidth_Bps=math.inf,
+                 inter_latency_s=10e-3, inter_bandwidth_Bps=math.inf)
+    one = Cluster("t", 4, 1, 80e9, 1e12, 1.0, intra_latency_s=1e-3, intra_bandwidth_Bps=math.inf)
+    assert pass_latency(Placement(Layout(dp=4), one, "packed"), [0, 1, 2, 3], 3) == pytest.approx(4e-3)
+    assert pass_latency(Placement(Layout(dp=4), one, "packed"), [0, 1, 2, 3], 6) == pytest.approx(7e-3)
+    pl = Placement(Layout(dp=4), cl, "packed")                  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert pass_latency(pl, [0, 2], 1) == pytest.approx(20e-3)
+    assert pass_latency(pl, [0, 1, 2, 3], 3) == pytest.approx(31e-3)
+    assert ring(pl, [0, 2], 1000, 4, "rs", ack=True).secs["inter"] == pytest.approx(20e-3)
+    assert ring(pl, [0, 2], 1000, 4, "rs").secs["inter"] == pytest.approx(10e-3)     # textbook: N − 1 latencies
+
+
 def test_tp_bytes_per_layer_are_four_all_reduces_of_the_activation():
     """Megatron: 2 all-reduces forward + 2 backward per layer and micro-batch, of b·s·h·act bytes; full recompute
     runs the forward ones again (6); sequence parallelism moves the same bytes as all-gathers + reduce-scatters."""
