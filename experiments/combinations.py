@@ -46,7 +46,7 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.sp and p.tp == 1,
      lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
                   "parallel.tp > 1"),
-    # context parallelism composes with tp and pp, expert parallelism with pp; the rest not yet
+    # context and expert parallelism compose with tp and pp (and zero = 1); with each other and ZeRO 2-3 not yet
     (lambda p, s, sim: _uncomposed(p) is not None,
      lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
                   f"{_COMPOSES_WITH[_uncomposed(p)]} (and zero = 1) only, not with {_others(p, _uncomposed(p))}: "

@@ -113,9 +113,10 @@ class ParallelConfig:
                                      # of pp)
     stage_ms: float = 0.0            # pp > 1: pad each stage's forward of a micro-batch to this many ms (backward:
                                      # twice that), the formula's equal stage times; 0: off (the stages' own times)
-    zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only; with
-                                     # tp or pp: 1, the distributed optimizer per (pp, tp) coordinate)
-    activation_checkpointing: bool = False  # recompute each block in backward (data, tensor, pipeline engines)
+    zero: int = 0                    # ZeRO stage 0 | 1 | 2 | 3 over the data-parallel group (allreduce only); 2-3
+                                     # also over tp shards; 1 with tp, pp, cp or ep: the distributed optimizer
+                                     # over each model-parallel rank's dp group
+    activation_checkpointing: bool = False  # recompute each block in backward (every engine but ZeRO's)
     overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
                                      # (DDP; pp > 1: the last micro-batch's); false: one flat all-reduce after it
 

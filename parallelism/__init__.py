@@ -17,7 +17,7 @@ own group of the mesh:
     2. tp  Attention / MLP → Megatron shards (+ sp)           talks on tp  (every block)
     3. cp  each tp rank's heads by ring attention             talks on cp  (K/V blocks; then gradients, loss)
     4. ep  each MoE layer's experts over the ep ranks         talks on ep  (all-to-alls; then gradients, loss)
-    5. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2 and 3's messages)
+    5. ac  activation checkpointing of the stage's layers     (its recompute replays steps 2, 3 and 4's messages)
     6. dp  the strategy averages the slots left               talks on dp  (once per step; ZeRO — 2-3 with tp too —,
                                                                             or the PS shards)
     An MoE model goes through every step but cp: under tp each expert's MLP is split like a dense one (the router
@@ -25,7 +25,7 @@ own group of the mesh:
     checkpoint. (not yet: cp with sp or ep; ep with cp; MoE with sp; ZeRO 2-3 with pp, sp, cp, ep.)
 
 Files, one idea each:
-    compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × pp × ep
+    compose.py       the ordered axis steps above: one replica, dp × tp × pp × cp (4D), dp × tp × pp × ep
     engine.py        the seam: Engine → Replica (ParamSlot: full-model name, tensor, owner) → SyncStrategy
     mesh.py          dp × pp × cp × ep × tp layout and sub-groups (+ "mp": the ranks of one model replica)
     comm.py          per-engine bytes by kind and by site; the ordered communication thread

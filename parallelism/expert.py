@@ -16,7 +16,8 @@ a rank's chunk must be a multiple of n samples (checked per forward) and the sam
 
 `all_to_all` is an autograd Function whose backward is the same all-to-all of the gradient (chunk i of a rank's
 output came from rank i, so its gradient goes back to rank i). Per MoE layer and step: 4 all-to-alls (dispatch,
-combine; their two backwards) of (G/ep)·E·C·d elements each; per rank (Comm's wire convention, (ep−1)/ep of S):
+combine; their two backwards) of (G/ep)·E·C·d elements each — 6 under activation checkpointing, whose recompute
+replays dispatch and combine; per rank (Comm's wire convention, (ep−1)/ep of S):
 
     payload = 4 · L_moe · (G/ep) · E · C · d · bytes          wire = (ep − 1)/ep · payload
 

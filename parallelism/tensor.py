@@ -262,6 +262,10 @@ class TensorParallelEngine:
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         from .compose import compose
+        other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
+        if other:       # their replicas do more than one forward/backward on the whole batch
+            raise EngineError(f"TensorParallelEngine runs on dp x tp meshes; this one also has {', '.join(other)} "
+                              "(pp: PipelineEngine, cp: ContextParallelEngine, ep: ExpertParallelEngine)")
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(), self.sequence_parallel,
                     self.regather, self.checkpoint_activations)
         if c.sequence_parallel:

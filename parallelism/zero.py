@@ -294,6 +294,10 @@ class ZeroEngine:
         from .compose import compose
         log = self.log if self.log is not None else CommLog()
         c = compose(model_factory, mesh, log)
+        if c.moe:
+            raise EngineError("ZeroEngine's replica trains on the task loss only and would drop a mixture-of-"
+                              "experts model's load-balancing loss: use zero = 1 (DistributedOptimizerStrategy) "
+                              "with the data, tensor, expert or pipeline engine for MoE models")
         prefetch = self.prefetch and c.tp.size == 1
         return ZeroReplica(c.module, c.dp, self.stage, self.optimizer_factory, c.rank, self.loss_fn, prefetch,
                            c.name_of)

@@ -168,7 +168,7 @@ class PSSyncStrategy:
         if self.shared_group is not None and self.shared_group.rank > 0:
             slots = [s for s in slots if s.name not in self._shared]     # rank 0's shard set holds them
         params = {s.name: s.param.detach() for s in slots}
-        fix = "start one shard set per slot group (pipeline stage x tp coordinate) with num_workers = dp size " \
+        fix = "start one shard set per slot group (pp x ep x tp coordinate) with num_workers = dp size " \
               "(ps.start_servers(..., groups=pp x ep x tp: the slot groups of a worker))"
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
@@ -359,7 +359,9 @@ class PSSyncStrategy:
         self.mirror_group.broadcast(flat, src=0)
 
     def _receive(self, replica: Replica) -> None:
-        """A cp rank > 0: take cp rank 0's slot values (and clock, rewind, dropped); its gradients are not pushed."""
+        """A cp rank > 0: take cp rank 0's slot values (and clock, rewind, dropped); its gradients are not pushed.
+        (It waits at most its group's timeout, train.timeout_s, while cp rank 0 may spend up to RECOVER_TRIES of
+        them resyncing with a restarted shard: a restart slower than that fails the cp ranks > 0 with a timeout.)"""
         slots = replica.slots()
         flat = torch.empty(sum(s.param.numel() for s in slots) + 3)
         self.mirror_group.broadcast(flat, src=0)

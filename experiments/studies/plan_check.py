@@ -239,7 +239,7 @@ def ranking(rows: list[dict]) -> dict[str, Any]:
     var = math.sqrt(sum((a - mp) ** 2 for a in rp) * sum((b - mm) ** 2 for b in rm))
     pick = min(rows, key=lambda r: r["predicted_s"])
     best = min(rows, key=lambda r: r["measured_s"])
-    return {"spearman": cov / var if var else float("nan"), "top_pick": pick["label"],
+    return {"spearman": cov / var if var else None, "top_pick": pick["label"],   # None: one side all tied
             "top_pick_measured_s": pick["measured_s"], "best": best["label"], "best_measured_s": best["measured_s"],
             "top_pick_excess": pick["measured_s"] / best["measured_s"] - 1,
             "within_25pct": sum(r["error_pct"] <= 25 for r in rows), "configs": len(rows)}
@@ -259,7 +259,8 @@ def format_table(rows: list[dict]) -> str:
     out.append(f"{within} of {len(rows)} configs within 25 % (compute/bubble/comm/ovh: the prediction's terms, ms)")
     if len(rows) > 1:
         rk = ranking(rows)
-        out.append(f"ranking: Spearman ρ = {rk['spearman']:.2f} (predicted vs measured order); the planner's top pick "
+        rho = "n/a (all tied)" if rk["spearman"] is None else f"{rk['spearman']:.2f}"
+        out.append(f"ranking: Spearman ρ = {rho} (predicted vs measured order); the planner's top pick "
                    f"{rk['top_pick']!r} measured {rk['top_pick_measured_s'] * 1e3:.2f} ms, the measured best "
                    f"{rk['best']!r} {rk['best_measured_s'] * 1e3:.2f} ms (+{rk['top_pick_excess'] * 100:.1f} %)")
     out.append("")

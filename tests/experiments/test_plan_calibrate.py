@@ -99,5 +99,6 @@ def test_ranking_is_spearman_with_tied_ranks_and_the_top_picks_excess():
     assert ranking(rows([1, 2, 2, 3], [1, 2, 3, 4]))["spearman"] == pytest.approx(4.5 / math.sqrt(4.5 * 5))
     r = ranking(rows([1, 2, 3], [0.12, 0.10, 0.3]))
     assert (r["top_pick"], r["best"]) == ("0", "1") and r["top_pick_excess"] == pytest.approx(0.2)
+    assert ranking(rows([1, 1], [1, 2]))["spearman"] is None          # one side all tied: no order to compare
     with pytest.raises(CheckError, match="at least 2 configs"):
         ranking(rows([1], [1]))

@@ -131,3 +131,24 @@ def test_moe_with_sequence_parallelism_is_refused():
     mesh = SimpleNamespace(group=lambda axis: _G(2 if axis == "tp" else 1), world=_G(1), rank=0)
     with pytest.raises(EngineError, match="sequence parallelism would route each tp rank's sequence shard"):
         compose(FACTORY, mesh, CommLog(), sequence_parallel=True)
+
+
+def test_engines_refuse_meshes_and_models_they_would_train_wrongly():
+    """TensorParallelEngine on a mesh with ep (every ep rank would run the whole batch: experts' gradients ep times
+    too large) and ZeroEngine on an MoE model (its replica drops the load-balancing loss) are one-line errors."""
+    from types import SimpleNamespace
+    from parallelism.tensor import TensorParallelEngine
+    from parallelism.zero import ZeroEngine
+
+    class _G:
+        def __init__(self, size: int) -> None:
+            self.rank, self.world_size, self.ranks = 0, size, tuple(range(size))
+
+    sizes = {"tp": 2, "ep": 2}
+    mesh = SimpleNamespace(group=lambda axis: _G(sizes.get(axis, 1)), world=_G(4), rank=0,
+                           size=lambda axis: sizes.get(axis, 1))
+    with pytest.raises(EngineError, match="TensorParallelEngine runs on dp x tp meshes; this one also has ep=2"):
+        TensorParallelEngine(loss_fn=lm_loss).build(FACTORY, mesh)
+    one = SimpleNamespace(group=lambda axis: _G(1), world=_G(1), rank=0, size=lambda axis: 1)
+    with pytest.raises(EngineError, match="would drop a mixture-of-experts model's load-balancing loss"):
+        ZeroEngine(2, sgd, loss_fn=lm_loss).build(FACTORY, one)
