@@ -140,6 +140,20 @@ def test_resume_at_another_layout_tp2_to_tp1(tmp_path):
     assert json.loads((first.path / "summary.json").read_text())["parallel"] == "data"
 
 
+def _resumes_continue(tmp_path, base: list[str], changes: dict[str, list[str]], name: str) -> None:
+    """Run `base` 4 steps straight; then, per label in `changes`, 2 steps resumed to 4 with those overrides: the
+    (worker, step) rows equal the straight run's, its losses bitwise for "same" (no change), else to rel 1e-5."""
+    straight = execute(small_config(*base, "train.steps=4"), tmp_path, label=name, quiet=True)
+    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
+    for label, change in changes.items():
+        first = execute(small_config(*base, "train.steps=2"), tmp_path, label=f"{name} {label}", quiet=True)
+        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
+        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
+        assert sorted(got) == sorted(ref), label
+        for k, v in ref.items():
+            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+
+
 def test_3d_zero1_resumed_at_another_layout(tmp_path):
     """dp 2 x tp 2 x pp 2 with the distributed optimizer (ZeRO-1, Adam: its moments in chunks of tp shards) for 2
     steps, resumed once at the same layout and once as dp 2 x tp 2 without ZeRO: both continue the uninterrupted
@@ -147,15 +161,7 @@ def test_3d_zero1_resumed_at_another_layout(tmp_path):
     tensors and re-cut hold every element of the parameters and of Adam's state."""
     zero3d = [*TF, "train.workers=2", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=1",
               "train.optimizer=adam", "train.lr=0.01"]
-    straight = execute(small_config(*zero3d, "train.steps=4"), tmp_path, label="3d-zero1", quiet=True)
-    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
-    for label, change in (("same", []), ("tp2", ["parallel.pp=1", "parallel.zero=0"])):
-        first = execute(small_config(*zero3d, "train.steps=2"), tmp_path, label=label, quiet=True)
-        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
-        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
-        assert sorted(got) == sorted(ref), label
-        for k, v in ref.items():
-            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+    _resumes_continue(tmp_path, zero3d, {"same": [], "tp2": ["parallel.pp=1", "parallel.zero=0"]}, "3d-zero1")
 
 
 def test_local_resume_is_bitwise(tmp_path):
@@ -216,15 +222,8 @@ def test_zero3_over_tp_resumed_at_another_layout(tmp_path):
     2 steps, resumed as itself and as dp 2 x tp 2 with ZeRO-2 and as dp 2 without ZeRO or tp: every resume continues
     the uninterrupted run's losses (itself bitwise, the others to float32 tolerance)."""
     fsdp_tp = [*TF, "train.workers=2", "parallel.tp=2", "parallel.zero=3"]
-    straight = execute(small_config(*fsdp_tp, "train.steps=4"), tmp_path, label="zero3-tp2", quiet=True)
-    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
-    for label, change in (("same", []), ("zero2", ["parallel.zero=2"]), ("dp", ["parallel.tp=1", "parallel.zero=0"])):
-        first = execute(small_config(*fsdp_tp, "train.steps=2"), tmp_path, label=label, quiet=True)
-        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
-        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
-        assert sorted(got) == sorted(ref), label
-        for k, v in ref.items():
-            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+    _resumes_continue(tmp_path, fsdp_tp, {"same": [], "zero2": ["parallel.zero=2"],
+                                          "dp": ["parallel.tp=1", "parallel.zero=0"]}, "zero3-tp2")
 
 
 @pytest.mark.parametrize("layout", ["cp", "ep"])
@@ -235,12 +234,4 @@ def test_zero1_on_a_cp_or_ep_replica_resumed(tmp_path, layout):
     to float32 tolerance."""
     base = ([*TF, "train.workers=2", "parallel.cp=2", "parallel.zero=1"] if layout == "cp" else
             [*TF, "workload.name=text-moe", "train.workers=2", "parallel.ep=2", "parallel.zero=1"])
-    straight = execute(small_config(*base, "train.steps=4"), tmp_path, label=f"{layout}-zero1", quiet=True)
-    ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
-    for label, change in (("same", []), ("no zero", ["parallel.zero=0"])):
-        first = execute(small_config(*base, "train.steps=2"), tmp_path, label=f"{layout} {label}", quiet=True)
-        execute(resume_config(first.path, [*change, "train.steps=4"]), quiet=True, resume=RunDir(first.path))
-        got = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(first.path / "metrics.jsonl")}
-        assert sorted(got) == sorted(ref), label
-        for k, v in ref.items():
-            assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+    _resumes_continue(tmp_path, base, {"same": [], "no zero": ["parallel.zero=0"]}, f"{layout}-zero1")

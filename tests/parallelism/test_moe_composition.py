@@ -6,7 +6,6 @@ routers. Every step's loss, the gathered model and the routed counts equal one p
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -15,33 +14,22 @@ import torch
 import collectives
 from parallelism.engine import AllReduceStrategy, EngineError
 from parallelism.export import gather_full_state
-from parallelism.models import lm_loss, tiny_moe_transformer
-from parallelism.moe import moe_aux_loss, moe_layers
+from parallelism.models import lm_loss
+from parallelism.moe import moe_layers
 
+from tests.parallelism import test_expert_parallel as TEP
 from tests.parallelism.par_helpers import adam_attention, assert_close, plain, run_training, sgd, tf_batches
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 3
-MOE_CFG = dict(vocab=16, d=16, heads=4, layers=2, seq=6, experts=4, top_k=2, capacity_factor=1.0, aux_weight=0.05,
-               group_samples=1)              # capacity per sequence: any split of the batch routes the same
-FACTORY = functools.partial(tiny_moe_transformer, **MOE_CFG)
+STEPS = TEP.STEPS
+FACTORY = TEP._pp_factory()       # test_expert_parallel's MoE with capacity per sequence: any split routes the same
 OPTS = {"sgd": sgd, "adam": adam_attention}
 
 
 def _reference(opt: str):
-    torch.set_num_threads(1)
-    model = FACTORY()
-    optim = OPTS[opt](list(model.parameters()))
-    losses = []
-    for x, y in tf_batches(STEPS):
-        loss = lm_loss(model(x), y) + moe_aux_loss(model)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(float(loss.detach()))
-    stats = {n: m.pop_stats() for n, m in moe_layers(model)}
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, stats
+    """One process on the concatenated batches (test_expert_parallel's reference, same model and steps)."""
+    return TEP._reference(None, opt=OPTS[opt])
 
 
 def _engine(mesh_shape: dict[str, int], ckpt: bool):
