@@ -105,8 +105,9 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
 
 # what a mixture-of-experts model cannot go through, by step
 _MOE_REFUSED = {
-    "sp": "sequence parallelism would route each tp rank's sequence shard on its own, but an MoE layer's capacity "
-          "and load-balancing loss are per token group (whole sequences): drop sequence parallelism for MoE models",
+    "sp": "sequence parallelism would route each tp rank's sequence shard on its own, but a mixture-of-experts "
+          "layer's capacity and load-balancing loss are per token group (whole sequences): drop sequence "
+          "parallelism for MoE models",
     "cp": "context parallelism does not add a mixture-of-experts model's load-balancing loss: use the data, tensor "
           "or expert-parallel engine for MoE models",
 }
@@ -133,7 +134,7 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     pp = Comm(mesh.group("pp"), log)
     stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)
-    if moe and sequence_parallel and tp.size > 1:
+    if moe and sequence_parallel:
         raise EngineError(_MOE_REFUSED["sp"])
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
     cp = Comm(mesh.group("cp"), log)

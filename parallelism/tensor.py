@@ -262,7 +262,7 @@ class TensorParallelEngine:
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> LocalReplica:
         from .compose import compose
-        other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
+        other = [f"{ax}={mesh.group(ax).world_size}" for ax in ("pp", "cp", "ep") if mesh.group(ax).world_size > 1]
         if other:       # their replicas do more than one forward/backward on the whole batch
             raise EngineError(f"TensorParallelEngine runs on dp x tp meshes; this one also has {', '.join(other)} "
                               "(pp: PipelineEngine, cp: ContextParallelEngine, ep: ExpertParallelEngine)")

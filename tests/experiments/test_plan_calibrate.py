@@ -40,10 +40,17 @@ def test_workload_shape_is_the_text_transformer_and_flops_follow_narayanan():
 
 @pytest.fixture(scope="module")
 def calibrated():
+    """Batches 2 and 32 (16x the FLOPs: ~17 ms apart here, against ~20 ms of per-step overhead), and up to 3
+    attempts: on a loaded machine one pair of short runs can still come out inverted, which calibrate refuses."""
     from experiments.bench.calibrate import calibrate
     topo = Topology(2, 1, inter_latency_s=LAT, inter_bandwidth_Bps=BW)
-    details: dict = {}
-    return topo, calibrate(topo, progress=False, reps=2, sizes=(4, 16), details=details), details
+    for attempt in range(3):
+        details: dict = {}
+        try:
+            return topo, calibrate(topo, progress=False, reps=2, sizes=(2, 32), details=details), details
+        except CalibrationError:
+            if attempt == 2:
+                raise
 
 
 def test_calibrate_recovers_the_emulated_link_and_round_trips(calibrated):
@@ -55,7 +62,7 @@ def test_calibrate_recovers_the_emulated_link_and_round_trips(calibrated):
     assert BW / 4 < c.inter_bandwidth_Bps < 1.5 * BW
     (s1, t1), (s2, t2) = details["links"]["inter"]["points"]        # the raw points: one way >= latency + S/bw
     assert t1 >= LAT + s1 / BW and t2 >= LAT + s2 / BW
-    assert set(details["compute"]["all"]) == {4, 16}
+    assert set(details["compute"]["all"]) == {2, 32}
 
 
 def test_check_one_config_has_both_figures_and_equal_bytes(calibrated, tmp_path):
