@@ -160,13 +160,31 @@ def from_env() -> Topology | None:
         raise TopologyError(f"{ENV}: {e}") from None
 
 
+class Link:
+    """One direction of one link, the module docstring's model: a message of B bytes handed over at `now` starts
+    when the link is free, occupies it for B / bandwidth and is delivered `latency` later."""
+
+    def __init__(self, latency_s: float, bandwidth_Bps: float) -> None:
+        if not (latency_s >= 0 and math.isfinite(latency_s)) or not bandwidth_Bps > 0:
+            raise ValueError(f"an emulated link needs latency >= 0 s and bandwidth > 0 B/s, got {latency_s}, "
+                             f"{bandwidth_Bps}")
+        self.latency_s, self.bandwidth_Bps = float(latency_s), float(bandwidth_Bps)
+        self.busy = 0.0                                        # when the link is free again
+
+    def due(self, nbytes: int, now: float | None = None) -> float:
+        """When a message of `nbytes` handed over `now` (default: now) is delivered; the link's busy time moves on."""
+        now = time.monotonic() if now is None else now
+        self.busy = max(now, self.busy) + nbytes / self.bandwidth_Bps
+        return self.busy + self.latency_s
+
+
 class LinkEmulator:
-    """One rank's outgoing links: the per-destination busy clocks, the delivery holds and the byte counts."""
+    """One rank's outgoing links: one `Link` per destination, the delivery holds and the byte counts."""
 
     def __init__(self, topology: Topology, rank: int, world_size: int) -> None:
         topology.check_world(world_size)
         self.topology, self.rank = topology, rank
-        self.busy: dict[int, float] = {}                       # dst -> when the link rank -> dst is free
+        self.links: dict[int, Link] = {}                       # dst -> the link rank -> dst
         self.bytes = {c: 0 for c in LINKS}                     # tensor payload bytes sent per link class
         self.messages = {c: 0 for c in LINKS}
         self.held_s = 0.0                                      # total time receives were held back
@@ -175,13 +193,14 @@ class LinkEmulator:
         """(due, delay) of a message to `dst` carrying `tensors`, sent now; advances the link's busy clock."""
         nbytes = sum(int(t.nbytes) for t in tensors)
         cls = self.topology.link(self.rank, dst)
-        lat, bw = self.topology.params(self.rank, dst)
+        link = self.links.get(dst)
+        if link is None:
+            link = self.links[dst] = Link(*self.topology.params(self.rank, dst))
         now = time.monotonic()
-        end = max(now, self.busy.get(dst, 0.0)) + nbytes / bw
-        self.busy[dst] = end
+        due = link.due(nbytes, now)
         self.bytes[cls] += nbytes
         self.messages[cls] += 1
-        return end + lat, end + lat - now
+        return due, due - now
 
     def hold(self, header: dict) -> None:
         """Sleep until the message with this header is due (at most its stamped delay)."""

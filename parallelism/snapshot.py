@@ -75,6 +75,23 @@ def _optimizer(replica: Replica, strategy: Any) -> torch.optim.Optimizer | None:
     return getattr(strategy, "optimizer", None)
 
 
+def _placed(slot_name: str, shape: Any, idx: Any) -> tuple[tuple[int, ...], dict[str, Any], torch.Tensor | None]:
+    """(full shape, selection, index) of a piece of `shape` named `slot_name`: whole, or with the tp index `idx` a
+    tp shard ("#tp{t}/{T}" in the name says T, the factor along the index's dim)."""
+    if idx is None:
+        return tuple(shape), {"kind": "whole"}, None
+    dim, index = idx
+    full = list(shape)
+    full[dim] *= int(slot_name.rsplit("/", 1)[1]) if "#tp" in slot_name else 1
+    return tuple(full), {"kind": "index", "dim": int(dim)}, index
+
+
+def _chunk(sel: dict[str, Any], a: int, b: int) -> dict[str, Any]:
+    """The selection of elements [a, b) of a piece's flat view: of a whole tensor, or of a tp shard."""
+    return {"kind": "flat", "start": a, "stop": b} if sel["kind"] == "whole" else \
+        {**sel, "kind": "index_flat", "start": a, "stop": b}
+
+
 def targets(replica: Replica, strategy: Any) -> list[Target]:
     """This rank's pieces, in a fixed order (ZeRO 1–2: the full module copy before the owned chunk)."""
     out: list[Target] = []
@@ -83,44 +100,25 @@ def targets(replica: Replica, strategy: Any) -> list[Target]:
     if chunked and len(strategy.shards) != len(replica.slots()):
         raise SnapshotError("the distributed optimizer is not attached to this replica: attach it before a snapshot")
     if isinstance(replica, ZeroReplica):
-        for n, p in replica.named:
-            shape, idx = list(replica.shapes[n]), tp_index(p)
-            whole: dict[str, Any] = {"kind": "whole"}
-            index = None
-            if idx is not None:            # ZeRO over a tp shard (dp × tp): the shard, and chunks of it
-                index = idx[1]
-                shape[idx[0]] = shape[idx[0]] * int(replica.name_of(n, p).rsplit("/", 1)[1])
-                whole = {"kind": "index", "dim": int(idx[0])}
+        for n, p in replica.named:       # (over dp × tp: a tp shard, and chunks of it)
+            shape, sel, index = _placed(replica.name_of(n, p), replica.shapes[n], tp_index(p))
             if replica.stage == 0:
-                out.append(Target(n, tuple(shape), whole, index, p, p))
+                out.append(Target(n, shape, sel, index, p, p))
                 continue
             if replica.stage in (1, 2):
-                out.append(Target(n, tuple(shape), whole, index, p, None))
-            a, b = replica.bounds[n]
-            chunk = {"kind": "flat", "start": a, "stop": b} if idx is None else \
-                {**whole, "kind": "index_flat", "start": a, "stop": b}
-            out.append(Target(n, tuple(shape), chunk, index, replica.shards[n], replica.shards[n]))
+                out.append(Target(n, shape, sel, index, p, None))
+            out.append(Target(n, shape, _chunk(sel, *replica.bounds[n]), index, replica.shards[n], replica.shards[n]))
         return out
     for k, s in enumerate(replica.slots()):
-        name, idx = s.name.split("#", 1)[0], tp_index(s.param)
-        if idx is None:
-            sel: dict[str, Any] = {"kind": "whole"}
-            shape, index = tuple(s.param.shape), None
-        else:
-            dim, index = idx
-            parts = int(s.name.rsplit("/", 1)[1]) if "#tp" in s.name else 1
-            full = list(s.param.shape)
-            full[dim] *= parts
-            sel, shape = {"kind": "index", "dim": int(dim)}, tuple(full)
+        name = s.name.split("#", 1)[0]
+        shape, sel, index = _placed(s.name, s.param.shape, tp_index(s.param))
         if not chunked:
             out.append(Target(name, shape, sel, index, s.param, s.param))
             continue
         # the distributed optimizer: the slot itself (rebuilt from the chunks), then this dp rank's chunk of it
         out.append(Target(name, shape, sel, index, s.param, None))
-        a, b = strategy.bounds[k]
-        chunk = {"kind": "flat", "start": a, "stop": b} if index is None else {**sel, "kind": "index_flat",
-                                                                               "start": a, "stop": b}
-        out.append(Target(name, shape, chunk, index, strategy.shards[k], strategy.shards[k]))
+        out.append(Target(name, shape, _chunk(sel, *strategy.bounds[k]), index, strategy.shards[k],
+                          strategy.shards[k]))
     return out
 
 

@@ -236,21 +236,27 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
     return total, formula
 
 
+def _moe_dims(cfg: RunConfig, model: torch.nn.Module, S: int) -> tuple[int, int, int]:
+    """(MoE layers, capacity C per expert and sequence, width d) of the model (groups are single sequences)."""
+    from parallelism.moe import capacity, moe_layers
+    w = cfg.workload
+    layers = [m for _, m in moe_layers(model)]
+    d = layers[0].router.in_features if layers else 0
+    return len(layers), capacity(S, w.experts, w.top_k, w.capacity_factor), d
+
+
 def _expert_mlps(cfg: RunConfig, model: torch.nn.Module, S: int, sizes: list[int], T: int, per_region: int
                  ) -> tuple[float, str]:
     """Tensor parallelism splits each expert's MLP like a dense one: per MoE layer, each of a rank's E/ep experts
     all-reduces its (ep·n_i sequences, capacity C, d) output forward and input gradient backward (+ the recomputed
     forward) per micro-batch of n_i sequences. (bytes, formula text); (0, "") without MoE layers."""
-    from parallelism.moe import capacity, moe_layers
-    layers = [m for _, m in moe_layers(model)]
-    if not layers:
+    L, C, d = _moe_dims(cfg, model, S)
+    if not L:
         return 0.0, ""
     w, p = cfg.workload, cfg.parallel
-    C = capacity(S, w.experts, w.top_k, w.capacity_factor)          # groups are single sequences
-    d = layers[0].router.in_features
     parts = [_allreduce(p.ep * n * C * d * 4, T, "T", "e_i", _gloo(cfg)) for n in sizes]
-    per_rank = len(layers) * (w.experts // p.ep) * per_region * sum(x for x, _ in parts)
-    return per_rank, (f" + {len(layers)} MoE layers · {w.experts // p.ep} experts · {per_region} all-reduces · "
+    per_rank = L * (w.experts // p.ep) * per_region * sum(x for x, _ in parts)
+    return per_rank, (f" + {L} MoE layers · {w.experts // p.ep} experts · {per_region} all-reduces · "
                       f"{parts[0][1]}, e_i = ep·b_i sequences · capacity {C} · d {d} · 4 B")
 
 
@@ -293,15 +299,12 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
 def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]:
     """Expert parallelism (parallelism/expert.py): the all-to-alls of every MoE layer, the ep gradient sum."""
     from parallelism.expert import all_to_all_bytes_per_step
-    from parallelism.moe import capacity, moe_layers
     model = wl.make_model()
-    layers = [m for _, m in moe_layers(model)]
     x, _, _ = wl.batch(0, 0)
     b, S = x.shape
     w = cfg.workload
-    C = capacity(S, w.experts, w.top_k, w.capacity_factor)        # groups are single sequences
-    d = layers[0].router.in_features if layers else 0
-    a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, len(layers), wire=True)
+    L, C, d = _moe_dims(cfg, model, S)
+    a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, L, wire=True)
     P = cfg.parallel.pp
     if P > 1:              # each stage's ep ranks sum that stage's replicated gradients (and its part of the loss)
         from parallelism.pipeline import rank_stages
@@ -319,7 +322,7 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
         g, rule = _allreduce(R_s + 4, ep, "ep", "(R_s + 4)" if P > 1 else "(R + 4)", _gloo(cfg))
         grads, R = grads + g, R + R_s
     total = D * ep * T * (a2a + grads)
-    formula = (f"D·ep{'·T' if T > 1 else ''} ranks{' (of all stages)' if P > 1 else ''} · ({len(layers)} MoE layers "
+    formula = (f"D·ep{'·T' if T > 1 else ''} ranks{' (of all stages)' if P > 1 else ''} · ({L} MoE layers "
                f"· {6 if ac else 4} all-to-alls{' (2 recomputed)' if ac else ''} · "
                f"(ep−1)/ep · (b/ep sequences · {w.experts} experts · capacity {C} · d {d} · 4 B) + replicated "
                f"gradients and loss {rule}{' per stage' if P > 1 else ''}, R = {R} B"
