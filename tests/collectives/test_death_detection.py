@@ -14,6 +14,7 @@ import pytest
 import collectives
 from collectives.errors import LaunchError
 from collectives.launcher import RankFailure, notify
+from tests.detectlog import detected
 
 pytestmark = pytest.mark.under_load        # these bounds must hold on a busy machine too (tests/conftest.py)
 
@@ -114,6 +115,7 @@ def test_the_dead_rank_is_named_first_while_others_keep_talking(tmp_path, per_me
     assert [r for r, _, _ in sup.named][:1] == [1], sup.named
     assert "killed by SIGKILL" in sup.named[0][1], sup.named
     died_at, quiet_at = float(open(died_file).read()), float(open(quiet_file).read())
+    detected(f"rank {sup.named[0][0]}", sup.named[0][2] - died_at, BOUND_S)
     assert sup.named[0][2] - died_at < BOUND_S, sup.named
     assert sup.named[0][2] < quiet_at, f"named {sup.named[0][2] - quiet_at:.2f} s after rank 0 fell quiet"
     assert out[0] == "done" and isinstance(out[1], RankFailure) and isinstance(out[2], RankFailure)

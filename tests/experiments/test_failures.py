@@ -18,6 +18,7 @@ import torch
 from experiments.errors import ExperimentError
 from experiments.results.rundir import read_jsonl
 from experiments.runner import execute
+from tests.detectlog import detected
 from tests.experiments.conftest import small_config
 
 pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
@@ -129,6 +130,7 @@ def test_abort_names_a_killed_worker_at_once(tmp_path, clean):
     ev = _events(next((tmp_path / "runs").iterdir()))
     kinds = [e["event"] for e in ev]
     assert kinds == ["inject", "detect", "abort"], ev
+    detected(ev[1]["who"], ev[1]["detect_s"], 5.0)
     assert ev[1]["who"] == "worker:1" and ev[1]["detect_s"] < 5.0
 
 
@@ -152,6 +154,7 @@ def test_a_hung_worker_is_detected_within_the_bound(tmp_path, clean):
     ev = _events(next((tmp_path / "runs").iterdir()))
     det = [e for e in ev if e["event"] == "detect"]
     assert len(det) == 1 and det[0]["who"] == "worker:2"
+    detected(det[0]["who"], det[0]["detect_s"], 2.0 + 0.5 + 1.0)
     assert 1.0 < det[0]["detect_s"] < 2.0 + 0.5 + 1.0, det
 
 
@@ -187,6 +190,8 @@ def test_ps_asp_goes_on_with_the_survivors(tmp_path, clean, elastic):
     assert sum(1 for u in ups if u["worker"] == 3) == 10
     assert all(sum(1 for u in ups if u["worker"] == w) == 30 for w in (0, 1, 2))
     det = [e for e in _events(rd) if e["event"] == "detect"]
+    if det:
+        detected(det[0]["who"], det[0]["detect_s"], 5.0)
     assert det and det[0]["who"] == "worker:3" and det[0]["detect_s"] < 5.0
     # the reference: the same run in which worker 3 leaves by plan at that step (3 workers from step 10 on)
     ref = _run(tmp_path, "train.strategy=ps-asp", "train.workers=4", "train.steps=30", "train.base_step_s=0.01",
@@ -210,6 +215,8 @@ def test_allreduce_shrinks_and_equals_a_planned_departure(tmp_path, clean, elast
     killed = _run(tmp_path, *common, 'faults.events=[{kill="worker:2", at_step=6}]', label="killed")
     ek = _events(killed)
     det = [e for e in ek if e["event"] == "detect"]
+    if det:
+        detected(det[0]["who"], det[0]["detect_s"], 5.0)
     assert det and det[0]["who"] == "worker:2" and det[0]["detect_s"] < 5.0
     rk = [e for e in ek if e["event"] == "recover"]
     assert rk and rk[-1]["world_size"] == 3 and rk[-1]["step"] in (5, 6), ek
@@ -369,6 +376,7 @@ def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, clean, elastic, s
     # the report's figures: detect_s is inject -> detect (as for a worker), and detect is written before the
     # restart, so detect -> shard_restart (the report's time to recover) covers the restart (restart_s, ms)
     (inject,), (detect,) = ([e for e in ev if e["event"] == k] for k in ("inject", "detect"))
+    detected(detect["who"], detect["detect_s"], 5.0)
     assert detect["who"] == "shard:0" and detect["detect_s"] < 5.0
     assert abs(detect["detect_s"] - (detect["time_s"] - inject["time_s"])) < 1e-5, (inject, detect)   # one clock
     assert restarts[0]["time_s"] - detect["time_s"] >= restarts[0]["restart_s"] - 1e-3, (detect, restarts)

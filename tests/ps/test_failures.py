@@ -28,6 +28,7 @@ from ps.errors import (CheckpointWarning, ConfigError, MembershipError, NotAMemb
                        ShardLostError)
 from ps.processes import start_servers
 from ps.shard import ShardState
+from tests.detectlog import detected
 
 from .test_processes import shard_children
 
@@ -181,6 +182,8 @@ def test_kill9_shard_under_bsp_is_restarted_and_the_run_completes_exactly(tmp_pa
         detect, *restarts = events
         restart = restarts[0]
         assert detect["who"] == "shard:0" and detect["how"] == "SIGKILL" and detect["time_s"] is None
+        detected(detect["who"], times["detect"] - times["inject"], 5.0)
+        assert times["detect"] - times["inject"] < 5.0, times         # faults.detect_s's ceiling, under load too
         assert [r["who"] for r in restarts] == [f"shard:{i}" for i in range(shards)]
         assert servers.addresses == addresses                                      # the same addresses
         assert {r["restored_version"] for r in restarts} == {restart["restored_version"]}   # one common clock
@@ -245,6 +248,7 @@ def test_a_hung_shard_is_detected_within_detect_s_killed_and_restarted(tmp_path)
         detect, restart = events
         assert detect["how"].startswith("no heartbeat for ") and detect["detect_s"] >= detect_s   # (rounded to ms)
         took = times["detect"] - times["inject"]
+        detected("shard:0", took, detect_s + 1.0)
         assert took < detect_s + 1.0, f"hung shard detected after {took:.2f} s (bound {detect_s} s + a beat)"
         assert servers.processes[0].pid != pid and 0 <= restart["lost_updates"] <= 2
         assert all(not isinstance(o, BaseException) for o in workers.out.values()), workers.out
