@@ -494,12 +494,13 @@ def _probe_segment(job: str, src: int, dst: int, token: bytes) -> tuple[str, mma
     return name, mm
 
 
-def segment_count() -> int:
-    """pslab segments currently in /dev/shm (tests check that nothing is left behind)."""
+def segments() -> frozenset[str]:
+    """The names of the pslab segments now in /dev/shm. Tests check that nothing is left behind as "no name that was
+    not there before" (`segments() <= before`): another job's segments may come and go meanwhile."""
     try:
-        return sum(1 for n in os.listdir(shm.SHM_DIR) if n.startswith("pslab-"))
+        return frozenset(n for n in os.listdir(shm.SHM_DIR) if n.startswith("pslab-"))
     except OSError:
-        return 0
+        return frozenset()
 
 
-__all__ = ["ALIGN", "ClientLink", "ServerLink", "read", "segment_count", "wanted", "write"]
+__all__ = ["ALIGN", "ClientLink", "ServerLink", "read", "segments", "wanted", "write"]

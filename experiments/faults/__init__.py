@@ -8,4 +8,9 @@
 
 Every failure becomes lines of RUN_DIR/events.jsonl (real runs and the simulator write the same schema, see
 `spec.EVENT_FIELDS`): inject -> detect -> recover (-> join), with times since the run's start.
+
+Bounds under load (collectives/launcher.py): a death is known at once from the kernel (a pidfd per process), never
+from a missing result, and it is recorded before any survivor's "a peer failed"; a silent heartbeat is a hang only
+past detect_s + 2 x lag, lag being how late the launcher's own 50 ms polls woke at worst over the last 10 s (a busy
+machine delays the beats too); a stopped process (state T) is hung after detect_s whatever the load.
 """

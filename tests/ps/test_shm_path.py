@@ -153,11 +153,11 @@ def test_bad_shared_memory_requests_get_errors_and_change_nothing(thread_servers
 
 def test_no_segment_outlives_client_and_shard(thread_servers):
     """Every /dev/shm segment the path created is gone once the client is closed and the shard stopped."""
-    base = shm_path.segment_count()
+    before = shm_path.segments()
     servers = thread_servers(2, num_workers=1)
     train(servers.addresses, shm=True, fused=True, steps=3)
     servers.stop()
-    assert shm_path.segment_count() == base
+    assert shm_path.segments() <= before, shm_path.segments() - before
 
 
 
