@@ -23,7 +23,10 @@ One function per collective, each as pslab's collectives send it (N the group's 
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
+
+import numpy as np
 
 from collectives.group import chunk_bounds
 
@@ -65,51 +68,82 @@ class Placement:
         for ax in reversed(AXES):
             self.stride[ax] = s
             s *= self.sizes[ax]
+        # looked up millions of times by a plan's search: each rank's node and each link class's (α, β), once
+        G = cluster.gpus_per_node
+        self.node_of: tuple[int, ...] = (tuple(self.explicit) if self.explicit is not None else
+                                         _nodes(n, G if placement == "packed" else 0, self.nodes))
+        self.links = {k: cluster.link(k) for k in ("intra", "inter")}
+        self._classes: dict[str, list[tuple[list[int], int]]] = {}
 
     def node(self, r: int) -> int:
-        if self.explicit is not None:
-            return self.explicit[r]
-        return r // self.cluster.gpus_per_node if self.placement == "packed" else r % self.nodes
+        return self.node_of[r]
 
     def link(self, a: int, b: int) -> str:
-        return "intra" if self.node(a) == self.node(b) else "inter"
+        return "intra" if self.node_of[a] == self.node_of[b] else "inter"
 
     def coord(self, r: int, axis: str) -> int:
         return (r // self.stride[axis]) % self.sizes[axis]
 
     def group_classes(self, axis: str) -> list[tuple[list[int], int]]:
         """One representative of each class of equivalent groups along `axis`, and how many there are: groups of
-        the same pipeline stage whose members sit on nodes in the same pattern cost the same (packed: node
-        (r0 + i·stride) // G, spread: (r0 + i·stride) % nodes, so the pattern is fixed by r0 mod G, resp. nodes)."""
+        the same pipeline stage whose members sit on nodes in the same pattern (`_pattern`: the nodes relabelled in
+        order of first appearance) cost the same. Packed, a group's nodes are (r0 + i·stride) // G, spread
+        (r0 + i·stride) % nodes, so its pattern is fixed by r0 mod G, resp. nodes: one pattern is computed per
+        residue, and residues with equal patterns (e.g. the dp groups of the T tp ranks inside one node) merge.
+        Computed once per axis (the list is shared: callers do not change it)."""
+        if axis in self._classes:
+            return self._classes[axis]
         st, n = self.stride[axis], self.sizes[axis]
+        sp, P = self.stride["pp"], self.sizes["pp"]
         period = self.cluster.gpus_per_node if self.placement == "packed" else self.nodes
-        seen: dict[tuple, list] = {}         # the node pattern of a group depends on its first rank mod `period`
-        for r in range(self.world):
-            if (r // st) % n:
-                continue
-            key = (0 if axis == "pp" else self.coord(r, "pp"),
-                   r % period if self.explicit is None else self._pattern([r + i * st for i in range(n)]))
-            if key in seen:
-                seen[key][1] += 1
+        first = (np.arange(0, self.world, st * n)[:, None] + np.arange(st)[None, :]).ravel()   # coordinate 0
+        stages = np.zeros_like(first) if axis == "pp" else (first // sp) % P
+        merged: dict[tuple, list] = {}       # (stage, pattern) -> [a representative group, how many]
+
+        def add(stage: int, pattern: tuple, r: int, count: int) -> None:
+            if (stage, pattern) in merged:
+                merged[stage, pattern][1] += count
             else:
-                seen[key] = [[r + i * st for i in range(n)], 1]
-        return [(g, k) for g, k in seen.values()]
+                merged[stage, pattern] = [[r + j * st for j in range(n)], count]
+
+        if self.explicit is None:            # one pattern per residue r0 mod period, the same on every stage
+            patterns: dict[int, tuple] = {}
+            keys, at, counts = np.unique(stages * period + first % period, return_index=True, return_counts=True)
+            for key, i, count in zip(keys.tolist(), at.tolist(), counts.tolist()):
+                stage, residue = divmod(key, period)
+                r = int(first[i])
+                if residue not in patterns:
+                    patterns[residue] = self._pattern([r + j * st for j in range(n)])
+                add(stage, patterns[residue], r, count)
+        else:
+            for r, stage in zip(first.tolist(), stages.tolist()):
+                add(stage, self._pattern([r + j * st for j in range(n)]), r, 1)
+        self._classes[axis] = [(g, k) for g, k in merged.values()]
+        return self._classes[axis]
 
     def _pattern(self, group: list[int]) -> tuple[int, ...]:
         """The group's nodes relabelled in order of first appearance: groups with equal patterns cost the same."""
-        first: dict[int, int] = {}
-        return tuple(first.setdefault(self.node(r), len(first)) for r in group)
+        nodes = [self.node_of[r] for r in group]
+        label = {x: i for i, x in enumerate(dict.fromkeys(nodes))}       # (in C loops: a plan calls this a lot)
+        return tuple(map(label.__getitem__, nodes))
 
     def hosts_of(self, group: list[int]) -> list[list[int]] | None:
         """The group's positions per node when a hierarchical all-reduce applies (>= 2 nodes, the same number >= 2
         of its ranks on each: collectives/hierarchical.layout), else None."""
         by: dict[int, list[int]] = {}
+        nd = self.node_of
         for i, r in enumerate(group):
-            by.setdefault(self.node(r), []).append(i)
+            by.setdefault(nd[r], []).append(i)
         hosts = [by[h] for h in sorted(by)]
         if len(group) < 4 or len(hosts) < 2 or len({len(h) for h in hosts}) != 1 or len(hosts[0]) < 2:
             return None
         return hosts
+
+
+@functools.lru_cache(maxsize=64)
+def _nodes(world: int, per_node: int, nodes: int) -> tuple[int, ...]:
+    """Each rank's node: packed (per_node > 0) r // per_node, spread r % nodes."""
+    return tuple(r // per_node if per_node else r % nodes for r in range(world))
 
 
 # ---- the cost of collectives on one group: bytes per link (summed over members), seconds of one member ---------
@@ -133,7 +167,7 @@ class Cost:
         self.bytes[pl.link(a, b)] += nbytes
 
     def wait(self, pl: Placement, cls: str, messages: int, nbytes: float) -> None:
-        lat, bw = pl.cluster.link(cls)
+        lat, bw = pl.links[cls]
         self.secs[cls] += messages * lat + nbytes / bw
 
 
@@ -148,7 +182,8 @@ def pass_latency(pl: Placement, group: list[int], steps: int) -> float:
     latency": only after it may reuse its buffers). The pass ends when the last member is done. On N members of
     one link class: (steps + 1)·α; on 2 hosts × 2 packed, a reduce-scatter: 2α of data, 3α with the ack."""
     n = len(group)
-    hop = [pl.cluster.link(pl.link(group[i], group[(i + 1) % n]))[0] for i in range(n)]   # i -> i+1 (and back)
+    nd, lat = pl.node_of, {k: v[0] for k, v in pl.links.items()}
+    hop = [lat["intra" if nd[group[i]] == nd[group[(i + 1) % n]] else "inter"] for i in range(n)]  # i -> i+1, back
     sent = [0.0] * n
     for _ in range(steps):
         sent = [sent[i - 1] + hop[i - 1] for i in range(n)]      # received from the left: the next step leaves
@@ -164,7 +199,8 @@ def ring(pl: Placement, group: list[int], numel: int, e: int, phase: str, ack: b
     c, n = Cost(), len(group)
     if n == 1:
         return c
-    nodes = [pl.node(r) for r in group]
+    nd = pl.node_of
+    nodes = [nd[r] for r in group]
     cross = [i for i in range(n) if nodes[i] != nodes[(i + 1) % n]]
     total = (2 if phase == "ar" else 1) * (n - 1) * numel
     if len(cross) in (0, n):
@@ -203,8 +239,9 @@ def direct(pl: Placement, group: list[int], nbytes: int) -> Cost:
     if n == 1:
         return c
     per_node: dict[int, int] = {}
+    nd = pl.node_of
     for r in group:
-        per_node[pl.node(r)] = per_node.get(pl.node(r), 0) + 1
+        per_node[nd[r]] = per_node.get(nd[r], 0) + 1
     inside = sum(k * (k - 1) for k in per_node.values())
     c.bytes["intra"] += inside * nbytes
     c.bytes["inter"] += (n * (n - 1) - inside) * nbytes
