@@ -246,7 +246,8 @@ class Job:
                                                     f"within {within}s; reports so far: {self.events}\n{self.stacks()}"
                 continue
             self.events.append(e)
-            assert e[0] != "error", f"member {e[1]} failed:\n{e[2]}\nreports so far: {self.events[:-1]}"
+            assert e[0] != "error", (f"member {e[1]} failed:\n{e[2]}\nreports so far: {self.events[:-1]}\n"
+                                     f"{self.stacks()}")     # where the others were: whom it waited for
             if e[0] == kind and e[1] in mids:
                 got[e[1]] = e
         return got
