@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,7 +82,9 @@ def test_a_run_whose_gloo_group_cannot_be_observed_says_so(tmp_path):
                         "--set", "train.eval_every=6", "--set", "train.timeout_s=60", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=170)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "measured: not observable (found 0 new TCP connections where gloo opens 3" in r.stdout
+    # (found 0 new connections, or 1-2 when a faster peer's first op connected before this rank looked)
+    assert re.search(r"measured: not observable \(found [012] new TCP connections where gloo opens 3", r.stdout), \
+        r.stdout[-2000:]
     summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
     dp = summary["bytes_by_kind"]["dp gradient sync"]
     assert dp["measured_per_step"] is None and "TORCH_GLOO_LAZY_INIT" in dp["unobserved_why"]

@@ -80,11 +80,16 @@ def test_recorded_staleness_matches_the_shards_own_statistics(runs):
     assert runs["ps-asp"][2]["gate_wait_s_total"] == 0.0
 
 
+# worker 2 at 20x the 10 ms step: 190 ms slower a step than the others, so on a loaded machine too it is the one a
+# backup clock leaves out (at 4x, 30 ms, scheduling beside the hog once made worker 0 the slowest of a clock)
+STRAGGLER = 'stragglers.factors={"2" = 20.0}'
+
+
 def test_backup_workers_drop_the_stragglers_late_gradients(tmp_path):
     """ps-bsp-backup:1 with 3 workers and a 4x straggler: each clock proceeds on the first 2 gradients; the
     straggler's late ones are recorded as dropped (no staleness: never applied), the shard counts the same drops,
     and every applied update has staleness 0."""
-    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", 'stragglers.factors={"2" = 4.0}')
+    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", STRAGGLER)
     rd = execute(cfg, tmp_path, label="backup", quiet=True)
     ups = read_jsonl(rd.metrics_path)
     summary = json.loads((rd.path / "summary.json").read_text())
@@ -99,7 +104,7 @@ def test_backup_abort_gives_up_committed_gradients_before_pushing(tmp_path):
     """The same run with train.backup_abort: the straggler learns during its padding that its clock is committed
     and pushes nothing for it, so its steps are recorded as dropped but (almost) none reaches the shard as a late
     push; every applied update still has staleness 0. Without abort every dropped step is a late push (above)."""
-    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", 'stragglers.factors={"2" = 4.0}',
+    cfg = small_config("train.strategy=ps-bsp-backup:1", "train.base_step_s=0.01", STRAGGLER,
                        "train.backup_abort=true")
     rd = execute(cfg, tmp_path, label="abort", quiet=True)
     ups = read_jsonl(rd.metrics_path)
