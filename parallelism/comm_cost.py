@@ -182,8 +182,7 @@ def pass_latency(pl: Placement, group: list[int], steps: int) -> float:
     latency": only after it may reuse its buffers). The pass ends when the last member is done. On N members of
     one link class: (steps + 1)·α; on 2 hosts × 2 packed, a reduce-scatter: 2α of data, 3α with the ack."""
     n = len(group)
-    nd, lat = pl.node_of, {k: v[0] for k, v in pl.links.items()}
-    hop = [lat["intra" if nd[group[i]] == nd[group[(i + 1) % n]] else "inter"] for i in range(n)]  # i -> i+1, back
+    hop = [pl.links[pl.link(group[i], group[(i + 1) % n])][0] for i in range(n)]   # i -> i+1 (and back)
     sent = [0.0] * n
     for _ in range(steps):
         sent = [sent[i - 1] + hop[i - 1] for i in range(n)]      # received from the left: the next step leaves

@@ -1,4 +1,4 @@
-"""`detected(who, detect_s, bound_s)`: one failure test's detection, asserted and, when asked, recorded.
+"""`detected(who, detect_s, bound_s)`: one failure test's detection, recorded when asked (the test asserts it).
 
 The failure tests promise that a dead or hung process is named within a bound (faults.detect_s, at most 5 s) on a
 busy machine too. Asserting the bound says only that each run kept it; the issue's figure is the distribution under

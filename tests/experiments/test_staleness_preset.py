@@ -179,7 +179,8 @@ def test_quick_runs_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "chosen learning rate" in text and "normalised cost" in text and "4. more workers amplify" in text
     data = json.loads((out / "staleness_sweep.json").read_text())
-    assert data["spec"]["seeds"] == [0, 1, 2] and len(data["claims"]) == 4 and data["wall_s"] > 0   # (no bound on time: tests never assert speed)
+    # wall_s is recorded, not bounded: tests never assert speed
+    assert data["spec"]["seeds"] == [0, 1, 2] and len(data["claims"]) == 4 and data["wall_s"] > 0
     assert all(c["lr"] is not None and len(c["seed_steps"]) == 3 for c in data["cells"])
     assert {c["workers"] for c in data["cells"]} == {1, 4}
     csv = (out / "staleness_sweep.csv").read_text().splitlines()
