@@ -29,8 +29,9 @@ of `reps` round trips, one way = half a round trip), the other ranks idle. The f
 
 puts into α everything a message pays whatever its size: the emulated latency, the scheduler's wake-up (the
 emulation is a lower bound) and the software cost of one send + receive (msgpack header, zmq, Python) — the
-per-message cost that many small tensor-parallel all-reduces pay. S₂ is sized to take ~4 ms at the emulated
-bandwidth (or 4 MiB if unlimited) so the bandwidth term is resolved above the noise.
+per-message cost that many small tensor-parallel all-reduces pay. S₂ is sized to take ~16 ms at the emulated
+bandwidth (or 4 MiB if unlimited) so the bandwidth term is resolved above the noise: a scheduling delay of a few ms
+on the small message (a loaded machine) moves β by ~10%, where a 4 ms S₂ once moved it by 50%.
 
 Overlap (`measure_overlap`): dp = world size under the topology with the overlapped (bucketed, hook-driven)
 gradient sync off and on; the time it saves over the compute seconds is the cluster's overlap_fraction (clipped to
@@ -227,7 +228,7 @@ def measure_overlap(topology: Topology, rate: float, *, batch: int = 8, reps: in
 def _large_size(bw: float) -> int:
     if bw == float("inf"):
         return 4 << 20
-    return int(min(8 << 20, max(64 << 10, bw * 4e-3)))
+    return int(min(8 << 20, max(64 << 10, bw * 16e-3)))
 
 
 def _pingpong_rank(group: Any, topo_json: str, reps: int) -> dict[str, list[tuple[int, float]]]:
