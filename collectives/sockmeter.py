@@ -16,8 +16,9 @@ A group's sockets are the connected TCP sockets that appeared in this process wh
 of /proc/self/fd; ports read from /proc/self/net/tcp{,6} by inode, without touching the descriptors), less those of
 the rendezvous store (a connection to its port, or one it accepted, if this process serves it). gloo opens exactly
 one connection to each peer per device, so a group of N ranks must show (N−1) × devices of them: any other count
-(a socket another thread opened meanwhile, torch's debug wrapper group, gloo's lazy init) makes the group not
-observable rather than wrongly counted. Each socket is remembered with its inode: a descriptor that gloo closed and
+(a socket another thread opened meanwhile, torch's debug wrapper group) makes the group not observable rather than
+wrongly counted; so does TORCH_GLOO_LAZY_INIT, whatever is found (gloo connects at each peer's first op, so a fast
+peer's may or may not have landed before this rank looks). Each socket is remembered with its inode: a descriptor that gloo closed and
 the process reused for something else stops being read, never misread.
 
 `SocketMeter.claim()` returns the bytes written and received since the previous claim. The torch backend claims
@@ -38,6 +39,7 @@ import threading
 
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _INFO_LEN = 232                       # struct tcp_info up to tcpi_snd_wnd (Linux >= 5.4; 216 suffice)
+LAZY_OFF = frozenset({"", "0", "false", "no", "off"})   # TORCH_GLOO_LAZY_INIT values that leave gloo eager
 _NOTSENT, _BYTES_RECEIVED, _BYTES_SENT, _BYTES_RETRANS = 144, 128, 200, 208   # offsets of the fields used
 _NEEDED = _BYTES_RETRANS + 8
 _ESTABLISHED, _LISTEN = 1, 10        # tcpi_state values (TCP_ESTABLISHED, TCP_LISTEN)
@@ -114,6 +116,9 @@ class SocketMeter:
         store's); not observable unless there are exactly `expected` of them (when given)."""
         if _getsockopt is None:
             return cls([], "the kernel's TCP_INFO cannot be read here")
+        if expected is not None and os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() not in LAZY_OFF:
+            return cls([], "TORCH_GLOO_LAZY_INIT is set: gloo connects at each peer's first op, after the group "
+                           "formed, so its connections cannot be told apart")
         buf = ctypes.create_string_buffer(_INFO_LEN)
         table = _tcp_table()
         held = set(socket_fds().values())
