@@ -1,6 +1,6 @@
 """pslab's communication layer: wire codec, ZeroMQ transport, process groups and ring collectives.
 
-    import collectives
+    from pslab import collectives
 
     def work(group, n):                       # runs in every rank
         t = np.ones(n, np.float32)
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # lazy: keep `import collectives.wire` light
+def __getattr__(name: str):  # lazy: keep `import pslab.collectives.wire` light
     if name == "init_process_group":
         from .init import init_process_group
         return init_process_group

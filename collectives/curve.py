@@ -47,7 +47,7 @@ def load_keys(keys_dir: str) -> tuple[bytes, bytes]:
     path = os.path.join(keys_dir, "pslab.key_secret")
     if not os.path.exists(path):
         raise RendezvousError(f"CURVE key file {path} not found; create one with "
-                              f"collectives.curve.generate_keys({keys_dir!r})")
+                              f"pslab.collectives.curve.generate_keys({keys_dir!r})")
     pub, sec = zmq.auth.load_certificate(path)
     if sec is None:
         raise RendezvousError(f"{path} holds no secret key")

@@ -236,7 +236,7 @@ class Job:
         self.ctx = mp.get_context(start_method)
         if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
             self.ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq",
-                                             "collectives.init", "collectives.zmq_group"])
+                                             "pslab.collectives.init", "pslab.collectives.zmq_group"])
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
         self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process
         self.dead: dict[Any, float] = {}                 # Process -> monotonic time its pidfd said it exited

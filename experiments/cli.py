@@ -24,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"experiments.commands.{name}")
+            module = importlib.import_module(f"pslab.experiments.commands.{name}")
         except ModuleNotFoundError as e:
-            if e.name == f"experiments.commands.{name}":
+            if e.name == f"pslab.experiments.commands.{name}":
                 continue
             raise
         module.register(sub)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())      # so the interpreter's final flush does not raise again
         return 141
     except Exception as e:  # one clear line for errors we raise on purpose; tracebacks for bugs
-        from experiments.errors import is_user_error
+        from pslab.experiments.errors import is_user_error
         if is_user_error(e):
             print(f"pslab: error: {e}", file=sys.stderr)
             return 1

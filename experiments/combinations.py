@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from experiments.config import SCHEDULES, ParallelConfig, RunConfig, WorkloadConfig, _positive
-from experiments.errors import ConfigError
-from experiments.strategies.spec import Strategy
+from pslab.experiments.config import SCHEDULES, ParallelConfig, RunConfig, WorkloadConfig, _positive
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.strategies.spec import Strategy
 
 
 def _others(p: ParallelConfig, ax: str) -> str:
@@ -137,7 +137,7 @@ def validate_topology(cfg: RunConfig) -> None:
         if not (v >= 0 and math.isfinite(v)):
             raise ConfigError(f"topology.{key} must be a finite number >= 0 (bandwidth 0: unlimited), got {v}")
     if tp.order() is not None:
-        from parallelism.mesh import AXES
+        from pslab.parallelism.mesh import AXES
         order, p = tp.order(), cfg.parallel
         degrees = {"dp": t.workers, "pp": p.pp, "tp": p.tp, "cp": p.cp, "ep": p.ep}
         split = [ax for ax in AXES if degrees[ax] > 1]

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from experiments.errors import ConfigError
-from experiments.faults.spec import FaultsConfig
-from experiments.strategies.spec import LR_RULES, Strategy, parse_strategy
-from experiments.stragglers import StragglerConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.faults.spec import FaultsConfig
+from pslab.experiments.strategies.spec import LR_RULES, Strategy, parse_strategy
+from pslab.experiments.stragglers import StragglerConfig
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 STALENESS_RULES = ("gradient", "mean")   # ps.optim.STALENESS_RULES
@@ -209,11 +209,11 @@ class TopologyConfig:
         needs the run's degrees (`parallel`, `workers` = dp) to place each rank."""
         if not self.enabled:
             return None
-        from collectives.topology import Topology
+        from pslab.collectives.topology import Topology
         bw = lambda g: g * 1e9 if g > 0 else math.inf       # noqa: E731
         placement, host_of = self.placement, None
         if self.order() is not None:
-            from parallelism.mesh import MeshLayout
+            from pslab.parallelism.mesh import MeshLayout
             p = parallel or ParallelConfig()
             mesh = MeshLayout(dp=workers, pp=p.pp, tp=p.tp, cp=p.cp, ep=p.ep)
             placement, host_of = "explicit", tuple(mesh.hosts_by_order(self.order(), self.gpus_per_host))
@@ -249,7 +249,7 @@ class RunConfig:
         return d
 
     def validate(self) -> "RunConfig":
-        from experiments.workloads import WORKLOADS
+        from pslab.experiments.workloads import WORKLOADS
         t, w = self.train, self.workload
         if w.name not in WORKLOADS:
             raise ConfigError(f"workload.name: unknown workload {w.name!r}; choose one of: {', '.join(WORKLOADS)}")
@@ -297,7 +297,7 @@ class RunConfig:
             raise ConfigError(f"strategy {s.label}: needs more workers than backups (train.workers = {t.workers})")
         self.stragglers.factors = {_worker_key(k): float(v) for k, v in self.stragglers.factors.items()}
         self.stragglers.validate(t.workers)
-        from experiments.combinations import validate_moe, validate_parallel, validate_topology
+        from pslab.experiments.combinations import validate_moe, validate_parallel, validate_topology
         validate_parallel(self.parallel, s, self.workload.batch_size, self.simulate.enabled)
         validate_moe(w, self.parallel)
         self.faults.validate(t.workers, t.shards, s.kind, t.steps)

@@ -25,10 +25,10 @@ class MissingDependencyError(ExperimentError, ImportError):
 
 def is_user_error(e: BaseException) -> bool:
     """True for errors caused by input (config, environment) rather than bugs."""
-    from collectives.errors import CollectivesError
-    from parallelism.engine import EngineError
-    from parallelism.mesh import MeshError
-    from parallelism.schedule import ScheduleError
-    from ps.errors import PSError
+    from pslab.collectives.errors import CollectivesError
+    from pslab.parallelism.engine import EngineError
+    from pslab.parallelism.mesh import MeshError
+    from pslab.parallelism.schedule import ScheduleError
+    from pslab.ps.errors import PSError
     user = (ExperimentError, CollectivesError, PSError, EngineError, MeshError, ScheduleError, FileNotFoundError)
     return isinstance(e, user)

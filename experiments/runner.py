@@ -17,14 +17,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from experiments.config import RunConfig
-from experiments.errors import ConfigError
-from experiments.results.records import summarize
-from experiments.results.rundir import RunDir, read_jsonl
-from experiments.strategies.build import check_layout, check_processes
-from experiments.strategies.launch import collect, run_ranks, summary_fields
-from experiments.strategies.spec import lr_fields
-from experiments.workloads import Workload, get_workload
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.records import summarize
+from pslab.experiments.results.rundir import RunDir, read_jsonl
+from pslab.experiments.strategies.build import check_layout, check_processes
+from pslab.experiments.strategies.launch import collect, run_ranks, summary_fields
+from pslab.experiments.strategies.spec import lr_fields
+from pslab.experiments.workloads import Workload, get_workload
 
 # Forking while another thread holds a lock copies the lock held into the child. Our only extra thread is the
 # progress poller (tqdm writes to stderr under a lock), so it works under _FORK_LOCK and no fork happens meanwhile.
@@ -105,7 +105,7 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     label = label or default_label(cfg, sim)
     plan = None
     if resume is not None:
-        from experiments.strategies import resume as resuming
+        from pslab.experiments.strategies import resume as resuming
         rd, plan = resume, resuming.prepare(cfg, resume)
         label = json.loads((rd.path / "env.json").read_text()).get("label", label)
     else:
@@ -118,7 +118,7 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     ok = False
     try:
         if sim:
-            from experiments.sim.ps import simulate as run_sim
+            from pslab.experiments.sim.ps import simulate as run_sim
             extra = run_sim(cfg, rd, bar.update)
         else:
             with _FilePoller(rd, bar):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 DELAYS = ("none", "exponential", "lognormal")
 

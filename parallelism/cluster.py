@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from collectives import jsonfields
+from pslab.collectives import jsonfields
 
 LINKS = ("intra", "inter")
 

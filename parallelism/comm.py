@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from collectives import ProcessGroup, tally
+from pslab.collectives import ProcessGroup, tally
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 

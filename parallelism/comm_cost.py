@@ -28,7 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
-from collectives.group import chunk_bounds
+from pslab.collectives.group import chunk_bounds
 
 from .cluster import Cluster
 from .memory_model import Layout, MemoryModelError

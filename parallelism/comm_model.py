@@ -71,8 +71,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from collectives.group import chunk_bounds
-from collectives.zmq_group import SMALL_BYTES
+from pslab.collectives.group import chunk_bounds
+from pslab.collectives.zmq_group import SMALL_BYTES
 
 from .cluster import Cluster
 from .comm_cost import (PLACEMENTS, CommModelError, Cost, Placement, _slowest, all_reduce, all_to_all, ring,  # noqa: F401

@@ -96,7 +96,7 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     from .models import MLP, Attention
     if not any(isinstance(m, (Attention, MLP)) for m in model.modules()):
         raise EngineError("tensor parallelism found no Attention or MLP module to split; build the model from "
-                          "parallelism.models blocks")
+                          "pslab.parallelism.models blocks")
     tensor_parallelize(stage, tp, sequence_parallel, regather, require=False)
     if not sequence_parallel:
         return []
@@ -130,7 +130,7 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
         from .models import Embed
         if not any(isinstance(m, Embed) for m in model.modules()):
             raise EngineError("sequence parallelism splits the sequence at the embedding; build the model with "
-                              "parallelism.models.Embed first (e.g. tiny_transformer)")
+                              "pslab.parallelism.models.Embed first (e.g. tiny_transformer)")
     pp = Comm(mesh.group("pp"), log)
     stage, chunks = cut_pipeline(model, pp, virtual_stages)                 # 1. pp
     tp = Comm(mesh.group("tp"), log)

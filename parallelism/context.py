@@ -99,7 +99,7 @@ def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag", re
                 setattr(parent, attr, GlobalPositionEmbed(child))
     if require and not found:
         raise EngineError("context parallelism found no parallelism.models.Attention to run as ring attention; "
-                          "build the model from parallelism.models blocks (tiny_transformer)")
+                          "build the model from pslab.parallelism.models blocks (tiny_transformer)")
     return model
 
 

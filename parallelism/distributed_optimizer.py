@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from collectives import chunk_bounds
+from pslab.collectives import chunk_bounds
 
 from .engine import EngineError, OptimizerFactory, Replica, zero_grads
 

@@ -165,7 +165,7 @@ class ExpertParallelEngine:
                     checkpoint_activations=self.checkpoint_activations)
         if not c.moe:
             raise EngineError("ExpertParallelEngine found no MoE layer in the model; build it with "
-                              "parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
+                              "pslab.parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
         return ExpertParallelReplica(c.module, c.dp, c.ep, c.rank, self.loss_fn, c.name_of)
 
 
@@ -175,7 +175,7 @@ def expert_parallelize(model: nn.Module, ep: Comm, require: bool = True) -> nn.M
     layers = [(n, m) for n, m in moe_layers(model) if isinstance(m, MoE)]
     if require and not layers:
         raise EngineError("ExpertParallelEngine found no MoE layer in the model; build it with "
-                          "parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
+                          "pslab.parallelism.moe.MoE (e.g. models.tiny_moe_transformer)")
     for name, m in layers:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -296,7 +296,7 @@ def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, laye
     rank's schedule (`schedule.interleaved_1f1b`): a forward adds its chunk's bytes, a backward first holds the
     received output gradient (e·sbh, every chunk but the last) and then frees them; the token ids (chunk 0) and
     targets (the last chunk) count once while a micro-batch of their chunk is in flight (views of one storage)."""
-    from collectives.group import chunk_bounds
+    from pslab.collectives.group import chunk_bounds
     from .schedule import interleaved_1f1b
     from .sequence import model_activation_bytes, layer_activation_bytes
     p, m, v = pp, micro_batches, virtual_stages

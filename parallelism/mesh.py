@@ -23,7 +23,7 @@ from itertools import product
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from collectives import ProcessGroup
+    from pslab.collectives import ProcessGroup
 
 AXES = ("dp", "pp", "cp", "ep", "tp")   # the coordinates (coords / rank_of), outermost first
 GROUP_KINDS = AXES + ("mp",)        # the sub-groups a DeviceMesh builds; "mp" = all model-parallel ranks of one dp

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from collectives import chunk_bounds
+from pslab.collectives import chunk_bounds
 
 from .checkpointing import unwrap_name
 from .comm import Comm, CommLog

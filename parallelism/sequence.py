@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collectives import chunk_bounds
+from pslab.collectives import chunk_bounds
 
 from .checkpointing import ActivationMeter
 from .comm import Comm
@@ -176,7 +176,7 @@ def sequence_parallelize_embedding(model: nn.Module, comm: Comm, require: bool =
             found = True
     if require and not found:
         raise EngineError("sequence parallelism splits the sequence at the embedding; build the model with "
-                          "parallelism.models.Embed first (e.g. tiny_transformer)")
+                          "pslab.parallelism.models.Embed first (e.g. tiny_transformer)")
     return model
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from collectives.tensorfile import TensorFileError, fsync_dir, read_tensor_file, write_tensor_file
+from pslab.collectives.tensorfile import TensorFileError, fsync_dir, read_tensor_file, write_tensor_file
 
 from .engine import EngineError, Replica
 from .snapshot import Snapshot, SnapshotError, capture, engine_kind, load_pieces
@@ -45,7 +45,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _RANK_FILE = re.compile(r"^rank-\d{5}\.pslab$")
-log = logging.getLogger("parallelism.state_io")
+log = logging.getLogger("pslab.parallelism.state_io")
 
 
 class CheckpointMismatchError(EngineError):

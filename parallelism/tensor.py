@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collectives import chunk_bounds
+from pslab.collectives import chunk_bounds
 
 from .comm import Comm, CommLog
 from .engine import EngineError, LocalReplica
@@ -237,7 +237,7 @@ def tensor_parallelize(model: nn.Module, comm: Comm, sequence_parallel: bool = F
         sequence_parallelize_embedding(model, comm, require)
     if require and comm.size > 1 and not any(getattr(p, SHARD_ATTR, False) for p in model.parameters()):
         raise ValueError("tensor_parallelize found no Attention or MLP module to split; build the model from "
-                         "parallelism.models blocks")
+                         "pslab.parallelism.models blocks")
     return model
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from collectives import chunk_bounds
+from pslab.collectives import chunk_bounds
 
 from .comm import Comm, CommLog, CommThread
 from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot

@@ -153,7 +153,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):  # lazy: `import ps` stays light and the server/client pull in zmq only when used
+def __getattr__(name: str):  # lazy: `from pslab import ps` stays light and the server/client pull in zmq only when used
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ps' has no attribute {name!r}")

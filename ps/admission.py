@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterable
 from .errors import AccessDeniedError, ConfigError, DuplicateWorkerError, NotRegisteredError, ProtocolError
 from .protocol import ADMIN_OPS
 
-from collectives import auth
-from collectives.auth import credential, curve_client, curve_server, new_job_secret, plain_client, plain_server
-from collectives.errors import AuthError
+from pslab.collectives import auth
+from pslab.collectives.auth import credential, curve_client, curve_server, new_job_secret, plain_client, plain_server
+from pslab.collectives.errors import AuthError
 
 ADMIN = "admin"
 TOKEN_MAX = 64
@@ -91,7 +91,7 @@ def check_secret(secret: Any) -> str:
     s = secret.strip() if isinstance(secret, str) else ""
     if len(s) < 32 or not s.isprintable() or " " in s:
         raise ConfigError("the job secret must be at least 32 printable characters without spaces (e.g. "
-                          "collectives.auth.new_job_secret())")
+                          "pslab.collectives.auth.new_job_secret())")
     return s
 
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from collectives.tensorfile import DTYPES as _DTYPES, FORMAT, MAGIC, MAX_NDIM  # noqa: F401  (kept names)
-from collectives.tensorfile import TensorFileError, read_tensor_file, write_tensor_file
+from pslab.collectives.tensorfile import DTYPES as _DTYPES, FORMAT, MAGIC, MAX_NDIM  # noqa: F401  (kept names)
+from pslab.collectives.tensorfile import TensorFileError, read_tensor_file, write_tensor_file
 
 from .errors import CheckpointError
 
@@ -75,7 +75,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, tor
 
 
 T = TypeVar("T")
-log = logging.getLogger("ps.checkpoint")
+log = logging.getLogger("pslab.ps.checkpoint")
 
 
 def restore_latest(directory: str | os.PathLike, build: Callable[[Path, dict[str, torch.Tensor], dict[str, Any]], T]

@@ -61,9 +61,9 @@ import numpy as np
 import torch
 import zmq
 
-from collectives.errors import WireError
-from collectives.traffic import TrafficCounter
-from collectives.wire import decode, encode, frame_payload
+from pslab.collectives.errors import WireError
+from pslab.collectives.traffic import TrafficCounter
+from pslab.collectives.wire import decode, encode, frame_payload
 
 from .admission import ADMIN, secret_for, worker_user
 from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, ProtocolError, PSError,

@@ -12,7 +12,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from collectives.curve import is_loopback
+from pslab.collectives.curve import is_loopback
 
 from .admission import check_secret, job_secret
 from .consistency import policy_from_string

@@ -15,7 +15,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from collectives.curve import load_keys
+from pslab.collectives.curve import load_keys
 
 from .admission import curve_client, plain_client
 from .errors import AuthenticationError

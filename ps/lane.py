@@ -63,10 +63,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from collectives import shm
-from collectives.cleanup import note_shm_job
-from collectives.errors import WireError
-from collectives.shm_channel import Waiter, supported
+from pslab.collectives import shm
+from pslab.collectives.cleanup import note_shm_job
+from pslab.collectives.errors import WireError
+from pslab.collectives.shm_channel import Waiter, supported
 
 MAGIC = 0x656E_616C_6261_6C73          # "pslablane", little-endian-ish: a constant no stray file holds
 VERSION = 1

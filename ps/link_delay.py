@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from collectives.topology import Link
+from pslab.collectives.topology import Link
 
 
 class EmulatedLink(Link):

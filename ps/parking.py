@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .shard import ShardState
     from .shm_path import ServerLink
 
-log = logging.getLogger("ps.server")
+log = logging.getLogger("pslab.ps.server")
 
 
 @dataclass

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from collectives import cleanup
+from pslab.collectives import cleanup
 
 from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
 from .checkpoint import list_checkpoints

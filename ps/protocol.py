@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 import zmq
 
-from collectives.wire import WireLimits
+from pslab.collectives.wire import WireLimits
 
 from .errors import ProtocolError
 

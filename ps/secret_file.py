@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from collectives.auth import read_private_file
-from collectives.errors import AuthError
+from pslab.collectives.auth import read_private_file
+from pslab.collectives.errors import AuthError
 
 from .admission import check_secret, job_secret, new_job_secret
 from .errors import ConfigError

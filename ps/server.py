@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import zmq
 
-from collectives.curve import load_keys
-from collectives.errors import WireError
-from collectives.shm_channel import Waiter
-from collectives.wire import decode, encode
+from pslab.collectives.curve import load_keys
+from pslab.collectives.errors import WireError
+from pslab.collectives.shm_channel import Waiter
+from pslab.collectives.wire import decode, encode
 
 from .admission import Admission, curve_server, plain_server, shard_users
 from .checkpoint import save_checkpoint
@@ -47,7 +47,7 @@ from .restore import restore
 from .shard import ShardState, _all_finite
 from .shm_path import ServerLink
 
-log = logging.getLogger("ps.server")
+log = logging.getLogger("pslab.ps.server")
 
 
 class ShardServer(Parking):
@@ -559,8 +559,8 @@ def serve(config: ServerConfig, ready: Callable[[str], None] | None = None,
 
 
 def __getattr__(name: str) -> Any:
-    """`from ps.server import start_servers` keeps working: process management lives in ps.processes."""
+    """`from pslab.ps.server import start_servers` keeps working: process management lives in pslab.ps.processes."""
     if name in ("start_servers", "ServerGroup"):
         from . import processes
         return getattr(processes, name)
-    raise AttributeError(f"module 'ps.server' has no attribute {name!r}")
+    raise AttributeError(f"module 'pslab.ps.server' has no attribute {name!r}")

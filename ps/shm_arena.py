@@ -40,9 +40,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from collectives import shm
-from collectives.shm import _is_int
-from collectives.errors import WireError
+from pslab.collectives import shm
+from pslab.collectives.shm import _is_int
+from pslab.collectives.errors import WireError
 
 ALIGN = 64                      # probe slots, each shard's group of whole tensors and each split tensor start
                                 # on a cache line
@@ -103,7 +103,7 @@ class Arena(shm.Outbox):
 
     def describe(self, shard: int, offset: int, t: torch.Tensor) -> list[Any]:
         """The descriptor of `t` lying at `offset`, under the name `shard` maps."""
-        from collectives.wire import wire_dtype
+        from pslab.collectives.wire import wire_dtype
         return [self.names[shard], self.size, offset, wire_dtype(t), list(t.shape)]
 
     def put(self, shard: int, offset: int, t: torch.Tensor) -> list[Any]:

@@ -49,10 +49,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from collectives import shm
-from collectives.cleanup import note_shm_job
-from collectives.errors import WireError
-from collectives.wire import wire_dtype
+from pslab.collectives import shm
+from pslab.collectives.cleanup import note_shm_job
+from pslab.collectives.errors import WireError
+from pslab.collectives.wire import wire_dtype
 
 from . import flat
 from .shm_arena import ALIGN, Into, PullArena, PushArena

@@ -76,7 +76,7 @@ def part_collectives(group, cuda: bool, numel: int) -> str:
     group.all_gather(out, x)
     _close(out, np.concatenate(xs), "all_gather")
     for total in (numel * n, numel * n - 1):          # equal chunks (NCCL's own), then uneven (the fallback)
-        from collectives.group import chunk_bounds
+        from pslab.collectives.group import chunk_bounds
         a, b = chunk_bounds(total, n)[r]
         out = torch.empty(b - a, device=dev)
         group.reduce_scatter(out, x[:total].contiguous(), "sum")
@@ -92,7 +92,7 @@ def part_collectives(group, cuda: bool, numel: int) -> str:
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    from parallelism.models import tiny_transformer
+    from pslab.parallelism.models import tiny_transformer
     return tiny_transformer(vocab=64, d=64, heads=4, layers=2, seq=16, seed=seed)
 
 
@@ -106,10 +106,10 @@ def part_dp(group, cuda: bool, steps: int) -> list[float]:
     """Part 2, in every rank: pslab's DP engine on CUDA and torch DDP on the same batches; returns both weights."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from parallelism.data import DataParallelEngine
-    from parallelism.engine import AllReduceStrategy, train_step
-    from parallelism.mesh import DeviceMesh
-    from parallelism.models import lm_loss
+    from pslab.parallelism.data import DataParallelEngine
+    from pslab.parallelism.engine import AllReduceStrategy, train_step
+    from pslab.parallelism.mesh import DeviceMesh
+    from pslab.parallelism.models import lm_loss
     dev = _device(group.rank, cuda)
     mesh = DeviceMesh(group, dp=group.world_size)
     replica = DataParallelEngine(loss_fn=lm_loss).build(lambda: _model().to(dev), mesh)
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true",
                     help="the same checks on CPU tensors over gloo: tests this script (no GPU verdict); default 2 ranks")
     a = ap.parse_args(argv)
-    from collectives import launch
-    from experiments.bench.collectives import parse_size
+    from pslab.collectives import launch
+    from pslab.experiments.bench.collectives import parse_size
     if a.cpu:
         n, names, backend = a.ranks or 2, ["cpu (gloo: this script's self-test, not a GPU check)"], "gloo"
     else:

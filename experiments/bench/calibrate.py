@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-import collectives
-from collectives.topology import Topology
-from parallelism.cluster import Cluster
-from parallelism.step_model import OVERLAP_FRACTION
-from parallelism.step_model import model_flops as step_model_flops
+from pslab import collectives
+from pslab.collectives.topology import Topology
+from pslab.parallelism.cluster import Cluster
+from pslab.parallelism.step_model import OVERLAP_FRACTION
+from pslab.parallelism.step_model import model_flops as step_model_flops
 
 SIZES = (4, 8, 16, 32)      # micro-batch sizes of the bare compute fit (the check's runs use 2..8 per rank)
 RUN_SIZES = (2, 8, 32)      # per-worker batches of the real-loop compute fit (the check: 2..8 per rank)
@@ -69,9 +69,9 @@ class CalibrationError(RuntimeError):
 # ---- the model and its FLOPs -------------------------------------------------------------------------------
 def workload_shape(micro_batch: int = 1) -> Any:
     """The text-transformer workload's model as a planner `Shape` (read off the workload's spec and dataset)."""
-    from experiments.workloads import WORKLOADS
-    from experiments.workloads.data import text
-    from parallelism.memory_model import Shape
+    from pslab.experiments.workloads import WORKLOADS
+    from pslab.experiments.workloads.data import text
+    from pslab.parallelism.memory_model import Shape
     spec = WORKLOADS["text-transformer"]
     kw = {**DIMS, **spec.model_kwargs}
     ds = text(SEQ)
@@ -98,7 +98,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 # ---- compute: the training step at several sizes, all ranks at once ----------------------------------------
 def _compute_rank(group: Any, sizes: list[int], reps: int, shape_d: dict) -> dict[int, list[float]]:
-    from parallelism.models import lm_loss, tiny_transformer
+    from pslab.parallelism.models import lm_loss, tiny_transformer
     torch.set_num_threads(1)
     model = tiny_transformer(vocab=shape_d["vocab"], d=shape_d["hidden"], heads=shape_d["heads"],
                              layers=shape_d["layers"], seq=shape_d["seq"], seed=group.rank)
@@ -144,8 +144,8 @@ def _comm_only_s(b: int, ranks: int, steps: int, lat: float, bw: float) -> float
     """The planner's communication seconds of one calibration run's step (dp = ranks on one node, the gradient
     all-reduce over a link of latency `lat` and bandwidth `bw`): what the fit subtracts, since the planner adds it
     back for every layout."""
-    from parallelism import step_model
-    from parallelism.memory_model import Layout
+    from pslab.parallelism import step_model
+    from pslab.parallelism.memory_model import Layout
     if ranks == 1:
         return 0.0
     here = Cluster("comm-only", gpus_per_node=ranks, nodes=1, gpu_memory_bytes=1e12, peak_flops=float("inf"),
@@ -168,8 +168,8 @@ def measure_compute_runs(ranks: int, sizes: tuple[int, ...] = RUN_SIZES, reps: i
     import json
     import math
     import tempfile
-    from experiments.config import load_config
-    from experiments.runner import execute
+    from pslab.experiments.config import load_config
+    from pslab.experiments.runner import execute
     shape = workload_shape()
     topo: list[str] = []
     if intra is not None and ranks > 1:
@@ -208,7 +208,7 @@ def measure_overlap(topology: Topology, rate: float, *, batch: int = 8, reps: in
     thread competes with the compute it is meant to hide behind and f is about 0 (the check measured overlap
     1.10x slower)."""
     import tempfile
-    from experiments.studies.plan_check import run_config
+    from pslab.experiments.studies.plan_check import run_config
     times: dict[bool, list[float]] = {False: [], True: []}
     cfg = {"label": "calibrate overlap", "dp": topology.world_size}
     with tempfile.TemporaryDirectory(prefix="pslab-calibrate-", dir=root) as tmp:

@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-import collectives
-from collectives.group import chunk_bounds
-from experiments.bench import free_port
+from pslab import collectives
+from pslab.collectives.group import chunk_bounds
+from pslab.experiments.bench import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
@@ -325,7 +325,7 @@ def _launch_mpi(n: int, args: argparse.Namespace, peers: tuple[str, ...]) -> lis
                 "shm_channel": not args.no_shm_channel}
         env = dict(os.environ, PSLAB_JOB_SECRET=os.environ.get("PSLAB_JOB_SECRET") or os.urandom(16).hex(),
                    OMP_NUM_THREADS="1")
-        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "experiments.bench.collectives", "--mpi-rank",
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "pslab.experiments.bench.collectives", "--mpi-rank",
                json.dumps(spec)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)

@@ -20,11 +20,11 @@ import sys
 import time
 from typing import Any
 
-from experiments.bench import free_port
+from pslab.experiments.bench import free_port
 
 
 def _model():
-    from parallelism.models import mlp
+    from pslab.parallelism.models import mlp
     import torch
     return mlp([784, 512, 512, 10], seed=0, act=torch.nn.ReLU)
 
@@ -34,9 +34,9 @@ def _worker(group, port: int, batch: int, steps: int, warmup: int, reps: int, bu
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from parallelism.data import DataParallelEngine
-    from parallelism.engine import AllReduceStrategy
-    from parallelism.mesh import DeviceMesh
+    from pslab.parallelism.data import DataParallelEngine
+    from pslab.parallelism.engine import AllReduceStrategy
+    from pslab.parallelism.mesh import DeviceMesh
 
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
 
-    import collectives
+    from pslab import collectives
     out = collectives.launch(_worker, args.ranks, backend="zmq",
                              args=(free_port(), args.batch, args.steps, args.warmup, args.reps, args.bucket_mb),
                              timeout=600)

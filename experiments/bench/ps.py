@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.bench import free_port
+from pslab.experiments.bench import free_port
 
 
 def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
@@ -56,7 +56,7 @@ def _pslab_worker(rank: int, addresses: list[str], shapes: dict, updates: int, r
                   out: Any, secret: str | None = None) -> None:
     import torch
     torch.set_num_threads(1)
-    from ps.client import connect
+    from pslab.ps.client import connect
     try:
         with connect(addresses, rank, shapes, timeout=120, secret=secret) as c:
             if rank == 0:
@@ -114,7 +114,7 @@ class PslabSystem(_Processes):
     """Shard servers + K worker processes, idle between windows."""
 
     def __init__(self, workers: int, shards: int, shapes: dict, updates: int, reps: int, transport: str) -> None:
-        from ps import start_servers
+        from pslab.ps import start_servers
         super().__init__(workers, updates, workers + 1)
         self.label = f"pslab ({shards} shard{'s' if shards > 1 else ''})"
         self.servers = start_servers(shards, workers, "asp", "sgd:lr=0.001", transport=transport, idle_timeout=900)
@@ -213,7 +213,7 @@ class RaySystem:
     label = "ray (actor PS)"
 
     def __init__(self, workers: int, shapes: dict, updates: int, reps: int) -> None:
-        from experiments.bench.ray_ps import RayPS
+        from pslab.experiments.bench.ray_ps import RayPS
         self.updates = updates
         self.ps = RayPS(shapes, workers)
 

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.config import RunConfig, load_config
-from experiments.results.rundir import RunDir, read_jsonl
+from pslab.experiments.config import RunConfig, load_config
+from pslab.experiments.results.rundir import RunDir, read_jsonl
 
 SKIP = ("loss", "batch")      # what a timing-only record leaves null
 
@@ -34,8 +34,8 @@ def _config(args: argparse.Namespace, steps: int, timing: bool) -> RunConfig:
 
 def _timed(cfg: RunConfig, root: Path) -> tuple[float, Path]:
     """Seconds of one simulator run (the timing-only one if cfg says so), and its metrics file."""
-    from experiments.sim.ps import Simulator
-    from experiments.sim.timing import TimingSimulator
+    from pslab.experiments.sim.ps import Simulator
+    from pslab.experiments.sim.timing import TimingSimulator
     rd = RunDir(Path(tempfile.mkdtemp(dir=root)))
     sim = TimingSimulator(cfg) if cfg.simulate.timing_only else Simulator(cfg)
     t0 = time.perf_counter()

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-import collectives
-from collectives import hierarchical as hier
-from collectives.topology import Topology, link_bytes, reset_link_bytes
+from pslab import collectives
+from pslab.collectives import hierarchical as hier
+from pslab.collectives.topology import Topology, link_bytes, reset_link_bytes
 
 from .collectives import _fmt_size, parse_size
 

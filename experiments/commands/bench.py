@@ -28,5 +28,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"experiments.bench.{args.what}")
+    module = importlib.import_module(f"pslab.experiments.bench.{args.what}")
     return int(module.main(list(args.rest)) or 0)

@@ -30,7 +30,7 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments.commands.common import add_config_args
+from pslab.experiments.commands.common import add_config_args
 
 PRESETS = ("failure",)
 
@@ -65,10 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.studies.compare import DEFAULT_STRATEGIES, default_config, run_compare
-    from experiments.results.report import summary_table
-    from experiments.strategies.spec import parse_strategy
-    from experiments.errors import ConfigError
+    from pslab.experiments.studies.compare import DEFAULT_STRATEGIES, default_config, run_compare
+    from pslab.experiments.results.report import summary_table
+    from pslab.experiments.strategies.spec import parse_strategy
+    from pslab.experiments.errors import ConfigError
     if any(o.split("=", 1)[0].strip() == "train.strategy" for o in args.overrides):
         raise ConfigError("pslab compare sets train.strategy itself, one run per strategy: use --strategies "
                           "A,B,... instead of --set train.strategy=...")
@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _failure(args: argparse.Namespace) -> int:
-    from experiments.errors import ConfigError
-    from experiments.results.report import summary_table
-    from experiments.strategies.spec import parse_strategy
-    from experiments.studies.compare import FAILURE_STRATEGIES, default_config, parse_failure, run_failure_compare
+    from pslab.experiments.errors import ConfigError
+    from pslab.experiments.results.report import summary_table
+    from pslab.experiments.strategies.spec import parse_strategy
+    from pslab.experiments.studies.compare import FAILURE_STRATEGIES, default_config, parse_failure, run_failure_compare
     for flag, given in (("--no-straggler", args.no_straggler), ("--tune-lr", args.tune_lr),
                         ("--noise-seeds", args.noise_seeds is not None)):
         if given:

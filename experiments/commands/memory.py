@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GPU_SIZES = (80e9, 141e9)
@@ -94,7 +94,7 @@ def gb(x: float) -> str:
 
 
 def _model_args(args: argparse.Namespace) -> tuple[float | None, Any]:
-    from parallelism.memory_model import Shape
+    from pslab.parallelism.memory_model import Shape
     dims = [args.layers, args.hidden, args.heads, args.seq, args.vocab]
     if any(v is not None for v in dims):
         if any(v is None for v in dims):
@@ -110,7 +110,7 @@ def _model_args(args: argparse.Namespace) -> tuple[float | None, Any]:
 
 
 def _layout(args: argparse.Namespace, **over: Any) -> Any:
-    from parallelism.memory_model import Layout
+    from pslab.parallelism.memory_model import Layout
     kw = dict(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero, sp=args.sp,
               recompute=args.recompute, micro_batches=args.micro_batches, schedule=args.schedule,
               virtual_stages=args.virtual_stages)
@@ -122,7 +122,7 @@ def _layout(args: argparse.Namespace, **over: Any) -> Any:
 
 def _fits(params: float | None, shape: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """A short list of layouts (ZeRO stage × N_d, TP, PP) and whether each fits on 80 GB and 141 GB."""
-    from parallelism.memory_model import estimate
+    from pslab.parallelism.memory_model import estimate
     rows = []
     for zero, dp, tp, pp in ((0, 1, 1, 1), (0, 8, 8, 1), (0, 1, 8, 2), (0, 1, 8, 4), (1, 8, 8, 1), (1, 64, 1, 1),
                              (2, 64, 1, 1), (3, 8, 1, 1), (3, 16, 1, 1), (3, 64, 1, 1), (3, 8, 8, 1)):
@@ -136,7 +136,7 @@ def _fits(params: float | None, shape: Any, args: argparse.Namespace) -> list[di
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallelism.memory_model import MemoryModelError, estimate
+    from pslab.parallelism.memory_model import MemoryModelError, estimate
     try:
         if args.measure:
             return _run_measure(args)
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                  **{f"fits_{int(g / 1e9)}GB": e.total <= g for g in GPU_SIZES}}] + _fits(params, shape, args)
     except MemoryModelError as err:
         raise ConfigError(str(err)) from None
-    from parallelism.memory_model import PRECISIONS
+    from pslab.parallelism.memory_model import PRECISIONS
     psi = params if params is not None else shape.params()
     (pb, gbytes, k), _ = PRECISIONS[args.precision]
     per_param = pb + gbytes + k
@@ -180,7 +180,7 @@ def _plot(params: float | None, shape: Any, args: argparse.Namespace) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from parallelism.memory_model import estimate
+    from pslab.parallelism.memory_model import estimate
     layouts = [_layout(args, dp=1, zero=0, tp=1, pp=1, sp=False), _layout(args, dp=64, zero=1, tp=1, pp=1, sp=False),
                _layout(args, dp=64, zero=2, tp=1, pp=1, sp=False), _layout(args, dp=64, zero=3, tp=1, pp=1, sp=False),
                _layout(args, dp=1, zero=0, tp=8, pp=2, sp=False)]
@@ -224,7 +224,7 @@ def _storage_total(tensors: list[Any]) -> int:
 
 
 def _config(label: str) -> Any:
-    from experiments.config import load_config
+    from pslab.experiments.config import load_config
     toml, overrides = MEASURE[label]
     return load_config(CONFIGS / toml, overrides)
 
@@ -232,10 +232,10 @@ def _config(label: str) -> Any:
 def measure_worker(group: Any, label: str) -> dict[str, Any]:
     """One rank of one configuration: two training steps, the second metered (Adam's state exists by then)."""
     import torch
-    from experiments.strategies.build import make_engine, make_strategy
-    from experiments.workloads import get_workload
-    from parallelism.checkpointing import ActivationMeter
-    from parallelism.mesh import DeviceMesh
+    from pslab.experiments.strategies.build import make_engine, make_strategy
+    from pslab.experiments.workloads import get_workload
+    from pslab.parallelism.checkpointing import ActivationMeter
+    from pslab.parallelism.mesh import DeviceMesh
     torch.set_num_threads(1)
     cfg = _config(label)
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
@@ -270,18 +270,18 @@ def measure_worker(group: Any, label: str) -> dict[str, Any]:
 def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
     """The model's figures for one rank of a MEASURE configuration (fp32 Adam, the workload's exact shapes; an MoE
     model by its parameter count, experts divided by ep, activations None: they depend on the routing)."""
-    from experiments.workloads import get_workload
-    from parallelism.memory_model import (Layout, Shape, estimate, tiny_checkpointed_activation_bytes,
+    from pslab.experiments.workloads import get_workload
+    from pslab.parallelism.memory_model import (Layout, Shape, estimate, tiny_checkpointed_activation_bytes,
                                           tiny_chunked_activation_bytes, tiny_stage_activation_bytes)
-    from parallelism.models import Attention
-    from parallelism.sequence import model_activation_bytes
+    from pslab.parallelism.models import Attention
+    from pslab.parallelism.sequence import model_activation_bytes
     cfg = _config(label)
     wl = get_workload(cfg.workload.name, 1, cfg.workload.batch_size, cfg.workload.seed, **cfg.workload.overrides())
     model = wl.make_model()
     p = cfg.parallel
     if cfg.workload.name == "text-moe":         # (pp > 1: the rank's stage of the engines' cut)
         if p.pp > 1:
-            from parallelism.pipeline import rank_stages
+            from pslab.parallelism.pipeline import rank_stages
             model = rank_stages(model, p.pp, p.virtual_stages)[rank["coords"].get("pp", 0)]
         total = sum(q.numel() for q in model.parameters())
         experts = sum(q.numel() for n, q in model.named_parameters() if ".experts." in n)
@@ -316,7 +316,7 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
 
 def measure(labels: list[str], backend: str = "zmq", quiet: bool = False) -> list[dict[str, Any]]:
     """Run each configuration; per rank: measured and modelled bytes of each kind."""
-    import collectives
+    from pslab import collectives
     from tqdm import tqdm
     rows = []
     for label in tqdm(labels, desc="pslab memory --measure", unit="config", disable=quiet, file=sys.stderr):
@@ -364,5 +364,5 @@ def _pct(ratio: float | None) -> str:
 METERS = ("cells: measured / modelled, deviation. params, grads, optimizer: bytes of the distinct tensor storages "
           "the rank holds after its second step's backward (its slots' tensors and .grad, the optimizer's state "
           "tensors incl. Adam's step counters; ZeroReplica.state_bytes for ZeRO's shards). activations: "
-          "parallelism.checkpointing.ActivationMeter's peak of tensors autograd saved in that step (parameters "
+          "pslab.parallelism.checkpointing.ActivationMeter's peak of tensors autograd saved in that step (parameters "
           "excluded, shared storages once); — : no closed form (an MoE's saved activations depend on its routing).")

@@ -43,7 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 DEFAULT_CLUSTER = "dgx-a100-80gb"
 DEFAULT_CALIBRATION = "calibration.json"
@@ -121,14 +121,14 @@ def _words(text: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _published(name: str) -> Any:
-    from parallelism.published import PUBLISHED
+    from pslab.parallelism.published import PUBLISHED
     if name not in PUBLISHED:
         raise ConfigError(f"unknown --model {name!r}; choose one of: {', '.join(PUBLISHED)}")
     return PUBLISHED[name]
 
 
 def _shape(args: argparse.Namespace) -> Any:
-    from parallelism.memory_model import Shape
+    from pslab.parallelism.memory_model import Shape
     dims = [args.layers, args.hidden, args.heads, args.seq, args.vocab]
     if args.model is not None:
         if any(v is not None for v in dims):
@@ -144,7 +144,7 @@ def _shape(args: argparse.Namespace) -> Any:
 
 
 def _cluster(args: argparse.Namespace, need_gpus: int | None = None) -> Any:
-    from parallelism.cluster import PRESETS, Cluster, ClusterError, preset
+    from pslab.parallelism.cluster import PRESETS, Cluster, ClusterError, preset
     name = args.cluster or DEFAULT_CLUSTER
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
@@ -181,7 +181,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 # ---- the command -----------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    from parallelism.memory_model import MemoryModelError
+    from pslab.parallelism.memory_model import MemoryModelError
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     try:
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from parallelism.planner import breakdown, describe, explain, micro_batch, plan
+    from pslab.parallelism.planner import breakdown, describe, explain, micro_batch, plan
     shape = _shape(args)
     row = _published(args.model) if args.model else None
     cluster = _cluster(args, need_gpus=(args.gpus or row.gpus) if row else None)
@@ -240,7 +240,7 @@ def _json_default(o: Any) -> Any:
 
 
 def table(preds: list) -> str:
-    from parallelism.planner import PARTS, breakdown, describe, fmt_seconds
+    from pslab.parallelism.planner import PARTS, breakdown, describe, fmt_seconds
     short = {"compute": "comp", "bubble": "bubble", "TP": "TP", "PP": "PP", "DP exposed": "DP", "other comm": "cp/ep",
              "overhead": "ovh"}
     names = [describe(p) for p in preds]
@@ -260,7 +260,7 @@ def plot(preds: list, path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from parallelism.planner import PARTS, breakdown, describe
+    from pslab.parallelism.planner import PARTS, breakdown, describe
     preds = preds[:MAX_PLOT]
     fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(preds) + 2), 4.8))
     names = [describe(p).replace(" b=", "\nb=") for p in preds]
@@ -287,7 +287,7 @@ def plot(preds: list, path: str, title: str) -> None:
 # ---- --published ---------------------------------------------------------------------------------------------
 
 def _run_published(args: argparse.Namespace) -> int:
-    from parallelism.published import PUBLISHED, compare_published
+    from pslab.parallelism.published import PUBLISHED, compare_published
     from tqdm import tqdm
     rows = [_published(args.model)] if args.model else list(PUBLISHED.values())
     out = []
@@ -331,10 +331,10 @@ SOURCE = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training
 # ---- --calibrate / --check -----------------------------------------------------------------------------------
 
 def _topology(args: argparse.Namespace) -> Any:
-    from collectives.topology import Topology, TopologyError
+    from pslab.collectives.topology import Topology, TopologyError
     text = args.topology
     if text is None:
-        from experiments.studies.plan_check import DEFAULT_TOPOLOGY
+        from pslab.experiments.studies.plan_check import DEFAULT_TOPOLOGY
         return DEFAULT_TOPOLOGY
     if not text.lstrip().startswith("{"):
         path = Path(text)
@@ -353,7 +353,7 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     cluster = None
     if args.calibrate is not None:
-        from experiments.bench.calibrate import calibrate
+        from pslab.experiments.bench.calibrate import calibrate
         cluster = calibrate(topo, progress=progress)
         Path(args.calibrate).write_text(cluster.to_json() + "\n")
         out["calibration"] = json.loads(cluster.to_json())
@@ -363,8 +363,8 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
                   f"per rank, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step; intra {_link(cluster, 'intra')}; "
                   f"inter {_link(cluster, 'inter')} -> {args.calibrate}")
     if args.check:
-        from experiments.studies.plan_check import check, format_table
-        from parallelism.cluster import PRESETS
+        from pslab.experiments.studies.plan_check import check, format_table
+        from pslab.parallelism.cluster import PRESETS
         if cluster is None:
             if not args.cluster or args.cluster in PRESETS:
                 raise ConfigError("--check needs a calibration of this machine: add --calibrate [FILE], or give "
@@ -375,7 +375,7 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
         rows = check(cluster, topo, repeats=args.repeats, progress=progress)
         out["check"] = rows
         if len(rows) > 1:
-            from experiments.studies.plan_check import ranking
+            from pslab.experiments.studies.plan_check import ranking
             out["ranking"] = ranking(rows)
         if not args.json:
             print(format_table(rows))

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def find_runs(paths: list[str]) -> list[Path]:
-    from experiments.errors import ExperimentError
+    from pslab.experiments.errors import ExperimentError
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
@@ -33,8 +33,8 @@ def find_runs(paths: list[str]) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.results.rundir import RunDir
-    from experiments.results.report import summary_table, write_report
+    from pslab.experiments.results.rundir import RunDir
+    from pslab.experiments.results.report import summary_table, write_report
     import sys
     runs = [RunDir(p).load() for p in find_runs(args.runs)]
     for r in runs:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.commands.common import add_config_args
+from pslab.experiments.commands.common import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,9 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.config import load_config
-    from experiments.strategies.roles import from_environment
-    from experiments.runner import execute
+    from pslab.experiments.config import load_config
+    from pslab.experiments.strategies.roles import from_environment
+    from pslab.experiments.runner import execute
     if args.resume is not None:
         return _resume(args)
     if args.config is None:                 # a malformed command line: argparse's usage message, exit status 2
@@ -62,21 +62,21 @@ def run(args: argparse.Namespace) -> int:
     role = from_environment()
     if role is not None and not args.simulate:
         if cfg.topology.enabled:
-            from experiments.errors import ConfigError
+            from pslab.experiments.errors import ConfigError
             raise ConfigError("[topology] emulates hosts for the ranks of a local pslab run; under torchrun/SLURM "
                               "drop it (set PSLAB_TOPOLOGY in each rank's environment to emulate links there)")
-        from experiments.strategies.roles import run_with_role
+        from pslab.experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
     rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet, force=args.force)
     return _report(rd)
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from experiments.errors import ConfigError
-    from experiments.results.rundir import RunDir
-    from experiments.runner import execute
-    from experiments.strategies.resume import resume_config
-    from experiments.strategies.roles import from_environment
+    from pslab.experiments.errors import ConfigError
+    from pslab.experiments.results.rundir import RunDir
+    from pslab.experiments.runner import execute
+    from pslab.experiments.strategies.resume import resume_config
+    from pslab.experiments.strategies.roles import from_environment
     if args.config is not None or args.simulate or args.label is not None:
         raise ConfigError("--resume RUN_DIR takes RUN_DIR's own config: drop CONFIG, --simulate and --label "
                           "(change settings with --set)")
@@ -135,8 +135,8 @@ def _report(rd) -> int:
 
 def _print_failures(rd) -> None:
     """One line per injected fault: detection, recovery, what was lost (results/faults.py reads events.jsonl)."""
-    from experiments.results.faults import failures, validate_events
-    from experiments.results.rundir import read_jsonl
+    from pslab.experiments.results.faults import failures, validate_events
+    from pslab.experiments.results.rundir import read_jsonl
     for f in failures(validate_events(read_jsonl(rd.path / "events.jsonl"))):
         parts = [f"{f['who']} {f['how'] or ''}".strip()]
         parts.append(f"detected after {f['detect_s']:.3g} s" if f["detect_s"] is not None else

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallelism.plot import draw_schedule
-    from parallelism.schedule import ScheduleError, make_schedule, simulate
+    from pslab.parallelism.plot import draw_schedule
+    from pslab.parallelism.schedule import ScheduleError, make_schedule, simulate
 
     if args.backward_ratio <= 0:
         raise ConfigError(f"--backward-ratio must be > 0, got {args.backward_ratio}")
@@ -72,9 +72,9 @@ def _unit(sched) -> str:
 
 
 def _run_measured(args: argparse.Namespace, sched) -> int:
-    import collectives
-    from parallelism.pipeline import bubble_fraction, gather_spans, measure_step
-    from parallelism.plot import draw_timeline
+    from pslab import collectives
+    from pslab.parallelism.pipeline import bubble_fraction, gather_spans, measure_step
+    from pslab.parallelism.plot import draw_timeline
 
     if not 1 <= args.stages <= 8:
         raise ConfigError(f"--run starts one process per stage; use 1..8 stages, got {args.stages}")

@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from collectives import cleanup
-    from ps.secret_file import server_secret
-    from ps.server import ServerConfig, ShardServer
+    from pslab.collectives import cleanup
+    from pslab.ps.secret_file import server_secret
+    from pslab.ps.server import ServerConfig, ShardServer
     torch.set_num_threads(1)
     secret, where, made_dir = server_secret(args.secret_file)
     previous_env = os.environ.get(cleanup.ENV)

@@ -22,7 +22,7 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments.commands.common import add_config_args
+from pslab.experiments.commands.common import add_config_args
 
 PRESETS = ("staleness", "staleness-remedies", "momentum", "coherence", "ssp-straggler")
 _STALENESS = ("staleness", "staleness-remedies")
@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _ints(text: str, what: str) -> list[int]:
-    from experiments.errors import ConfigError
+    from pslab.experiments.errors import ConfigError
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -96,8 +96,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 def parse_models(text: str) -> dict[str, str]:
     """'shallow=digits-mlp1,deep=digits-mlp3' or 'digits-mlr,digits-mlp3' -> {label: workload}."""
-    from experiments.errors import ConfigError
-    from experiments.workloads import WORKLOADS
+    from pslab.experiments.errors import ConfigError
+    from pslab.experiments.workloads import WORKLOADS
     out: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         label, eq, name = item.partition("=")
@@ -113,7 +113,7 @@ def parse_models(text: str) -> dict[str, str]:
 
 
 def _check_preset_options(args: argparse.Namespace) -> None:
-    from experiments.errors import ConfigError
+    from pslab.experiments.errors import ConfigError
     p = args.preset
     given = [f"--{k.replace('_', '-')}" for k in ("workers", "delay", "models", "lags", "runs", "target", "max_steps",
                                                    "worker_counts", "jobs") if getattr(args, k) is not None]
@@ -167,7 +167,7 @@ def _check_preset_options(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.errors import ConfigError
+    from pslab.experiments.errors import ConfigError
     _check_preset_options(args)
     out = Path(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     seeds = _ints(args.seeds if args.seeds is not None else "0", "--seeds")
@@ -185,9 +185,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.knob:
         raise ConfigError("pslab sweep needs --knob SECTION.KEY --values A,B,... or --preset "
                           f"{'|'.join(PRESETS)}")
-    from experiments.studies.compare import default_config
-    from experiments.results.report import summary_table
-    from experiments.studies.sweep import run_knob_sweep
+    from pslab.experiments.studies.compare import default_config
+    from pslab.experiments.results.report import summary_table
+    from pslab.experiments.studies.sweep import run_knob_sweep
     cfg = default_config(args.config, args.overrides)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
     report, runs = run_knob_sweep(cfg, args.knob, values, seeds, out, args.simulate, args.quiet, force=args.force)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _worker_counts(text: str) -> tuple[int, ...]:
-    from experiments.errors import ConfigError
+    from pslab.experiments.errors import ConfigError
     if text.strip().lower() == "none":
         return ()
     ks = tuple(_ints(text, "--worker-counts"))
@@ -208,9 +208,9 @@ def _worker_counts(text: str) -> tuple[int, ...]:
 
 def _staleness(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0: float) -> int:
     from tqdm import tqdm
-    from experiments.studies.compare import default_config
-    from experiments.studies.staleness import default_jobs, preset_spec, rows, run_staleness_sweep, save
-    from experiments.studies.staleness_report import claims, plot_curve, tables, trend_note
+    from pslab.experiments.studies.compare import default_config
+    from pslab.experiments.studies.staleness import default_jobs, preset_spec, rows, run_staleness_sweep, save
+    from pslab.experiments.studies.staleness_report import claims, plot_curve, tables, trend_note
     base = default_config(args.config, args.overrides).train  # e.g. --set train.momentum=0.95
     spec = preset_spec(args.preset, args.quick, base=base, workers=args.workers, delay=args.delay,
                        seeds=tuple(seeds) if seeds is not None else None, target_acc=args.target,
@@ -249,7 +249,7 @@ def _staleness(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0:
 
 def _momentum(args: argparse.Namespace, out: Path, t0: float) -> int:
     from tqdm import tqdm
-    from experiments.studies.momentum import MomentumSpec, note, plot_momentum, run_momentum_study, save
+    from pslab.experiments.studies.momentum import MomentumSpec, note, plot_momentum, run_momentum_study, save
     spec = MomentumSpec(m_values=(2, 4) if args.quick else (2, 4, 8), steps=40 if args.quick else 60,
                         runs=args.runs or (60 if args.quick else 200), workers=args.workers or 1)
     with tqdm(total=spec.runs * len(spec.m_values), desc="momentum study", unit="run", disable=args.quiet) as bar:
@@ -272,9 +272,9 @@ def _momentum(args: argparse.Namespace, out: Path, t0: float) -> int:
 def _coherence(args: argparse.Namespace, out: Path, seeds: list[int], t0: float) -> int:
     import dataclasses
     from tqdm import tqdm
-    from experiments.errors import ConfigError
-    from experiments.studies.coherence import CoherenceSpec, note, plot, run_coherence_study, save
-    from experiments.studies.compare import default_config
+    from pslab.experiments.errors import ConfigError
+    from pslab.experiments.studies.coherence import CoherenceSpec, note, plot, run_coherence_study, save
+    from pslab.experiments.studies.compare import default_config
     if len(seeds) != 1:
         raise ConfigError(f"--preset coherence runs one seed, got --seeds {args.seeds}")
     spec = CoherenceSpec(workers=args.workers or 1, seed=seeds[0], steps=100 if args.quick else 300)
@@ -306,8 +306,8 @@ def _coherence(args: argparse.Namespace, out: Path, seeds: list[int], t0: float)
 
 
 def _ssp(args: argparse.Namespace, out: Path, seeds: list[int] | None, t0: float) -> int:
-    from experiments.studies.staleness import default_jobs
-    from experiments.studies.ssp_straggler import SSPSpec, report, run_ssp_study, save
+    from pslab.experiments.studies.staleness import default_jobs
+    from pslab.experiments.studies.ssp_straggler import SSPSpec, report, run_ssp_study, save
     spec = SSPSpec(tune=args.tune_lr, overrides=tuple(args.overrides))
     if args.quick:
         spec.strategies, spec.seeds = ("ps-ssp:0", "ps-ssp:1", "ps-ssp:4"), tuple(range(30))

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.workloads import WORKLOADS
+    from pslab.experiments.workloads import WORKLOADS
     width = max(len(n) for n in WORKLOADS)
     dwidth = max(len(s.dataset) for s in WORKLOADS.values())
     print(f"{'name':<{width}}  {'dataset':<{dwidth}}  description")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.errors import ExperimentError
-from experiments.faults.spec import EVENT_FIELDS, EVENTS
-from experiments.results.rundir import JsonlWriter
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.faults.spec import EVENT_FIELDS, EVENTS
+from pslab.experiments.results.rundir import JsonlWriter
 
 
 class EventLog:

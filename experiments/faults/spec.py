@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 ON_FAILURE = ("auto", "abort", "continue", "shrink", "replace")
 ACTIONS = ("kill", "stop", "leave")

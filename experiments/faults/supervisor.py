@@ -22,10 +22,10 @@ import signal
 import time
 from typing import Any
 
-from experiments.config import RunConfig
-from experiments.faults.events import EventLog
-from experiments.faults.spec import EVENT_FIELDS, NO_SHARD_CHECKPOINT
-from experiments.results.rundir import RunDir
+from pslab.experiments.config import RunConfig
+from pslab.experiments.faults.events import EventLog
+from pslab.experiments.faults.spec import EVENT_FIELDS, NO_SHARD_CHECKPOINT
+from pslab.experiments.results.rundir import RunDir
 
 
 class RunSupervisor:
@@ -71,7 +71,7 @@ class RunSupervisor:
         self._publish(job, reason)
 
     def _publish(self, job: Any, reason: str) -> None:
-        from collectives.elastic import Membership, publish
+        from pslab.collectives.elastic import Membership, publish
         reason = " ".join(reason.split())[:160]             # one printable line
         self.cause.setdefault(self.generation, reason.split(" ", 1)[0] if reason.startswith("worker:") else "group")
         # each member's current process (incarnation): a replaced member's earlier one, woken up, is no member
@@ -170,13 +170,13 @@ class RunSupervisor:
                 ev["detect_s"] = round(wall - inj, 6)
             self.record(name, who, wall, **ev)           # (record keeps the schema's fields only)
             if name == "abort" or (name == "detect" and not self.elastic):
-                from collectives.errors import LaunchError
+                from pslab.collectives.errors import LaunchError
                 self.record("abort", who, how=ev.get("how"))
                 raise LaunchError(f"{who} failed: {ev.get('how')}")
             if name == "shard_restart" and not ev.get("checkpoint") and not self.cfg.faults.shard_checkpoint_every:
                 # nothing to restore (no checkpoint directory): the workers would wait for an init nobody sends;
                 # the run ends here, with the reason, instead of train.timeout_s later on another message
-                from collectives.errors import LaunchError
+                from pslab.collectives.errors import LaunchError
                 why = f"{who} died and {NO_SHARD_CHECKPOINT}"
                 self.record("abort", who, how=why)
                 raise LaunchError(why)

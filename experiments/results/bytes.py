@@ -55,10 +55,10 @@ from typing import Any
 
 import torch
 
-from collectives.zmq_group import SMALL_BYTES
-from experiments.config import RunConfig
-from experiments.workloads import Workload
-from parallelism.models import MLP, Attention
+from pslab.collectives.zmq_group import SMALL_BYTES
+from pslab.experiments.config import RunConfig
+from pslab.experiments.workloads import Workload
+from pslab.parallelism.models import MLP, Attention
 
 KIND_OF_AXIS = {"dp": "dp gradient sync", "tp": "tp activations", "pp": "pp boundaries", "ps": "ps push + pull",
                 "cp": "cp ring + grads", "ep": "ep all-to-all + grads"}
@@ -127,7 +127,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes),
                                    f"Σ_r {k}(D−1)/D·S (S: the full model's bytes){gloo_rs}")
         elif p.overlap and p.virtual_stages > 1:    # one overlapped reducer per model chunk (pipeline.py)
-            from parallelism.pipeline import rank_chunks, stage_module
+            from pslab.parallelism.pipeline import rank_chunks, stage_module
             model = wl.make_model()
             parts = [_allreduce(sum(q.numel() * q.element_size() for q in stage_module(model, [ch]).parameters()),
                                 D, "D", "S_c", _gloo(cfg)) for chunks in rank_chunks(model, p.pp, p.virtual_stages) for ch in chunks]
@@ -151,8 +151,8 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
 
 def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: int) -> tuple[float, str]:
     """The cuts' activations and gradients, the loss the last stage broadcasts, the one-off shape headers."""
-    from parallelism.comm_model import HEADER_BYTES
-    from parallelism.pipeline import split_stages
+    from pslab.parallelism.comm_model import HEADER_BYTES
+    from pslab.parallelism.pipeline import split_stages
     p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
     v = p.virtual_stages
     bounds = split_stages(model, p.pp * v)                 # interleaved: every cut of the v·P-way cut crosses ranks
@@ -209,7 +209,7 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
         act = regions * per_region * (1 + rs) / 2 * (T - 1) / T * sum(micro)
         grads, grule = 0.0, ""
         if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
-            from parallelism.pipeline import rank_stages
+            from pslab.parallelism.pipeline import rank_stages
             for st in rank_stages(model, p.pp, p.virtual_stages):
                 g, grule = _allreduce(_replicated_bytes(st), T, "T", "R_s", _gloo(cfg))
                 grads += g
@@ -238,7 +238,7 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
 
 def _moe_dims(cfg: RunConfig, model: torch.nn.Module, S: int) -> tuple[int, int, int]:
     """(MoE layers, capacity C per expert and sequence, width d) of the model (groups are single sequences)."""
-    from parallelism.moe import capacity, moe_layers
+    from pslab.parallelism.moe import capacity, moe_layers
     w = cfg.workload
     layers = [m for _, m in moe_layers(model)]
     d = layers[0].router.in_features if layers else 0
@@ -265,8 +265,8 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
     under tp × cp each tp rank runs the ring over its d/T of the heads and averages its own slots (R + (M−R)/T);
     under pp each stage's ranks average their stage's slots (the loss: the last stage's); activation checkpointing
     replays the forward ring in backward."""
-    from parallelism.pipeline import rank_stages
-    from parallelism.ring_attention import ring_bytes
+    from pslab.parallelism.pipeline import rank_stages
+    from pslab.parallelism.ring_attention import ring_bytes
     p = cfg.parallel
     C, T, ac = p.cp, p.tp, p.activation_checkpointing
     model = wl.make_model()
@@ -298,7 +298,7 @@ def _context(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
 
 def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]:
     """Expert parallelism (parallelism/expert.py): the all-to-alls of every MoE layer, the ep gradient sum."""
-    from parallelism.expert import all_to_all_bytes_per_step
+    from pslab.parallelism.expert import all_to_all_bytes_per_step
     model = wl.make_model()
     x, _, _ = wl.batch(0, 0)
     b, S = x.shape
@@ -307,7 +307,7 @@ def _experts(cfg: RunConfig, wl: Workload, D: int, ep: int) -> tuple[float, str]
     a2a = all_to_all_bytes_per_step(b // ep, w.experts, C, d, ep, L, wire=True)
     P = cfg.parallel.pp
     if P > 1:              # each stage's ep ranks sum that stage's replicated gradients (and its part of the loss)
-        from parallelism.pipeline import rank_stages
+        from pslab.parallelism.pipeline import rank_stages
         stages = rank_stages(model, P, cfg.parallel.virtual_stages)
     else:
         stages = [model]

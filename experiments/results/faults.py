@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.errors import ExperimentError
-from experiments.faults.spec import EVENT_FIELDS, EVENTS
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.faults.spec import EVENT_FIELDS, EVENTS
 
 MARKERS = {"inject": "tab:red", "detect": "tab:orange", "recover": "tab:green", "shard_restart": "tab:green",
            "join": "tab:blue", "expel": "tab:blue", "leave": "tab:cyan", "abort": "black", "checkpoint_failed": "tab:purple"}
@@ -154,7 +154,7 @@ def failure_table(runs: list[dict[str, Any]]) -> str:
     """Markdown: one row per failure of every run with events; '' if none has any."""
     rows = ["| run | failure | at | time to detect (s) | time to recover (s) | steps / updates lost | world size "
             "after | final test acc (%) | no-failure run (%) |", "|---|---|---|---|---|---|---|---|---|"]
-    from experiments.results.plots import run_label
+    from pslab.experiments.results.plots import run_label
     for r in runs:
         for f in failures(run_events(r)):
             base = baseline_for(r, runs)
@@ -201,7 +201,7 @@ def world_size_series(events: list[dict[str, Any]], workers: int, t_end: float) 
 
 def plot_timeline(runs: list[dict[str, Any]], out: Path, max_runs: int = 6) -> Path | None:
     """failure_timeline.png (module docstring); None if no run has events."""
-    from experiments.results.plots import _applied, _smooth, _time_label, plt, run_label, save_figure
+    from pslab.experiments.results.plots import _applied, _smooth, _time_label, plt, run_label, save_figure
     with_events = [r for r in runs if r.get("events")][:max_runs]
     if not with_events:
         return None

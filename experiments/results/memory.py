@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.config import RunConfig
-from experiments.workloads import Workload
+from pslab.experiments.config import RunConfig
+from pslab.experiments.workloads import Workload
 
 
 def modelled(cfg: RunConfig, wl: Workload) -> tuple[int | None, str]:
     """(bytes per rank, formula) for layouts with a closed form here, else (None, why)."""
-    from parallelism.models import Attention
+    from pslab.parallelism.models import Attention
     p = cfg.parallel
     if wl.task != "lm" or p.pp > 1 or p.zero or p.ep > 1 or p.activation_checkpointing or wl.name != "text-transformer":
         return None, "measured only (no closed form for this layout here)"
@@ -33,7 +33,7 @@ def modelled(cfg: RunConfig, wl: Workload) -> tuple[int | None, str]:
     x, _, _ = wl.batch(0, 0)
     b, s = x.shape
     d, heads, L, V = att[0].d, att[0].heads, len(att), wl.data.num_classes
-    from parallelism.sequence import model_activation_bytes
+    from pslab.parallelism.sequence import model_activation_bytes
     if p.cp > 1:                 # under tp × cp: the tp rank's figure, on S/C tokens
         one = model_activation_bytes(b, s, d, heads, L, V, t=p.tp)
         m = "M_t" if p.tp > 1 else "M₁"

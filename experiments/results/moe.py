@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig
-from experiments.workloads import Workload
+from pslab.experiments.config import RunConfig
+from pslab.experiments.workloads import Workload
 
 
 def moe_summary(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -31,7 +31,7 @@ def moe_summary(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -> 
                 acc[k] = [a + int(b) for a, b in zip(acc[k], v)]
     if not layers:
         return None
-    from parallelism.moe import capacity
+    from pslab.parallelism.moe import capacity
     w = cfg.workload
     S = int(wl.batch(0, 0)[0].shape[-1])
     routed = sum(sum(st["routed"]) for st in layers.values())
@@ -48,7 +48,7 @@ def plot_expert_load(runs: list[dict[str, Any]], out: Path) -> Path | None:
     """A row per run, a panel per MoE layer: assignments per expert, admitted (solid) and dropped (hatched), with
     the balanced load (k x tokens / experts) and the most an expert can admit (capacity x sequences); None if no run
     has MoE layers."""
-    from experiments.results.plots import run_label, save_figure
+    from pslab.experiments.results.plots import run_label, save_figure
     import matplotlib.pyplot as plt
     if not any(((r.get("summary") or {}).get("moe") or {}).get("layers") for r in runs):
         return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.config import RunConfig
+from pslab.experiments.config import RunConfig
 
 
 def pipeline_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any] | None:

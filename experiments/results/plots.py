@@ -275,8 +275,8 @@ def plot_staleness_per_worker(runs: list[dict[str, Any]], out: Path, max_workers
     worker (all if K <= max_workers, else the first ones and every straggler), with the analytic overlay of
     `experiments.sim.laws`: the predicted mean (dashed), Geometric(1/K) (line) when compute times are exponential,
     the strategy's bound (red); the measured mean dotted. None if no run has PS staleness."""
-    from experiments.results.records import steady_window_end
-    from experiments.sim.laws import overlay
+    from pslab.experiments.results.records import steady_window_end
+    from pslab.experiments.sim.laws import overlay
     ps = [r for r in runs if str(r["config"]["train"]["strategy"]).startswith("ps-")
           and any(u.get("staleness") is not None for u in r["updates"])][:max_runs]
     if not ps:
@@ -331,9 +331,9 @@ def plot_all(runs: list[dict[str, Any]], out: Path) -> dict[str, Path]:
             **({"bytes_by_kind": p} if (p := plot_bytes_by_kind(runs, out)) is not None else {}),
             "staleness_per_worker": plot_staleness_per_worker(runs, out)}
     if any((r.get("summary") or {}).get("moe") for r in runs):
-        from experiments.results.moe import plot_expert_load
+        from pslab.experiments.results.moe import plot_expert_load
         plots["expert_load"] = plot_expert_load(runs, out)
     if any(r.get("events") for r in runs):
-        from experiments.results.faults import plot_timeline
+        from pslab.experiments.results.faults import plot_timeline
         plots["failure_timeline"] = plot_timeline(runs, out)
     return {k: v for k, v in plots.items() if v is not None}

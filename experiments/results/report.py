@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from experiments.results.plots import plot_all, run_label
+from pslab.experiments.results.plots import plot_all, run_label
 
 EXPLAIN = {
     "loss_vs_time": "Training loss against wall-clock time. Asynchronous strategies do not wait for the slowest "
@@ -97,8 +97,8 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
     """One row per run. `lr / gradient (step)`: what each gradient moves the model by, and the optimizer step's lr
     (they differ by the number of gradients a step averages, see train.lr_rule); with `target_acc`, the time and
     the samples it took to first reach that test accuracy."""
-    from experiments.results.records import time_to_accuracy
-    from experiments.results.faults import baseline_for, failure_summary
+    from pslab.experiments.results.records import time_to_accuracy
+    from pslab.experiments.results.faults import baseline_for, failure_summary
     target = f" | time to {100 * target_acc:g} % (s) | samples to {100 * target_acc:g} %" if target_acc else ""
     faults = any(r.get("events") for r in runs)
     head = ("| run | workers | gradients / optimizer steps | samples | lr / gradient (step) | time (s) | "
@@ -159,7 +159,7 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
                   "simulation of the same schedule), but there is no loss or accuracy, so no loss or accuracy "
                   "plot.", ""]
     lines += ["## Summary", "", summary_table(runs, target_acc), ""]
-    from experiments.results.faults import failure_table
+    from pslab.experiments.results.faults import failure_table
     if failure_table(runs):
         lines += ["## Failures", "", "Per injected fault (RUN_DIR/events.jsonl): time from inject to detect (a kill is "
                   "seen by its parent at once, a hung process after faults.detect_s without heartbeats), from "

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, to_toml
+from pslab.experiments.config import RunConfig, to_toml
 
 class JsonlWriter:
     def __init__(self, path: Path):
@@ -158,7 +158,7 @@ class RunDir:
         summary_p = self.path / "summary.json"
         cfg_p = self.path / "config.toml"
         if not cfg_p.exists():
-            from experiments.errors import ExperimentError
+            from pslab.experiments.errors import ExperimentError
             raise ExperimentError(f"{self.path} is not a pslab run directory (no config.toml)")
         return {"path": str(self.path), "config": tomllib.loads(cfg_p.read_text()),
                 "summary": json.loads(summary_p.read_text()) if summary_p.exists() else None,

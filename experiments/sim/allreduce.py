@@ -29,14 +29,14 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.config import RunConfig
-from experiments.results.records import UpdateRecord
-from experiments.results.rundir import JsonlWriter, RunDir
-from experiments.faults.events import EventLog
-from experiments.sim import faults as fm
-from experiments.strategies.spec import optimizer_spec, step_lr, torch_optimizer
-from experiments.stragglers import StragglerModel
-from experiments.workloads import compute_grads, get_workload
+from pslab.experiments.config import RunConfig
+from pslab.experiments.results.records import UpdateRecord
+from pslab.experiments.results.rundir import JsonlWriter, RunDir
+from pslab.experiments.faults.events import EventLog
+from pslab.experiments.sim import faults as fm
+from pslab.experiments.strategies.spec import optimizer_spec, step_lr, torch_optimizer
+from pslab.experiments.stragglers import StragglerModel
+from pslab.experiments.workloads import compute_grads, get_workload
 
 
 def ring_time(nbytes: int, n: int, latency: float, bandwidth: float) -> float:

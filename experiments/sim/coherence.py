@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 
 def _flat(grads: Sequence[torch.Tensor] | torch.Tensor | np.ndarray) -> np.ndarray:

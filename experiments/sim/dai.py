@@ -54,11 +54,11 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
-from experiments.config import TrainConfig
-from experiments.errors import ConfigError
-from experiments.sim.coherence import CoherenceRecorder
-from experiments.sim.delays import DelayModel, delay_model
-from experiments.strategies.spec import optimizer_spec
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.sim.coherence import CoherenceRecorder
+from pslab.experiments.sim.delays import DelayModel, delay_model
+from pslab.experiments.strategies.spec import optimizer_spec
 
 
 @dataclass
@@ -88,7 +88,7 @@ def run_dai(wl: Any, train: TrainConfig, staleness: float, max_steps: int, targe
     workers = int(wl.workers)
     torch.set_num_threads(1)
     model = wl.make_model()
-    from ps.optim import Contribution, build_optimizer
+    from pslab.ps.optim import Contribution, build_optimizer
     names = [n for n, _ in model.named_parameters()]
     live = [p for _, p in model.named_parameters()]
     spec = replace(optimizer_spec(train), lr=train.lr)    # the emulator's step lr is train.lr, whatever lr_rule

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 DELAYS = ("uniform", "constant", "geometric", "exponential")
 _CODES = {"constant": 1, "geometric": 2, "exponential": 3}

@@ -56,10 +56,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from experiments.config import RunConfig, SimulateConfig
-from experiments.errors import ExperimentError
-from experiments.faults.spec import FaultEvent
-from ps import ShardState
+from pslab.experiments.config import RunConfig, SimulateConfig
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.faults.spec import FaultEvent
+from pslab.ps import ShardState
 
 EXIT_DETECT_S = 0.05        # the launcher polls its children's exit codes every 50 ms (collectives/launcher.py)
 PROCESS_START_S = 1.0       # a fresh rank or shard: Python + torch imports, connect

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from experiments.config import SimulateConfig
+from pslab.experiments.config import SimulateConfig
 
 HEADER_BYTES = 256  # msgpack header + descriptors, roughly, per message
 

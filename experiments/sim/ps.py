@@ -38,16 +38,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from experiments.config import RunConfig
-from experiments.errors import ExperimentError
-from experiments.results.records import UpdateRecord
-from experiments.results.rundir import JsonlWriter, RunDir
-from experiments.sim.network import Network
-from experiments.strategies.spec import optimizer_spec
-from experiments.stragglers import StragglerModel
-from ps.errors import NotAMemberError
-from ps.shard import PushResult
-from experiments.workloads import compute_grads, get_params, get_workload, set_params
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.results.records import UpdateRecord
+from pslab.experiments.results.rundir import JsonlWriter, RunDir
+from pslab.experiments.sim.network import Network
+from pslab.experiments.strategies.spec import optimizer_spec
+from pslab.experiments.stragglers import StragglerModel
+from pslab.ps.errors import NotAMemberError
+from pslab.ps.shard import PushResult
+from pslab.experiments.workloads import compute_grads, get_params, get_workload, set_params
 
 READ_ARRIVE, REPLY, COMPUTE_DONE, PUSH_ARRIVE = range(4)
 
@@ -78,7 +78,7 @@ class Simulator:
         torch.manual_seed(cfg.workload.seed)
         self.model = self.wl.make_model()
         init = get_params(self.model)
-        from ps import ShardState, make_partition
+        from pslab.ps import ShardState, make_partition
         self.partition = make_partition(init, t.shards)
         spec, policy = optimizer_spec(t), cfg.strategy.policy
         self.shards = [ShardState({k: v.copy() for k, v in piece.items()}, optimizer=spec, policy=policy,
@@ -95,7 +95,7 @@ class Simulator:
         self.reached = False           # an evaluation reached train.target_acc: stop
         self.fx = None
         if cfg.faults.events:
-            from experiments.sim.ps_faults import PSFaults
+            from pslab.experiments.sim.ps_faults import PSFaults
             self.fx = PSFaults(self)
 
     # -- event plumbing ------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class Simulator:
 
     def _loop(self) -> dict[str, Any]:   # noqa: C901 -- one dispatch
         fx = self.fx
-        from experiments.sim.ps_faults import PLAN_KINDS
+        from pslab.experiments.sim.ps_faults import PLAN_KINDS
         self._evaluate()
         if fx:
             fx.start()
@@ -326,15 +326,15 @@ def shard_summary(st: Any) -> dict[str, Any]:
 
 def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     if cfg.strategy.kind == "allreduce":
-        from experiments.sim.allreduce import simulate_allreduce
+        from pslab.experiments.sim.allreduce import simulate_allreduce
         return simulate_allreduce(cfg, rundir, progress)
     if not cfg.strategy.uses_ps:
         raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "
                               f"{cfg.strategy}: `local` is already a single process, run it without --simulate")
     if cfg.faults.events:
-        from experiments.sim.faults import check_supported
+        from pslab.experiments.sim.faults import check_supported
         check_supported(cfg)
     if cfg.simulate.timing_only:
-        from experiments.sim.timing import simulate_timing
+        from pslab.experiments.sim.timing import simulate_timing
         return simulate_timing(cfg, rundir, progress)
     return Simulator(cfg, progress).run(rundir)

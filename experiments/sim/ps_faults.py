@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.errors import ExperimentError
-from experiments.faults.spec import FaultEvent
-from experiments.faults.events import EventLog
-from experiments.sim import faults as fm
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.faults.spec import FaultEvent
+from pslab.experiments.faults.events import EventLog
+from pslab.experiments.sim import faults as fm
 
 READ_ARRIVE, REPLY, COMPUTE_DONE, PUSH_ARRIVE = range(4)  # as in experiments.sim.ps
 FAULT, DETECT, MEMBER, THAW, JOIN, SHARD_UP, RESEND, LEAVE = range(4, 12)

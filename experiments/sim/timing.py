@@ -29,11 +29,11 @@ import itertools
 from collections import Counter, deque
 from typing import Any, Callable
 
-from experiments.config import RunConfig
-from experiments.errors import ExperimentError
-from experiments.results.rundir import RunDir
-from experiments.sim.network import Network
-from experiments.stragglers import StragglerModel
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.results.rundir import RunDir
+from pslab.experiments.sim.network import Network
+from pslab.experiments.stragglers import StragglerModel
 
 READ_ARRIVE, REPLY, COMPUTE_DONE, PUSH_ARRIVE = range(4)  # as in experiments.sim.ps
 FLUSH_EVERY = 8192          # records buffered before a write
@@ -45,7 +45,7 @@ class TimingShard:
     """ShardState's bookkeeping without parameters: version, clocks, gate, pending clocks, staleness, waits, drops."""
 
     def __init__(self, policy: Any, num_workers: int) -> None:
-        from ps.consistency import policy_from_string
+        from pslab.ps.consistency import policy_from_string
         self.policy = policy_from_string(policy)
         if self.policy.backups >= num_workers:
             raise ExperimentError(f"{self.policy} needs more workers than backups: got {num_workers} workers")
@@ -104,7 +104,7 @@ class TimingShard:
 
     def summary(self) -> dict[str, Any]:
         """ShardState.stats.summary() of the same run (its time series excepted)."""
-        from ps.staleness import StalenessStats
+        from pslab.ps.staleness import StalenessStats
         st = StalenessStats(self.num_workers)
         for w in range(self.num_workers):
             st.per_worker[w] = Counter(self.taus[w])
@@ -133,11 +133,11 @@ def record_line(w: int, step: int, now: float, tau: int | None, sent: int, recv:
 
 
 class TimingSimulator:
-    """experiments.sim.ps.Simulator's event loop, without tensors (see the module docstring)."""
+    """pslab.experiments.sim.ps.Simulator's event loop, without tensors (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, progress: Callable[[int], None] | None = None) -> None:
-        from ps import make_partition
-        from experiments.workloads import get_params, get_workload
+        from pslab.ps import make_partition
+        from pslab.experiments.workloads import get_params, get_workload
         self.cfg, self.progress = cfg, progress
         t = cfg.train
         self.K, self.steps, self.S = t.workers, t.steps, t.shards

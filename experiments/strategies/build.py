@@ -35,10 +35,10 @@ from typing import Any, Sequence
 
 import torch
 
-from experiments.config import RunConfig
-from experiments.errors import ConfigError
-from experiments.strategies.spec import optimizer_spec, torch_optimizer
-from experiments.workloads import Workload
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.strategies.spec import optimizer_spec, torch_optimizer
+from pslab.experiments.workloads import Workload
 
 
 def world_size(cfg: RunConfig) -> int:
@@ -75,7 +75,7 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
                           f"model ({p.describe()}) the shard sets could pick different workers: use parallel.tp = "
                           "pp = cp = ep = 1")
     if p.tp > 1:
-        from parallelism.models import MLP, Attention
+        from pslab.parallelism.models import MLP, Attention
         model = wl.make_model()
         blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
         if not blocks:
@@ -93,7 +93,7 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
                           + (f"choose tp in {ok}" if ok else f"no tp > 1 divides both the sequence and the {heads} "
                              "heads: choose workload.seq_len divisible by tp"))
     if p.cp > 1:
-        from parallelism.models import Attention
+        from pslab.parallelism.models import Attention
         if seq is None or not any(isinstance(m, Attention) for m in wl.make_model().modules()):
             raise ConfigError(f"parallel.cp = {p.cp} splits a transformer's sequence; workload {wl.name!r} has no "
                               "attention: use workload.name = text-transformer")
@@ -113,8 +113,8 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
             raise ConfigError(f"parallel.virtual_stages = {v} cuts {wl.name}'s {layers} layers into pp x v = "
                               f"{p.pp * v} chunks, more than it has: use virtual_stages <= {layers // p.pp}")
         if cfg.strategy.uses_ps and (p.ep > 1 or p.tp > 1):   # every rank's chunks hold something of its own
-            from parallelism.models import MLP, Attention
-            from parallelism.moe import MoEBase
+            from pslab.parallelism.models import MLP, Attention
+            from pslab.parallelism.moe import MoEBase
             ax, kinds, what = (("ep", MoEBase, "an MoE layer") if p.ep > 1 else
                                ("tp", (Attention, MLP), "an attention or MLP block"))
             ok = [q for q in range(2, layers // v + 1) if _every_stage_holds(model, q, v, kinds)]
@@ -126,7 +126,7 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
 
 def _every_stage_holds(model: torch.nn.Module, pp: int, v: int, kinds: Any) -> bool:
     """Whether each of the pp ranks' chunks hold a module of `kinds`."""
-    from parallelism.pipeline import rank_stages
+    from pslab.parallelism.pipeline import rank_stages
     return all(any(isinstance(m, kinds) for m in st.modules()) for st in rank_stages(model, pp, v))
 
 
@@ -136,10 +136,10 @@ def _divisors(n: int) -> list[int]:
 
 def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     """The engine for this config (see the module docstring for the order)."""
-    from parallelism.data import DataParallelEngine
-    from parallelism.pipeline import PipelineEngine
-    from parallelism.tensor import TensorParallelEngine
-    from parallelism.zero import ZeroEngine
+    from pslab.parallelism.data import DataParallelEngine
+    from pslab.parallelism.pipeline import PipelineEngine
+    from pslab.parallelism.tensor import TensorParallelEngine
+    from pslab.parallelism.zero import ZeroEngine
     p, loss = cfg.parallel, wl.loss_from_output
     if p.zero and not p.distributed_optimizer:
         spec = optimizer_spec(cfg.train)
@@ -150,10 +150,10 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
                               checkpoint_activations=p.activation_checkpointing, sequence_parallel=p.sp,
                               stage_time=pad)
     if p.cp > 1:
-        from parallelism.context import ContextParallelEngine
+        from pslab.parallelism.context import ContextParallelEngine
         return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
     if p.ep > 1:
-        from parallelism.expert import ExpertParallelEngine
+        from pslab.parallelism.expert import ExpertParallelEngine
         return ExpertParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
     if p.tp > 1:
         return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp,
@@ -186,18 +186,18 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     shards this process started there, else PSLAB_JOB_SECRET, as the launcher sets it for its ranks)."""
     s, spec = cfg.strategy, optimizer_spec(cfg.train)
     if s.kind == "local":
-        from experiments.strategies.local import LocalStrategy
+        from pslab.experiments.strategies.local import LocalStrategy
         return LocalStrategy(spec, cfg.train.workers)
     if s.kind == "allreduce":
         if cfg.parallel.distributed_optimizer:
-            from parallelism.distributed_optimizer import DistributedOptimizerStrategy
+            from pslab.parallelism.distributed_optimizer import DistributedOptimizerStrategy
             return DistributedOptimizerStrategy(lambda params: torch_optimizer(spec, params))
         if cfg.parallel.zero:
-            from parallelism.zero import ZeroStrategy
+            from pslab.parallelism.zero import ZeroStrategy
             return ZeroStrategy()
-        from parallelism.engine import AllReduceStrategy
+        from pslab.parallelism.engine import AllReduceStrategy
         return AllReduceStrategy(lambda params: torch_optimizer(spec, params), overlap=cfg.parallel.overlap)
-    from experiments.strategies.ps import PSSyncStrategy, slot_group
+    from pslab.experiments.strategies.ps import PSSyncStrategy, slot_group
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from collectives.launcher import notify
-from experiments.config import RunConfig
-from experiments.strategies.spec import step_lr
-from parallelism.snapshot import Snapshot, capture, load_pieces
+from pslab.collectives.launcher import notify
+from pslab.experiments.config import RunConfig
+from pslab.experiments.strategies.spec import step_lr
+from pslab.parallelism.snapshot import Snapshot, capture, load_pieces
 
 
 def lr_at(cfg: RunConfig, members: int) -> float:
@@ -151,13 +151,13 @@ class ElasticMember:
     def _changed(self) -> tuple[type, ...]:
         if self.eg is None:
             return ()
-        from collectives.elastic import MembershipChanged
+        from pslab.collectives.elastic import MembershipChanged
         return (MembershipChanged,)
 
     def _expelled(self) -> tuple[type, ...]:
         if self.eg is None:
             return ()
-        from collectives.elastic import Expelled
+        from pslab.collectives.elastic import Expelled
         return (Expelled,)
 
     def _barrier(self) -> int | None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from experiments.config import RunConfig
-from experiments.errors import DIVERGED, DivergedError, ExperimentError
-from experiments.results.rundir import RunDir
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import DIVERGED, DivergedError, ExperimentError
+from pslab.experiments.results.rundir import RunDir
 
 # "fork": ranks and shards start in milliseconds with torch and the datasets already loaded (the parent only runs
 # torch with one thread, so forking is safe); set PSLAB_START_METHOD=spawn to use fresh interpreters instead.
@@ -30,8 +30,8 @@ def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: s
     """The run's shard servers: one set of train.shards per slot group (pp × ep × tp), each serving D workers; with
     faults.shard_checkpoint_every = k they checkpoint every k updates into RUN_DIR/shards (a restarted shard
     resumes there)."""
-    import ps
-    from experiments.strategies.spec import optimizer_spec
+    from pslab import ps
+    from pslab.experiments.strategies.spec import optimizer_spec
     every = cfg.faults.shard_checkpoint_every
     return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, optimizer_spec(cfg.train),
                             groups=cfg.parallel.slot_groups, start_method=START_METHOD, bind_host=bind_host,
@@ -44,10 +44,10 @@ def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: s
 def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
     """Launch the ranks (and the shards) under the run's supervisor; returns each rank's `train_worker` result
     (a `collectives.RankFailure` for a member the run went on without)."""
-    import collectives
-    from experiments.faults.supervisor import RunSupervisor
-    from experiments.strategies.build import world_size
-    from experiments.strategies.loop import train_worker
+    from pslab import collectives
+    from pslab.experiments.faults.supervisor import RunSupervisor
+    from pslab.experiments.strategies.build import world_size
+    from pslab.experiments.strategies.loop import train_worker
     servers = start_shards(cfg, run_path=str(rd.path)) if cfg.strategy.uses_ps else None
     sup = RunSupervisor(cfg, rd, servers)
     try:
@@ -71,8 +71,8 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
 def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:
     """After the ranks ended (or were interrupted): merge the part files, and give every PS update its staleness
     from the shard's own (worker, tau, version) series, which rank 0 returned (results/records.py)."""
-    from experiments.results.records import assign_staleness
-    from experiments.results.rundir import read_jsonl, write_jsonl
+    from pslab.experiments.results.records import assign_staleness
+    from pslab.experiments.results.rundir import read_jsonl, write_jsonl
     rd.merge_parts("metrics")
     rd.merge_parts("eval")
     if results and cfg.strategy.uses_ps:
@@ -84,20 +84,20 @@ def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:
 def summary_fields(cfg: RunConfig, results: list[Any]) -> dict[str, Any]:
     """What the ranks measured beyond the records: bytes per step by kind (with the formula), and for PS runs the
     shards' own statistics (slot group 0, shard 0)."""
-    from experiments.results.bytes import bytes_by_kind
-    from experiments.workloads import get_workload
+    from pslab.experiments.results.bytes import bytes_by_kind
+    from pslab.experiments.workloads import get_workload
     finished = [r for r in results if isinstance(r, dict) and "bytes_sent" in r]   # not the failed or expelled
     wl = get_workload(cfg.workload.name, cfg.train.workers, cfg.workload.batch_size, cfg.workload.seed,
                           **cfg.workload.overrides())
-    from experiments.results.memory import activation_memory
+    from pslab.experiments.results.memory import activation_memory
     out: dict[str, Any] = {"world_size": len(results), "parallel": cfg.parallel.describe() or "data",
                            "bytes_by_kind": bytes_by_kind(cfg, wl, finished),
                            "activations": activation_memory(cfg, wl, finished)}
-    from experiments.results.moe import moe_summary
+    from pslab.experiments.results.moe import moe_summary
     moe = moe_summary(cfg, wl, finished)
     if moe:
         out["moe"] = moe
-    from experiments.results.pipeline import pipeline_summary
+    from pslab.experiments.results.pipeline import pipeline_summary
     pipe = pipeline_summary(cfg, finished)
     if pipe:
         out["pipeline"] = pipe
@@ -128,8 +128,8 @@ def _resume_hint(cfg: RunConfig, rd: RunDir) -> str:
     """'; resume ...' when the failed run left a committed engine checkpoint to continue from."""
     if not cfg.faults.checkpoint_every or cfg.strategy.uses_ps:
         return ""
-    from experiments.strategies.resume import checkpoint_root
-    from parallelism.state_io import committed_steps
+    from pslab.experiments.strategies.resume import checkpoint_root
+    from pslab.parallelism.state_io import committed_steps
     steps = committed_steps(checkpoint_root(rd.path))
     if not steps:
         return ""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from parallelism.engine import EngineError, Replica, zero_grads
+from pslab.parallelism.engine import EngineError, Replica, zero_grads
 
 
 class LocalStrategy:
@@ -31,7 +31,7 @@ class LocalStrategy:
         self.optimizer: torch.optim.Optimizer | None = None
 
     def attach(self, replica: Replica) -> None:
-        from experiments.strategies.spec import torch_optimizer
+        from pslab.experiments.strategies.spec import torch_optimizer
         self.optimizer = torch_optimizer(self.spec, [s.param for s in replica.slots()])
 
     def step(self, replica: Replica) -> None:

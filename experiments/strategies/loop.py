@@ -32,16 +32,16 @@ from typing import Any, Sequence
 
 import torch
 
-from collectives.launcher import notify
-from collectives.topology import link_bytes
-from experiments.config import RunConfig, config_from_dict
-from experiments.errors import DIVERGED, DivergedError
-from experiments.results.records import UpdateRecord
-from experiments.results.rundir import JsonlWriter, RunDir
-from experiments.strategies import resume
-from experiments.strategies.elastic import Commits, ElasticMember
-from experiments.stragglers import StragglerModel
-from experiments.workloads import Workload, batch_digest, get_workload
+from pslab.collectives.launcher import notify
+from pslab.collectives.topology import link_bytes
+from pslab.experiments.config import RunConfig, config_from_dict
+from pslab.experiments.errors import DIVERGED, DivergedError
+from pslab.experiments.results.records import UpdateRecord
+from pslab.experiments.results.rundir import JsonlWriter, RunDir
+from pslab.experiments.strategies import resume
+from pslab.experiments.strategies.elastic import Commits, ElasticMember
+from pslab.experiments.stragglers import StragglerModel
+from pslab.experiments.workloads import Workload, batch_digest, get_workload
 
 
 def train_worker(group: Any, cfg_dict: dict[str, Any], run_path: str,
@@ -82,8 +82,8 @@ class _Worker(ElasticMember):
     # -- 1. the layout: D data-parallel workers, each a tp x pp model-parallel group of ranks -----------------
     # -- 2. the engine builds this rank's replica; 3. the sync strategy attaches to it --------------------------
     def _build(self, first: bool) -> None:
-        from parallelism.mesh import DeviceMesh
-        from experiments.strategies.build import make_engine, make_strategy
+        from pslab.parallelism.mesh import DeviceMesh
+        from pslab.experiments.strategies.build import make_engine, make_strategy
         cfg = self.cfg
         D = 1 if cfg.strategy.kind == "local" else self.group.world_size // cfg.parallel.model_parallel
         p = cfg.parallel
@@ -251,7 +251,7 @@ class _Worker(ElasticMember):
         import contextlib
         if k >= self.METERED_STEPS and not self.cfg.workload.name == "text-moe":
             return contextlib.nullcontext()
-        from parallelism.checkpointing import ActivationMeter
+        from pslab.parallelism.checkpointing import ActivationMeter
         meter = ActivationMeter()
 
         @contextlib.contextmanager
@@ -349,7 +349,7 @@ class _Evaluator:
                 return None
             module = getattr(self.replica, "module", None)
             return module if module is not None else self.replica.stage
-        from parallelism.export import gather_full_state
+        from pslab.parallelism.export import gather_full_state
         state = gather_full_state(self.replica, self.mesh)
         if state is None:
             return None
@@ -386,7 +386,7 @@ def _moe_stats(replica: Any) -> dict[str, dict[str, list[int]]]:
     if hasattr(replica, "moe_stats"):
         stats = replica.moe_stats()
     else:
-        from parallelism.moe import moe_layers
+        from pslab.parallelism.moe import moe_layers
         module = getattr(replica, "module", None)
         stats = {n: m.pop_stats() for n, m in moe_layers(module)} if module is not None else {}
     return {n: {k: [int(v) for v in t.tolist()] for k, t in st.items()} for n, st in stats.items()}

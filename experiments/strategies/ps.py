@@ -73,9 +73,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from experiments.errors import ExperimentError
-from parallelism.engine import Replica
-from parallelism.mesh import DeviceMesh
+from pslab.experiments.errors import ExperimentError
+from pslab.parallelism.engine import Replica
+from pslab.parallelism.mesh import DeviceMesh
 
 # the pulled weights are read-only views (the worker never writes its weights: the shards run the optimizer)
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
@@ -153,8 +153,8 @@ class PSSyncStrategy:
         return self.mirror_group is not None and self.mirror_group.rank > 0
 
     def attach(self, replica: Replica) -> None:
-        import ps
-        from ps.errors import AuthenticationError, ProtocolError
+        from pslab import ps
+        from pslab.ps.errors import AuthenticationError, ProtocolError
         slots = replica.slots()
         names = [s.name for s in slots]
         if not slots or len(set(names)) != len(names):
@@ -236,7 +236,7 @@ class PSSyncStrategy:
 
     @staticmethod
     def _lost_errors() -> tuple[type[BaseException], ...]:
-        from ps.errors import NotRegisteredError, ShardLostError
+        from pslab.ps.errors import NotRegisteredError, ShardLostError
         return (ShardLostError, NotRegisteredError)
 
     def _recover(self, replica: Replica, clock: int, why: BaseException) -> None:
@@ -251,7 +251,7 @@ class PSSyncStrategy:
                 self.client.resync()
                 empty = [i for i, (m, _) in enumerate(self.client.registration) if not m.get("initialized", True)]
                 if empty:       # at once: a pull would wait for an init that nobody sends (train.timeout_s)
-                    from experiments.faults.spec import NO_SHARD_CHECKPOINT
+                    from pslab.experiments.faults.spec import NO_SHARD_CHECKPOINT
                     raise PSStrategyError(f"shard(s) {empty} {NO_SHARD_CHECKPOINT}")
                 read = self.client.pull(copy=False).result(self.timeout)
                 break

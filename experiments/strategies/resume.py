@@ -34,15 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, load_config
-from experiments.errors import ConfigError
-from experiments.results.rundir import RunDir, read_jsonl, write_jsonl
+from pslab.experiments.config import RunConfig, load_config
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.rundir import RunDir, read_jsonl, write_jsonl
 
 IDENTITY = (("workload", "name"), ("workload", "batch_size"), ("workload", "seed"), ("train", "optimizer"))
 # refused on resume too (the model's shape or its training loss), but not in the digest (older checkpoints verify)
 FIXED = IDENTITY + tuple(("workload", k) for k in ("seq_len", "experts", "top_k", "capacity_factor", "aux_weight"))
 KEEP = 2
-log = logging.getLogger("experiments.resume")
+log = logging.getLogger("pslab.experiments.resume")
 
 
 def checkpoint_root(run_path: str | Path) -> Path:
@@ -56,14 +56,14 @@ def config_digest(cfg: RunConfig) -> str:
 
 
 def _layout(cfg: RunConfig, replica: Any, mesh: Any) -> dict[str, Any]:
-    from parallelism.state_io import layout_of
+    from pslab.parallelism.state_io import layout_of
     return layout_of(replica, mesh, strategy=cfg.train.strategy, zero=cfg.parallel.zero, workers=cfg.train.workers)
 
 
 def start(cfg: RunConfig, run_path: str | Path, replica: Any, strategy: Any, mesh: Any) -> int:
     """The step to start at: 0 for a fresh run; the restored step if RUN_DIR/checkpoints holds a committed
     checkpoint (a collective: every rank calls it). Raises CheckpointMismatchError / SnapshotError (one line)."""
-    from parallelism.state_io import committed_steps, load
+    from pslab.parallelism.state_io import committed_steps, load
     root = checkpoint_root(run_path)
     if cfg.strategy.uses_ps or not committed_steps(root):
         return 0
@@ -76,7 +76,7 @@ def maybe_save(cfg: RunConfig, run_path: str | Path, step: int, replica: Any, st
     every = cfg.faults.checkpoint_every
     if every <= 0 or step <= 0 or step % every or cfg.strategy.uses_ps:
         return False
-    from parallelism.state_io import save
+    from pslab.parallelism.state_io import save
     save(checkpoint_root(run_path), step, replica, strategy, mesh, config_digest(cfg), _layout(cfg, replica, mesh),
          keep=KEEP)
     return True
@@ -88,7 +88,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = 
     """RUN_DIR's config.toml with `overrides` applied and without its injected faults (they happened; give new ones
     with --set faults.events=...); ConfigError (one line) if an override changes what the checkpoints depend on,
     if the run is a ps-* run, or if RUN_DIR holds no committed checkpoint."""
-    from parallelism.state_io import committed_steps
+    from pslab.parallelism.state_io import committed_steps
     d = Path(run_dir)
     if not (d / "config.toml").is_file():
         raise ConfigError(f"--resume {d}: not a pslab run directory (no config.toml)")
@@ -125,8 +125,8 @@ class ResumePlan:
 def newest_valid_step(cfg: RunConfig, run_path: str | Path) -> tuple[int, dict[str, Any]]:
     """(step, manifest) of the newest committed checkpoint whose files verify, without a model: what the ranks will
     restore (they also check it against the model). SnapshotError if none is valid."""
-    from parallelism.snapshot import SnapshotError, check_snapshot
-    from parallelism.state_io import committed_steps, read_manifest, read_step
+    from pslab.parallelism.snapshot import SnapshotError, check_snapshot
+    from pslab.parallelism.state_io import committed_steps, read_manifest, read_step
     rejected = []
     for step, d in committed_steps(checkpoint_root(run_path)):
         try:
@@ -144,7 +144,7 @@ def newest_valid_step(cfg: RunConfig, run_path: str | Path) -> tuple[int, dict[s
 def prepare(cfg: RunConfig, rd: RunDir) -> ResumePlan:
     """Before the resumed ranks start: pick the step, keep the records before it, record the resume in env.json and
     write the resumed config as config.toml (the previous one kept as config.before-step-<n>.toml)."""
-    from experiments.config import to_toml
+    from pslab.experiments.config import to_toml
     step, manifest = newest_valid_step(cfg, rd.path)
     if cfg.train.steps <= step:
         raise ConfigError(f"--resume: train.steps = {cfg.train.steps} is not beyond the checkpoint's step {step}; "

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.config import RunConfig
-from experiments.errors import ConfigError
+from pslab.experiments.config import RunConfig
+from pslab.experiments.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def from_environment() -> Role | None:
 
 def network() -> tuple[str, str | None]:
     """(bind host, CURVE keys folder) from PSLAB_BIND_HOST / PSLAB_CURVE_KEYS; beyond loopback keys are required."""
-    from collectives.curve import is_loopback
+    from pslab.collectives.curve import is_loopback
     host = os.environ.get("PSLAB_BIND_HOST", "127.0.0.1")
     keys = os.environ.get("PSLAB_CURVE_KEYS") or None
     if not is_loopback(host) and keys is None:
@@ -66,16 +66,16 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     as that rank; rank 0 also starts the shards (ps-*) and writes the summary."""
     import json
 
-    import collectives
-    from experiments.config import to_toml
-    from experiments.results.records import summarize
-    from experiments.results.rundir import RunDir, environment, read_jsonl, safe_name
-    from experiments.runner import default_label
-    from experiments.strategies.build import check_layout
-    from experiments.strategies.launch import collect, start_shards, summary_fields
-    from experiments.strategies.loop import train_worker
-    from experiments.strategies.spec import lr_fields
-    from experiments.workloads import get_workload
+    from pslab import collectives
+    from pslab.experiments.config import to_toml
+    from pslab.experiments.results.records import summarize
+    from pslab.experiments.results.rundir import RunDir, environment, read_jsonl, safe_name
+    from pslab.experiments.runner import default_label
+    from pslab.experiments.strategies.build import check_layout
+    from pslab.experiments.strategies.launch import collect, start_shards, summary_fields
+    from pslab.experiments.strategies.loop import train_worker
+    from pslab.experiments.strategies.spec import lr_fields
+    from pslab.experiments.workloads import get_workload
     if cfg.strategy.kind == "local":
         raise ConfigError(f"under {role.source} (RANK/WORLD_SIZE set) pslab run supports strategies allreduce and "
                           f"ps-*; got {cfg.strategy} — unset RANK/WORLD_SIZE to run it as one local process")
@@ -99,7 +99,7 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     # rank 0 starts the shards before it joins the group: forking later would copy the group's threads. Their job
     # secret is PSLAB_JOB_SECRET[_FILE] when the ranks have it (a zmq group needs it anyway), else one start_shards
     # makes; rank 0 then sends it with the addresses, over the group, never through the store
-    from ps.admission import job_secret
+    from pslab.ps.admission import job_secret
     had_secret = job_secret() is not None
     servers = start_shards(cfg, bind_host=host, curve_keys_dir=keys) if cfg.strategy.uses_ps and role.rank == 0 \
         else None

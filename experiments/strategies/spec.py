@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 if TYPE_CHECKING:
-    from experiments.config import TrainConfig
-    from ps.optim import OptimizerSpec
+    from pslab.experiments.config import TrainConfig
+    from pslab.ps.optim import OptimizerSpec
 
 KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup")
 _HELP = "local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>"
@@ -130,7 +130,7 @@ def lr_fields(t: "TrainConfig", applied: int, batch_size: int) -> dict[str, floa
 def optimizer_spec(t: "TrainConfig") -> "OptimizerSpec":
     """The run's optimizer as the one spec type (`ps.OptimizerSpec`) that every strategy consumes; its lr is the
     step lr of `t.lr_rule` for the run's strategy (`step_lr`)."""
-    from ps.optim import OptimizerSpec
+    from pslab.ps.optim import OptimizerSpec
     return OptimizerSpec(name=t.optimizer, lr=step_lr(t), momentum=t.momentum, betas=tuple(t.betas),
                          staleness_lr=t.staleness_lr, staleness_rule=t.staleness_rule,
                          dc_lambda=t.dc_lambda if t.dc_asgd else None,

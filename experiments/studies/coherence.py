@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from experiments.config import TrainConfig
-from experiments.sim.coherence import mean_by_lag
-from experiments.sim.dai import run_dai
-from experiments.workloads import get_workload
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.sim.coherence import mean_by_lag
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.workloads import get_workload
 
 MODELS = {"mlr (0 hidden)": "digits-mlr", "mlp1 (1 hidden)": "digits-mlp1", "mlp3 (3 hidden)": "digits-mlp3"}
 
@@ -79,7 +79,7 @@ def save(results: dict[str, Any], spec: CoherenceSpec, out: Path) -> Path:
 
 
 def plot(results: dict[str, Any], out: Path) -> Path:
-    from experiments.results.plots import plot_coherence
+    from pslab.experiments.results.plots import plot_coherence
     out.mkdir(parents=True, exist_ok=True)
     return plot_coherence({_name(label, r): r["series"] for label, r in results.items()}, out)
 

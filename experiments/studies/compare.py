@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, load_config
-from experiments.errors import ConfigError, ExperimentError
-from experiments.results.rundir import RunDir
-from experiments.results.report import write_report
-from experiments.runner import execute
-from experiments.studies.fairness import band_section, seed_band, tune_lr, tuning_section
+from pslab.experiments.config import RunConfig, load_config
+from pslab.experiments.errors import ConfigError, ExperimentError
+from pslab.experiments.results.rundir import RunDir
+from pslab.experiments.results.report import write_report
+from pslab.experiments.runner import execute
+from pslab.experiments.studies.fairness import band_section, seed_band, tune_lr, tuning_section
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
 FAILURE_STRATEGIES = ("allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")     # local has no worker to lose
@@ -219,7 +219,7 @@ def _describe(e: Any) -> str:
 
 def _failure_intro(cfg: RunConfig, strategies: list[str], events: list[dict[str, Any]], simulate: bool,
                    elapsed: float) -> str:
-    from experiments.strategies.spec import parse_strategy
+    from pslab.experiments.strategies.spec import parse_strategy
     f, t = cfg.faults, cfg.train
     c = copy.deepcopy(cfg)
     c.faults.events = copy.deepcopy(events)

@@ -27,8 +27,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from experiments.config import RunConfig
-from experiments.results.rundir import RunDir
+from pslab.experiments.config import RunConfig
+from pslab.experiments.results.rundir import RunDir
 
 MAX_WIDEN = 3
 GRID = (0.25, 0.5, 1.0, 2.0, 4.0)       # multiples of the configured lr tried first
@@ -72,7 +72,7 @@ def in_band(value: float | None, band: tuple[float, float] | None) -> bool | Non
 
 def band_section(band: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """The report block: the band, and for each no-straggler run whether its final loss and accuracy lie in it."""
-    from experiments.results.plots import run_label
+    from pslab.experiments.results.plots import run_label
     lo, ac = band["loss"], band["acc"]
     fmt = (lambda b, scale=1.0: f"{scale * b[0]:.3g} ± {2 * scale * b[1]:.2g}" if b else "—")  # noqa: E731
     lines = ["## Seed noise", "",
@@ -127,8 +127,8 @@ def widen_past_edge(tried: list[float], best: float, factor: float = 2.0) -> flo
 def tune_lr(cfg: RunConfig, strategy: str, out: Path, run: Callable[..., Any],
             progress: Callable[[str], None] | None = None) -> tuple[float, list[tuple[float, float | None]]]:
     """`bracket_lr` for `strategy` (no straggler): the score of an lr is the run's final training loss."""
-    from experiments.errors import DivergedError
-    from ps.errors import NonFiniteGradientError
+    from pslab.experiments.errors import DivergedError
+    from pslab.ps.errors import NonFiniteGradientError
 
     def score(lr: float) -> float | None:
         c = copy.deepcopy(cfg)

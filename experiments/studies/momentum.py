@@ -26,10 +26,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from experiments.config import TrainConfig
-from experiments.errors import ConfigError
-from experiments.sim.dai import run_dai
-from experiments.workloads.quadratic import QuadraticWorkload
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.workloads.quadratic import QuadraticWorkload
 
 
 @dataclass
@@ -142,7 +142,7 @@ def save(results: list[dict[str, Any]], spec: MomentumSpec, out: Path) -> Path:
 
 
 def plot_momentum(results: list[dict[str, Any]], spec: MomentumSpec, out: Path) -> Path:
-    from experiments.results.plots import plt, save_figure
+    from pslab.experiments.results.plots import plt, save_figure
     fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results):
         t = np.arange(len(r["mean"]))

@@ -32,8 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from collectives.topology import Topology
-from parallelism.cluster import Cluster
+from pslab.collectives.topology import Topology
+from pslab.parallelism.cluster import Cluster
 
 BASE = ["workload.name=text-transformer", "train.strategy=allreduce", "train.lr=0.05", "train.optimizer=momentum",
         "train.timeout_s=120", "faults.on_failure=abort"]
@@ -112,14 +112,14 @@ def overrides(c: dict[str, Any], topology: Topology, steps: int, batch: int = BA
 
 def shape_of(batch: int = BATCH, micro_batches: int = 1) -> Any:
     """The text-transformer workload's model as a planner Shape, micro-batch = batch / micro_batches."""
-    from experiments.bench.calibrate import workload_shape
+    from pslab.experiments.bench.calibrate import workload_shape
     if batch % micro_batches:
         raise CheckError(f"the per-worker batch {batch} must be divisible by micro_batches {micro_batches}")
     return workload_shape(batch // micro_batches)
 
 
 def layout_of(c: dict[str, Any]) -> Any:
-    from parallelism.memory_model import Layout
+    from pslab.parallelism.memory_model import Layout
     c = _norm(c)
     return Layout(dp=c["dp"], tp=c["tp"], pp=c["pp"], zero=c["zero"], sp=c["sp"],
                   micro_batches=c["micro_batches"] if c["pp"] > 1 else 1, schedule=c["schedule"],
@@ -129,8 +129,8 @@ def layout_of(c: dict[str, Any]) -> Any:
 def predict_row(c: dict[str, Any], cluster: Cluster, batch: int = BATCH, steps: int | None = None) -> dict[str, Any]:
     """The planner's view of one config: the Prediction (as a dict) and its bytes per kind and per link (one-off
     bytes spread over `steps`, as a run's summary reports them)."""
-    from parallelism import step_model
-    from parallelism.comm_model import bytes_by_kind, bytes_by_link
+    from pslab.parallelism import step_model
+    from pslab.parallelism.comm_model import bytes_by_kind, bytes_by_link
     c = _norm(c)
     shape, layout = shape_of(batch, c["micro_batches"]), layout_of(c)
     p = step_model.predict(shape, layout, cluster, c["dp"] * batch, precision="fp32", placement=c["placement"],
@@ -142,8 +142,8 @@ def predict_row(c: dict[str, Any], cluster: Cluster, batch: int = BATCH, steps: 
 def run_config(c: dict[str, Any], topology: Topology, *, steps: int, root: str | Path,
                batch: int = BATCH) -> dict[str, Any]:
     """One real run of a config: measured step time, bytes by kind and by link (per step, all ranks)."""
-    from experiments.config import load_config
-    from experiments.runner import execute
+    from pslab.experiments.config import load_config
+    from pslab.experiments.runner import execute
     c = _norm(c)
     cfg = load_config(None, overrides(c, topology, steps, batch))
     rd = execute(cfg, root, label=c["label"], quiet=True)

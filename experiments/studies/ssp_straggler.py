@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 STRATEGIES = ("ps-ssp:0", "ps-ssp:1", "ps-ssp:2", "ps-ssp:4", "ps-asp")
 TUNE_GRID = (0.5, 2 ** -0.5, 1.0, 2 ** 0.5, 2.0)     # multiples of lr tried first with `tune`
@@ -73,7 +73,7 @@ class SSPSpec:
                               f"seeds, got {len(self.seeds)}")
         if not 0 < self.target_acc <= 1 or self.factor <= 0 or self.lr <= 0 or self.steps < 1:
             raise ConfigError("the ssp-straggler study needs a target in (0, 1], factor > 0, lr > 0, steps >= 1")
-        from experiments.strategies.spec import parse_strategy
+        from pslab.experiments.strategies.spec import parse_strategy
         for s in self.strategies:
             if not parse_strategy(s).uses_ps:
                 raise ConfigError(f"the ssp-straggler study simulates parameter-server strategies, not {s!r}")
@@ -85,7 +85,7 @@ def staleness_bound(strategy: str) -> float:
 
 
 def _config(spec: SSPSpec, strategy: str, lr: float, seed: int, timing: bool = False) -> Any:
-    from experiments.studies.compare import default_config
+    from pslab.experiments.studies.compare import default_config
     o = [f"train.strategy={strategy}", f"train.steps={spec.steps}", f"workload.seed={seed}", f"train.lr={lr}",
          "train.eval_every=1", f'stragglers.factors={{"{_last_worker(spec)}" = {spec.factor}}}', *spec.overrides]
     if not timing:
@@ -96,13 +96,13 @@ def _config(spec: SSPSpec, strategy: str, lr: float, seed: int, timing: bool = F
 
 
 def _last_worker(spec: SSPSpec) -> int:
-    from experiments.studies.compare import default_config
+    from pslab.experiments.studies.compare import default_config
     return default_config(None, list(spec.overrides)).train.workers - 1
 
 
 def one_run(spec: SSPSpec, strategy: str, lr: float, seed: int) -> tuple[float, int | None]:
     """(T, U): virtual time and applied updates at the first evaluation >= target; (inf, None) if censored."""
-    from experiments.runner import execute
+    from pslab.experiments.runner import execute
     with tempfile.TemporaryDirectory() as d:
         s = execute(_config(spec, strategy, lr, seed), d, simulate=True, quiet=True).load()["summary"]
     t = s.get("time_to_target_s")
@@ -130,8 +130,8 @@ def _runs(spec: SSPSpec, pool: tuple[Any, int] | None, strategy: str, lr: float,
 
 def lead_curve(spec: SSPSpec, strategy: str, ns: tuple[int, ...] = (100, 150, 200)) -> list[float]:
     """Timing-only: the virtual time of the n-th applied update (seed 0), for each n."""
-    from experiments.results.rundir import read_jsonl
-    from experiments.runner import execute
+    from pslab.experiments.results.rundir import read_jsonl
+    from pslab.experiments.runner import execute
     with tempfile.TemporaryDirectory() as d:
         ups = read_jsonl(execute(_config(spec, strategy, spec.lr, spec.seeds[0], timing=True), d, simulate=True,
                                  quiet=True).metrics_path)
@@ -147,7 +147,7 @@ def run_ssp_study(spec: SSPSpec, jobs: int = 1, progress: Callable[[str], None] 
     """Every strategy on every seed (module docstring); with `spec.tune` its lr is tuned on the first half of the
     seeds and T reported on the second. Returns {"spec", "cells": [...], "lead": {...}}."""
     spec.validate()
-    from experiments.studies.fairness import widen_past_edge
+    from pslab.experiments.studies.fairness import widen_past_edge
     half = len(spec.seeds) // 2
     tune_seeds, report_seeds = (spec.seeds[:half], spec.seeds[half:]) if spec.tune else ((), spec.seeds)
     pool = None
@@ -230,7 +230,7 @@ def claim(cells: list[dict[str, Any]]) -> dict[str, Any]:
 def report(data: dict[str, Any]) -> str:
     """The markdown of the study: the table, the lead next to its formula, the verdict."""
     spec, cells, K = data["spec"], data["cells"], data["K"]
-    from experiments.studies.compare import default_config
+    from pslab.experiments.studies.compare import default_config
     t_fast = default_config(None, list(spec["overrides"])).simulate.compute_s
     t_slow = spec["factor"] * t_fast
     seeds = cells[0]["seeds"]

@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from experiments.config import OPTIMIZERS, TrainConfig
-from experiments.errors import ConfigError
-from experiments.sim.delays import DelayModel
-from experiments.studies.staleness_search import search_lr
-from experiments.workloads import WORKLOADS, get_workload
+from pslab.experiments.config import OPTIMIZERS, TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.sim.delays import DelayModel
+from pslab.experiments.studies.staleness_search import search_lr
+from pslab.experiments.workloads import WORKLOADS, get_workload
 
 MODELS = {"mlr": "digits-mlr", "mlp1": "digits-mlp1", "mlp3": "digits-mlp3"}   # shallow -> deep
 LR_GRID = {"sgd": (0.05, 0.1, 0.2, 0.4, 0.8), "momentum": (0.005, 0.01, 0.02, 0.04, 0.08),
@@ -260,7 +260,7 @@ def save(cells: list[dict[str, Any]], spec: SweepSpec, out: Path, extra: dict[st
     return p
 
 
-from experiments.studies.staleness_report import plot_curve, tables, trend_note  # noqa: E402  (re-exported)
+from pslab.experiments.studies.staleness_report import plot_curve, tables, trend_note  # noqa: E402  (re-exported)
 
 __all__ = ["SweepSpec", "Row", "PRESETS", "preset_spec", "rows", "run_cell", "run_row_cell", "run_staleness_sweep",
            "normalise", "save", "plot_curve", "tables", "trend_note", "default_jobs"]

@@ -294,7 +294,7 @@ def plot_curve(cells: list[Cell], spec: Any, out: Path) -> Path:
     lower bound."""
     from matplotlib.ticker import FuncFormatter
 
-    from experiments.results.plots import plt, save_figure
+    from pslab.experiments.results.plots import plt, save_figure
     rows = _rows(cells)
     plain, K = next(iter(spec.variants)), spec.workers
     many = len(spec.variants) > 1

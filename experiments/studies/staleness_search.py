@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from experiments.config import TrainConfig
-from experiments.sim.dai import run_dai
-from experiments.studies.fairness import widen_past_edge
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.studies.fairness import widen_past_edge
 
 
 class _Reached(Exception):

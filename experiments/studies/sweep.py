@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, apply, parse_override
-from experiments.errors import ConfigError
-from experiments.results.rundir import RunDir
-from experiments.results.report import write_report
-from experiments.runner import execute
+from pslab.experiments.config import RunConfig, apply, parse_override
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.rundir import RunDir
+from pslab.experiments.results.report import write_report
+from pslab.experiments.runner import execute
 
 
 def run_knob_sweep(cfg: RunConfig, knob: str, values: list[str], seeds: list[int], out: Path,

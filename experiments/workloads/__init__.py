@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 from . import data, models
 from .schedule import BatchSchedule, batch_digest
@@ -118,7 +118,7 @@ class Workload:
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The training loss: the task's, plus a mixture-of-experts model's load-balancing loss (0 for others)."""
-        from parallelism.moe import moe_aux_loss
+        from pslab.parallelism.moe import moe_aux_loss
         out = self.loss_from_output(model(x), y)
         return out + moe_aux_loss(model) if self.spec.model is models.moe_transformer else out
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from experiments.errors import MissingDependencyError
+from pslab.experiments.errors import MissingDependencyError
 
 SPLIT_SEED = 12345
 

@@ -128,7 +128,7 @@ def transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, heads: 
     Head], each Block holding an `Attention` (fused qkv, `heads` heads) and an `MLP` (dim -> 4 dim -> dim), so the
     tensor-parallel engine can split heads and MLP width and the pipeline engine can cut between blocks.
     in_dim is the context length (a sample is a window of token ids); num_classes is the vocabulary size."""
-    from parallelism.models import tiny_transformer
+    from pslab.parallelism.models import tiny_transformer
     return _init_(tiny_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, seed=seed), seed)
 
 
@@ -140,7 +140,7 @@ def moe_transformer(in_dim: int, num_classes: int, seed: int, dim: int = 32, hea
     weighted `aux_weight`). Routing groups are single sequences (capacity per (sequence, expert)
     = min(ceil(capacity_factor · top_k · S / experts), S)), so routing does not depend on how a batch is split over workers or
     expert-parallel ranks: `local`, allreduce and ps-* route every token the same way."""
-    from parallelism.models import tiny_moe_transformer
+    from pslab.parallelism.models import tiny_moe_transformer
     return _init_(tiny_moe_transformer(vocab=num_classes, d=dim, heads=heads, layers=layers, seq=in_dim, experts=experts,
                                        top_k=top_k, capacity_factor=capacity_factor, aux_weight=aux_weight, seed=seed,
                                        group_samples=1), seed)

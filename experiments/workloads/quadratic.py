@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from experiments.errors import ConfigError
+from pslab.experiments.errors import ConfigError
 
 
 class QuadraticModel(nn.Module):

@@ -11,9 +11,9 @@ import msgpack
 import numpy as np
 import zmq
 
-from collectives import wire
-from collectives.auth import job_secret, plain_client
-from collectives.errors import PeerTimeoutError
+from pslab.collectives import wire
+from pslab.collectives.auth import job_secret, plain_client
+from pslab.collectives.errors import PeerTimeoutError
 
 
 def endpoints(group: Any, rank: int) -> dict[str, str]:

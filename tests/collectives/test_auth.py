@@ -14,11 +14,11 @@ import pytest
 import torch
 import zmq
 
-import collectives
-from collectives import auth, wire
-from collectives.errors import AuthError, MailboxOverflowError, RendezvousError, WireError
-from collectives.mailbox import OVERHEAD, Mailbox, routing_key
-from collectives.transport import Transport
+from pslab import collectives
+from pslab.collectives import auth, wire
+from pslab.collectives.errors import AuthError, MailboxOverflowError, RendezvousError, WireError
+from pslab.collectives.mailbox import OVERHEAD, Mailbox, routing_key
+from pslab.collectives.transport import Transport
 
 
 @pytest.fixture
@@ -98,14 +98,14 @@ def test_plain_connections_carry_their_role_and_strangers_get_nothing():
 def test_curve_role_keys_carry_their_role():
     """CURVE with the cluster key pair as server identity and role keys derived from the secret: User-Id is the
     role; the cluster key itself, or another job's role key, is not admitted."""
-    from collectives.curve import generate_keys, load_keys
+    from pslab.collectives.curve import generate_keys, load_keys
     with tempfile.TemporaryDirectory() as d:
         generate_keys(d)
         keys = load_keys(d)
     s = auth.new_job_secret()
     server = lambda ctx, sock: auth.curve_server(ctx, sock, keys, s, ["rank:0", "rank:1"])  # noqa: E731
     assert _pair(server, lambda c: auth.curve_client(c, keys, s, "rank:0")) == [("ipc", "rank:0"), ("tcp", "rank:0")]
-    from collectives.curve import connect_curve
+    from pslab.collectives.curve import connect_curve
     for client in (lambda c: connect_curve(c, keys),
                    lambda c: auth.curve_client(c, keys, auth.new_job_secret(), "rank:0")):
         assert _pair(server, client, wait=0.3) == [("ipc", None), ("tcp", None)]

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.timeout(180)
 def test_bench_collectives_smoke_prints_no_warnings(capfd):
-    from experiments.bench.collectives import main
+    from pslab.experiments.bench.collectives import main
     rc = main(["--world", "2", "--sizes", "4K", "--reps", "1", "--budget", "0.02", "--json", "-"])
     out, err = capfd.readouterr()
     assert rc == 0
@@ -24,7 +24,7 @@ def test_bench_collectives_smoke_prints_no_warnings(capfd):
 def test_peers_are_validated_and_a_missing_mpi_names_the_extra(monkeypatch):
     import importlib.util
 
-    from experiments.bench import collectives as bench
+    from pslab.experiments.bench import collectives as bench
     with pytest.raises(SystemExit, match="--peers takes a comma-separated list of gloo, mpi"):
         bench.main(["--peers", "gloo,nccl"])
     real = importlib.util.find_spec
@@ -37,7 +37,7 @@ def test_peers_are_validated_and_a_missing_mpi_names_the_extra(monkeypatch):
 @pytest.mark.skipif(__import__("importlib").util.find_spec("mpi4py") is None,
                     reason="the MPI peer is an optional extra (pip install -e '.[bench]')")
 def test_mpi_peer_runs_in_the_same_processes(capfd):
-    from experiments.bench.collectives import main
+    from pslab.experiments.bench.collectives import main
     rc = main(["--world", "2", "--ops", "all_reduce", "reduce_scatter", "--sizes", "4K", "40004", "--reps", "2",
                "--budget", "0.02", "--peers", "gloo,mpi", "--json", "-"])
     out, err = capfd.readouterr()

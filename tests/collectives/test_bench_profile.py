@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.bench import collectives as bench
+from pslab.experiments.bench import collectives as bench
 
 
 def test_profile_kinds_classify_cprofile_entries():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import collectives
-from collectives import cleanup
+from pslab import collectives
+from pslab.collectives import cleanup
 
 
 def _traces() -> set[str]:

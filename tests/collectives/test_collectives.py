@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import collectives
-from collectives.group import chunk_bounds
+from pslab import collectives
+from pslab.collectives.group import chunk_bounds
 
 SIZES = [0, 1, 2, 7, 1001, 30011]   # 30011 float64 > small_bytes: exercises the streamed ring
 DTYPES = ["float32", "float64", "int32", "int64", "float16"]

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import collectives
-from collectives.errors import LaunchError
-from collectives.launcher import RankFailure, notify
+from pslab import collectives
+from pslab.collectives.errors import LaunchError
+from pslab.collectives.launcher import RankFailure, notify
 from tests.detectlog import detected
 
 pytestmark = pytest.mark.under_load        # these bounds must hold on a busy machine too (tests/conftest.py)
@@ -126,7 +126,7 @@ def test_a_silent_heartbeat_is_judged_against_the_measured_load():
     old lateness is forgotten; a stopped process is recognised from /proc whatever the load."""
     import subprocess
     import sys
-    from collectives.launcher import LAG_FACTOR, LAG_WINDOW_S, Job, _stopped_state
+    from pslab.collectives.launcher import LAG_FACTOR, LAG_WINDOW_S, Job, _stopped_state
     job = Job(_kill_self_leaving_the_pipe_open, 1, "zmq", (), 10, group_timeout=None, start_method="fork",
               secret=None, supervisor=None, group_options={})
     assert job.hang_bound_s(3.0) == 3.0

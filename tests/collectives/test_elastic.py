@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from collectives import auth, cleanup
-from collectives.elastic import (EXIT_EXPELLED, KEY, ElasticGroup, Expelled, Membership, MembershipChanged, _encode,
+from pslab.collectives import auth, cleanup
+from pslab.collectives.elastic import (EXIT_EXPELLED, KEY, ElasticGroup, Expelled, Membership, MembershipChanged, _encode,
                                  current, publish)
-from collectives.errors import AuthError, PeerFailedError, PeerTimeoutError, RendezvousError
+from pslab.collectives.errors import AuthError, PeerFailedError, PeerTimeoutError, RendezvousError
 
 pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
 
@@ -211,8 +211,8 @@ class Job:
     def __init__(self, backend: str, timeout: float = T) -> None:
         self.backend, self.timeout = backend, timeout
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "numpy", "zmq", "collectives.elastic", "collectives.zmq_group",
-                                         "collectives.torch_group"])
+        self.ctx.set_forkserver_preload(["torch", "numpy", "zmq", "pslab.collectives.elastic", "pslab.collectives.zmq_group",
+                                         "pslab.collectives.torch_group"])
         self.dir = cleanup.make_dir("pslab-job-")
         self.store_path = os.path.join(self.dir, "store")
         import torch.distributed as dist
@@ -492,7 +492,7 @@ def test_a_replaced_members_earlier_process_is_no_member():
     assert '"i":[0,1,0]' in raw and '"i"' not in _encode(Membership(1, (0, 1)), SECRET)
     with pytest.raises(ValueError, match="incarnations"):
         Membership(1, (0, 1), "", (0,))
-    from collectives.elastic import _decode
+    from pslab.collectives.elastic import _decode
     assert _decode(raw.encode(), SECRET) == m
     store = _store()
     publish(store, Membership(0, (0, 1), "start"), SECRET)
@@ -548,8 +548,8 @@ def test_old_generation_credentials_open_no_socket_of_the_new_one():
     so its message never arrives, while the same message from the generation-1 role does."""
     import zmq
 
-    from collectives.transport import Transport
-    from collectives import wire
+    from pslab.collectives.transport import Transport
+    from pslab.collectives import wire
     store = _store()
     import torch.distributed as dist
     ns = "elastic/1/"
@@ -594,5 +594,5 @@ def _late_subgroup(group: Any) -> tuple[int, int]:
 def test_zmq_messages_for_a_subgroup_not_yet_created_here_are_kept():
     """(Found by the generation-group test above: ranks reach new_group at different times.) An early arrival for
     the next sub-group is filed, not dropped as 'names no group', so the sub-group's first collective completes."""
-    import collectives
+    from pslab import collectives
     assert collectives.launch(_late_subgroup, 3, "zmq", timeout=60, group_timeout=5) == [(4, 0), (-1, 0), (4, 0)]

@@ -11,10 +11,10 @@ import time
 import msgpack
 import numpy as np
 
-import collectives
-from collectives import wire
-from collectives.errors import CollectiveMismatchError, PeerTimeoutError
-from collectives.launcher import RankFailure
+from pslab import collectives
+from pslab.collectives import wire
+from pslab.collectives.errors import CollectiveMismatchError, PeerTimeoutError
+from pslab.collectives.launcher import RankFailure
 
 from .hostile import push_to
 

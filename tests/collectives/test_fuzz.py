@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import zmq
 
-import collectives
-from collectives import wire
+from pslab import collectives
+from pslab.collectives import wire
 
 from .hostile import drain, push_to
 from .test_hostile import expected, rounds

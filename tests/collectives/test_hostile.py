@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import zmq
 
-import collectives
-from collectives.auth import new_job_secret, plain_client
-from collectives.errors import LaunchError
+from pslab import collectives
+from pslab.collectives.auth import new_job_secret, plain_client
+from pslab.collectives.errors import LaunchError
 
 from .hostile import drain, endpoints, listening, message, push_to, rss
 

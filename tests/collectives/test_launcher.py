@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import collectives
-from collectives.errors import LaunchError, RendezvousError
+from pslab import collectives
+from pslab.collectives.errors import LaunchError, RendezvousError
 
 
 def rank_and_threads(group):
@@ -63,7 +63,7 @@ def test_launch_timeout_kills_all():
 SCRIPT = textwrap.dedent("""
     import os, sys, numpy as np, torch
     torch.set_num_threads(1)
-    import collectives
+    from pslab import collectives
     from tests.collectives.hostile import listening
     g = collectives.init_process_group(backend=sys.argv[1], timeout=20)
     t = np.array([g.rank + 1.0])
@@ -109,7 +109,7 @@ def test_torchrun_environment(tmp_path, backend):
     """Processes started with only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (as torchrun does), plus the job's
     PSLAB_JOB_SECRET, form a group; rank 0's store and the zmq sockets listen on 127.0.0.1 only."""
     import ipaddress
-    from collectives.auth import new_job_secret
+    from pslab.collectives.auth import new_job_secret
     secret = new_job_secret()
     outs = torchrun(tmp_path, backend, [secret, secret])
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("RESULT"))
@@ -123,7 +123,7 @@ def test_torchrun_environment(tmp_path, backend):
 def test_torchrun_without_a_secret_or_with_different_ones_is_refused(tmp_path):
     """No PSLAB_JOB_SECRET: each rank stops with one line saying how to set it. Different secrets: a rank refuses
     the other's address record (not signed with its secret)."""
-    from collectives.auth import new_job_secret
+    from pslab.collectives.auth import new_job_secret
     for out, err in torchrun(tmp_path, "zmq", [None, None]):
         last = err.strip().splitlines()[-1]
         assert "AuthError" in last and "PSLAB_JOB_SECRET=" in last and "RESULT" not in out, err
@@ -147,7 +147,7 @@ def curve_sum(group):
 
 def test_curve_encrypted_group(tmp_path):
     """With CURVE keys every socket is a CURVE server/client and the group still computes correctly."""
-    from collectives.curve import generate_keys
+    from pslab.collectives.curve import generate_keys
     generate_keys(str(tmp_path))
     res = collectives.launch(curve_sum, 2, timeout=30, curve_keys_dir=str(tmp_path))
     assert res == [(3.0, True), (3.0, True)]
@@ -163,8 +163,8 @@ def test_non_loopback_bind_requires_curve(monkeypatch):
 def curve_rejects_strangers(group, member=False):
     """Rank 0 tries to inject a well-formed message into rank 1 over a socket without the keys (with `member`:
     a PLAIN socket with rank 0's credential)."""
-    from collectives import wire
-    from collectives.errors import PeerTimeoutError
+    from pslab.collectives import wire
+    from pslab.collectives.errors import PeerTimeoutError
     from .hostile import push_to
     import zmq
     if group.rank == 0:
@@ -189,7 +189,7 @@ def curve_rejects_strangers(group, member=False):
 
 def test_curve_rejects_unauthenticated_sockets(tmp_path):
     """A socket without the CURVE keys cannot deliver anything, even a well-formed message."""
-    from collectives.curve import generate_keys
+    from pslab.collectives.curve import generate_keys
     generate_keys(str(tmp_path))
     res = collectives.launch(curve_rejects_strangers, 2, timeout=30, curve_keys_dir=str(tmp_path))
     assert res[1] == "nothing arrived"
@@ -199,7 +199,7 @@ def test_curve_binds_each_connection_to_its_rank(tmp_path):
     """With CURVE keys and the job's secret (the launcher always has one), each rank's client key pair is derived
     from the secret, so every message's User-Id is its sender's role: a group computes, and rank 1 saw rank 0 as
     "rank:0"."""
-    from collectives.curve import generate_keys
+    from pslab.collectives.curve import generate_keys
     generate_keys(str(tmp_path))
     res = collectives.launch(curve_user_ids, 2, timeout=30, curve_keys_dir=str(tmp_path))
     assert res == [(3.0, True), (3.0, True)]

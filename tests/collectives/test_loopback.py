@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_is_loopback_parses_the_address():
     """One loopback address (or localhost) only: a second ZeroMQ endpoint after ';', a name that merely starts with
     '127.', a wildcard or another host are not loopback (they need CURVE keys to bind)."""
-    from collectives.curve import is_loopback
+    from pslab.collectives.curve import is_loopback
     for host in ("127.0.0.1", "127.3.4.5", "localhost", "::1", "[::1]"):
         assert is_loopback(host), host
     for host in ("127.0.0.1:1;0.0.0.0", "127.evil.example", "0.0.0.0", "*", "10.0.0.5", "", "::", "127.0.0.1 0.0.0.0",

@@ -13,8 +13,8 @@ import socket
 import pytest
 import torch
 
-import collectives
-from collectives import shm
+from pslab import collectives
+from pslab.collectives import shm
 
 from .hostile import endpoints
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from collectives import shm
-from collectives.errors import WireError
+from pslab.collectives import shm
+from pslab.collectives.errors import WireError
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="/dev/shm not writable")
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import collectives
-import collectives.ring
-from collectives import shm_channel
-from collectives.errors import CollectiveMismatchError, PeerTimeoutError, WireError
-from collectives.launcher import RankFailure
+from pslab import collectives
+import pslab.collectives.ring
+from pslab import collectives
+from pslab.collectives import shm_channel
+from pslab.collectives.errors import CollectiveMismatchError, PeerTimeoutError, WireError
+from pslab.collectives.launcher import RankFailure
 
 pytestmark = pytest.mark.skipif(not shm_channel.supported(), reason="the shm channel path needs x86-64 and /dev/shm")
 
@@ -224,7 +225,7 @@ def w_options(group):
 @pytest.mark.timeout(60)
 def test_the_path_is_off_with_the_option_or_a_topology():
     """shm_channel=False, or an emulated topology (its link model lives on the zmq path): no channels."""
-    from collectives.topology import Topology
+    from pslab.collectives.topology import Topology
     assert collectives.launch(w_options, 2, "zmq", timeout=40) == [True, True]
     assert collectives.launch(w_options, 2, "zmq", timeout=40, shm_channel=False) == [False, False]
     topo = Topology(hosts=1, per_host=2)

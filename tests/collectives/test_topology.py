@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import collectives
-from collectives import hierarchical as hier
-from collectives.group import chunk_bounds
-from collectives.topology import ENV, Topology, TopologyError, from_env, link_bytes, reset_link_bytes
+from pslab import collectives
+from pslab.collectives import hierarchical as hier
+from pslab.collectives.group import chunk_bounds
+from pslab.collectives.topology import ENV, Topology, TopologyError, from_env, link_bytes, reset_link_bytes
 
 FAST = Topology(2, 2, intra_latency_s=0.0, intra_bandwidth_Bps=5e9, inter_latency_s=1e-4, inter_bandwidth_Bps=1e9)
 SIZES = [1, 3, 7, 1001, 30011]

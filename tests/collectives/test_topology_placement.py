@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import collectives
-from collectives import hierarchical as hier
-from collectives.topology import ENV, Topology, TopologyError, from_env, link_bytes, reset_link_bytes
+from pslab import collectives
+from pslab.collectives import hierarchical as hier
+from pslab.collectives.topology import ENV, Topology, TopologyError, from_env, link_bytes, reset_link_bytes
 
 
 def test_host_of_each_rank_by_placement():

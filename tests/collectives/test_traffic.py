@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import collectives
+from pslab import collectives
 
 ELEMS = 250_007  # float32, not divisible by any N here
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from collectives import wire
-from collectives.errors import WireError
+from pslab.collectives import wire
+from pslab.collectives.errors import WireError
 
 NUMPY_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
 

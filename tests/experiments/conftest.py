@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.config import load_config
+from pslab.experiments.config import load_config
 
 torch.set_num_threads(1)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import main
-from experiments.workloads import data as wdata
+from pslab.experiments.cli import main
+from pslab.experiments.workloads import data as wdata
 
-PSLAB = [sys.executable, "-m", "experiments.cli"]
+PSLAB = [sys.executable, "-m", "pslab.experiments.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -226,7 +226,7 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
 
 
 def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
-    """`torchrun --nproc_per_node=N -m experiments.cli run CFG` on a free local port; returns the run directory."""
+    """`torchrun --nproc_per_node=N -m pslab.experiments.cli run CFG` on a free local port; returns the run directory."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(toml)
     s = socket.socket()
@@ -234,7 +234,7 @@ def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
     port = s.getsockname()[1]
     s.close()
     torchrun = Path(sys.executable).parent / "torchrun"
-    r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "experiments.cli",
+    r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "pslab.experiments.cli",
                         "run", str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"], cwd=ROOT,
                        capture_output=True, text=True, timeout=110,
                        env={**os.environ, "PSLAB_JOB_SECRET": secrets.token_hex(32)})   # what the README says to set
@@ -247,7 +247,7 @@ def test_torchrun_gives_each_process_its_role(tmp_path):
     are the 2 all-reduce workers, and rank 0 writes one run directory with both workers' updates."""
     run = torchrun_pslab(tmp_path, 2, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "allreduce"\n'
                                       'workers = 7\nsteps = 3\ntimeout_s = 60\n', "allreduce")
-    from experiments.results.rundir import read_jsonl
+    from pslab.experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]
 
@@ -257,7 +257,7 @@ def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
     PS worker; rank 0 writes one run directory with all 3 workers' updates, BSP staleness 0 throughout."""
     run = torchrun_pslab(tmp_path, 3, '[workload]\nname = "digits-logreg"\n[train]\nstrategy = "ps-bsp"\n'
                                       'workers = 5\nsteps = 4\nshards = 2\neval_every = 100\ntimeout_s = 60\n', "psrole")
-    from experiments.results.rundir import read_jsonl
+    from pslab.experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(3) for t in range(4)]
     assert [u["staleness"] for u in ups] == [0] * 12
@@ -273,7 +273,7 @@ def test_torchrun_runs_a_split_model_under_the_parameter_server(tmp_path):
     run = torchrun_pslab(tmp_path, 4, '[workload]\nname = "text-transformer"\nbatch_size = 8\n[train]\n'
                                       'strategy = "ps-ssp:1"\nsteps = 4\neval_every = 4\ntimeout_s = 90\n'
                                       '[parallel]\ntp = 2\n', "tprole")
-    from experiments.results.rundir import read_jsonl
+    from pslab.experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(4)]
     assert all(u["staleness"] is not None and u["staleness"] <= 3 for u in ups)    # (K - 1)(2s + 1), Ho's SSP
@@ -307,7 +307,7 @@ def test_torchrun_beyond_loopback_needs_curve_keys(tmp_path, capsys, monkeypatch
 
 def test_labels_cannot_leave_the_output_directory():
     """A run label is one path component whatever the user types (`--label ../x` under torchrun too)."""
-    from experiments.results.rundir import safe_name
+    from pslab.experiments.results.rundir import safe_name
     for label in ("../x", "..", "a/b/../c", "/etc/passwd", "x\\y"):
         name = safe_name(label)
         assert "/" not in name and "\\" not in name and name not in ("", ".", ".."), (label, name)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.config import TrainConfig
-from experiments.errors import ConfigError
-from experiments.sim.coherence import CoherenceRecorder, cosine, dai_mu, quadratic_cosine
-from experiments.sim.dai import run_dai
-from experiments.workloads import get_workload
-from experiments.workloads.quadratic import QuadraticWorkload
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.sim.coherence import CoherenceRecorder, cosine, dai_mu, quadratic_cosine
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.workloads import get_workload
+from pslab.experiments.workloads.quadratic import QuadraticWorkload
 
 
 def test_identical_gradients_have_coherence_one():
@@ -70,7 +70,7 @@ def test_bad_coherence_options_are_config_errors(kwargs, fragment):
 def test_coherence_study_shows_the_depth_effect(tmp_path):
     """The study on the literature models: the 3-hidden-layer MLP's gradients decorrelate faster than MLR's
     (Dai et al.'s mechanism), and it writes its JSON and PNG."""
-    from experiments.studies.coherence import CoherenceSpec, note, plot, run_coherence_study, save
+    from pslab.experiments.studies.coherence import CoherenceSpec, note, plot, run_coherence_study, save
     spec = CoherenceSpec(models={"mlr": "digits-mlr", "mlp3": "digits-mlp3"}, lags=(1, 4), steps=60, every=10)
     res = run_coherence_study(spec)
     assert res["mlp3"]["mean"][4] < res["mlr"]["mean"][4] and res["mlr"]["mean"][1] > 0.95

@@ -6,9 +6,9 @@ import tomllib
 
 import pytest
 
-from experiments.config import load_config, to_toml
-from experiments.errors import ConfigError
-from experiments.strategies.spec import parse_strategy
+from pslab.experiments.config import load_config, to_toml
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.strategies.spec import parse_strategy
 
 
 def test_toml_file_and_overrides(tmp_path):

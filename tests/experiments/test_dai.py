@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from experiments.config import TrainConfig
-from experiments.errors import ConfigError
-from experiments.sim.dai import run_dai
-from experiments.sim.delays import DELAYS, DelayModel
-from experiments.strategies.local import LocalStrategy
-from experiments.strategies.spec import optimizer_spec
-from experiments.studies.momentum import MomentumSpec, check, momentum_trajectory, stale_trajectories, z_bound
-from experiments.workloads import get_params, get_workload
-from experiments.workloads.quadratic import QuadraticWorkload
-from parallelism.engine import ParamSlot
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.sim.delays import DELAYS, DelayModel
+from pslab.experiments.strategies.local import LocalStrategy
+from pslab.experiments.strategies.spec import optimizer_spec
+from pslab.experiments.studies.momentum import MomentumSpec, check, momentum_trajectory, stale_trajectories, z_bound
+from pslab.experiments.workloads import get_params, get_workload
+from pslab.experiments.workloads.quadratic import QuadraticWorkload
+from pslab.parallelism.engine import ParamSlot
 
 
 class _WholeModel:
@@ -113,8 +113,8 @@ def test_momentum_equivalence_with_two_noisy_workers():
 
 def _single_stream_reference(wl, train, s, max_steps, target, eval_every, seed):
     """The emulator as it was before K workers (one stream, r ~ U{0..s} from default_rng([seed, 0xDA1, s]))."""
-    from experiments.strategies.spec import optimizer_spec
-    from ps.optim import Contribution, build_optimizer
+    from pslab.experiments.strategies.spec import optimizer_spec
+    from pslab.ps.optim import Contribution, build_optimizer
     model = wl.make_model()
     names = [n for n, _ in model.named_parameters()]
     live = [p for _, p in model.named_parameters()]
@@ -173,7 +173,7 @@ def test_workers_draw_independent_delays():
     res = run_dai(wl, TrainConfig(optimizer="sgd", lr=0.1), 8, 200, 2.0, eval_every=50)
     assert res.workers == 3 and abs(res.mean_delay - 4.0) < 0.4
     taus = []
-    from ps import optim
+    from pslab.ps import optim
     real = optim.ServerOptimizer.step
     def spy(self, contributions):
         taus.append([c.tau for c in contributions])
@@ -224,7 +224,7 @@ def test_the_emulator_step_lr_is_train_lr_whatever_the_real_run_lr_rule():
 
 
 def test_train_staleness_rule_is_validated():
-    from experiments.config import load_config
+    from pslab.experiments.config import load_config
     assert load_config(overrides=["train.staleness_rule=mean"]).train.staleness_rule == "mean"
     with pytest.raises(ConfigError, match="train.staleness_rule must be one of gradient, mean"):
         load_config(overrides=["train.staleness_rule=median"])

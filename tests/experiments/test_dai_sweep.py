@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from experiments.config import TrainConfig
-from experiments.sim.dai import run_dai
-from experiments.studies.staleness import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
-from experiments.workloads import get_workload
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.studies.staleness import SweepSpec, plot_curve, run_staleness_sweep, save, trend_note
+from pslab.experiments.workloads import get_workload
 
 
 def test_zero_staleness_is_plain_sequential_training():

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
 from tests.experiments.conftest import small_config
 
 TF = ["workload.name=text-transformer", "workload.batch_size=8", "train.steps=4", "train.eval_every=4",
@@ -223,7 +223,7 @@ ACCEPTANCE = {
 def test_pslab_run_with_parallel_settings_writes_a_full_run_dir(tmp_path, capsys, label):
     """`pslab run CONFIG --set parallel.x=...`: metrics for every (worker, step), test accuracy, a summary with
     bytes by kind; under SSP(2) no update is more than 2 + (K-1)... bounded; staleness recorded for PS runs."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     cfg = tmp_path / "c.toml"
     cfg.write_text('[workload]\nname = "text-transformer"\nbatch_size = 8\n[train]\nsteps = 4\neval_every = 4\n')
     argv = ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"]
@@ -248,7 +248,7 @@ def test_pslab_run_with_parallel_settings_writes_a_full_run_dir(tmp_path, capsys
 def test_compare_with_a_parallel_setting(tmp_path, capsys):
     """`pslab compare --strategies ... --set parallel.tp=2` runs every strategy on the split model (local, the
     reference, on the unsplit one) and reports them side by side."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     argv = ["compare", "--strategies", "local,allreduce,ps-bsp,ps-asp", "--no-straggler", "-q",
             "--out", str(tmp_path / "cmp"), "--set", "workload.name=text-transformer", "--set", "parallel.tp=2",
             "--set", "train.workers=2", "--set", "train.steps=4", "--set", "workload.batch_size=8",
@@ -305,7 +305,7 @@ def test_moe_expert_parallel_equals_local_and_reports_the_expert_load(tmp_path):
     activation checkpointing) and checkpointed pipelines (the aux losses leave the checkpoint as outputs): every (worker, step) loss and the final accuracy equal `local` (one process, all experts);
     the summary reports the expert load (the same counts as local: routing per sequence does not depend on the
     split), the all-to-all bytes equal their formula, and `pslab report` draws the expert-load plot."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     extra = ["workload.top_k=2", "workload.capacity_factor=0.75"]
     runs = {}
     for label, more in {"local": ["train.strategy=local"],
@@ -352,10 +352,10 @@ def test_the_planners_pslab_comm_model_equals_the_measured_bytes_per_kind(runs):
     run's steps, SP's replicated-gradient and loss all-reduces, ZeRO's per-parameter reduce-scatters and all-gathers.
     (The gloo layouts are checked against results/bytes.py's gloo formulas above: the planner models pslab's
     algorithms.)"""
-    from experiments.workloads import get_workload
-    from parallelism.cluster import Cluster
-    from parallelism.comm_model import bytes_by_kind, step_comm
-    from parallelism.memory_model import Layout, Shape
+    from pslab.experiments.workloads import get_workload
+    from pslab.parallelism.cluster import Cluster
+    from pslab.parallelism.comm_model import bytes_by_kind, step_comm
+    from pslab.parallelism.memory_model import Layout, Shape
     for label, (strategy, workers, extra, _) in LAYOUTS.items():
         if strategy != "allreduce":
             continue

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.errors import ExperimentError
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
 from tests.detectlog import detected
 from tests.experiments.conftest import small_config
 
@@ -176,7 +176,8 @@ def test_run_limit_ends_a_run(tmp_path, clean):
 # ---------------------------------------------------------------------------------------------- elastic runs
 @pytest.fixture
 def elastic():
-    import collectives.elastic          # part of this package: an ImportError fails these tests, never skips them
+    import pslab.collectives.elastic          # part of this package: an ImportError fails these tests, never skips them
+    from pslab import collectives
     return collectives.elastic
 
 
@@ -240,8 +241,8 @@ def _shrink_reference(cfg, gone: int, at: int, back: int | None = None) -> dict[
     `back` on (a replacement joined) all K again. The loss of each (worker, step), as the run records it: what
     docs/tutorial.md section 8 says a shrunken all-reduce computes."""
     import dataclasses
-    from experiments.strategies.spec import optimizer_spec, step_lr, torch_optimizer
-    from experiments.workloads import get_workload
+    from pslab.experiments.strategies.spec import optimizer_spec, step_lr, torch_optimizer
+    from pslab.experiments.workloads import get_workload
     t = cfg.train
     wl = get_workload(cfg.workload.name, t.workers, cfg.workload.batch_size, cfg.workload.seed,
                       **cfg.workload.overrides())
@@ -418,7 +419,7 @@ def test_a_shard_lost_without_checkpoints_ends_the_run_with_one_line_at_once(tmp
 
 def test_fault_specs_that_could_never_happen_are_refused():
     """An at_step past the run, or anything after a process's kill / leave, is one ConfigError line, not silence."""
-    from experiments.errors import ConfigError
+    from pslab.experiments.errors import ConfigError
     with pytest.raises(ConfigError, match="never reached"):
         small_config("train.strategy=allreduce", 'faults.events=[{kill="worker:1", at_step=12}]')
     with pytest.raises(ConfigError, match="already gone"):
@@ -434,7 +435,7 @@ def test_fault_specs_that_could_never_happen_are_refused():
 
 def test_a_failure_nobody_injected_is_reported():
     """A detect without an inject (a process killed from outside) is a failure of the report and of the summary."""
-    from experiments.results.faults import failures
+    from pslab.experiments.results.faults import failures
     ev = [{"time_s": 1.0, "event": "detect", "who": "worker:2", "how": "died (was killed by SIGKILL)"},
           {"time_s": 1.2, "event": "recover", "who": "worker:2", "world_size": 3, "step": 40, "lost_steps": 1}]
     (f,) = failures(ev)
@@ -448,8 +449,8 @@ def test_a_worker_killed_from_outside_is_detected_and_survived(tmp_path, clean, 
     the survivors finish every step, and the report and pslab run's line say it was not injected."""
     import signal
     import threading
-    from experiments.results.faults import failure_table, failures
-    from experiments.results.rundir import RunDir
+    from pslab.experiments.results.faults import failure_table, failures
+    from pslab.experiments.results.rundir import RunDir
     kids, killed = set(_children()), []
 
     def shoot():
@@ -484,8 +485,8 @@ def test_a_worker_killed_from_outside_is_detected_and_survived(tmp_path, clean, 
 def test_resume_after_an_abort_does_not_replay_the_fault(tmp_path, clean):
     """A checkpointed run aborted by an injected kill resumes (at another size) from its checkpoint without killing
     the worker again: the injected faults happened already."""
-    from experiments.results.rundir import RunDir
-    from experiments.strategies.resume import resume_config
+    from pslab.experiments.results.rundir import RunDir
+    from pslab.experiments.strategies.resume import resume_config
     with pytest.raises(ExperimentError, match="rank 1 died"):
         _run(tmp_path, "train.strategy=allreduce", "train.workers=2", "faults.on_failure=abort",
              "faults.checkpoint_every=4", 'faults.events=[{kill="worker:1", at_step=6}]', label="aborted")

@@ -9,14 +9,14 @@ import tempfile
 import numpy as np
 import pytest
 
-from experiments.config import TrainConfig
-from experiments.errors import ConfigError
-from experiments.results.records import time_to_accuracy
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
-from experiments.strategies.spec import lr_fields, parse_strategy, step_lr
-from experiments.studies.compare import default_config
-from experiments.studies.fairness import GRID, bracket_lr, in_band
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.records import time_to_accuracy
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
+from pslab.experiments.strategies.spec import lr_fields, parse_strategy, step_lr
+from pslab.experiments.studies.compare import default_config
+from pslab.experiments.studies.fairness import GRID, bracket_lr, in_band
 
 from .conftest import small_config
 
@@ -108,7 +108,7 @@ def test_in_band_is_mean_plus_minus_two_sd():
 def test_compare_tune_lr_reports_each_strategys_choice(tmp_path, capsys):
     """`pslab compare --simulate --tune-lr`: each strategy's lr is chosen from the tried grid, the runs use it, and
     the report lists it with every lr tried."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     out = tmp_path / "cmp"
     assert main(["compare", "--simulate", "-q", "--tune-lr", "--no-straggler", "--noise-seeds", "0", "--out", str(out),
                  "--strategies", "ps-bsp,ps-asp", "--set", "workload.name=digits-logreg", "--set", "train.steps=8",
@@ -126,7 +126,7 @@ def test_compare_tune_lr_reports_each_strategys_choice(tmp_path, capsys):
 
 def test_timing_only_compare_has_no_band_and_refuses_tuning(tmp_path, capsys):
     """A timing-only compare computes no loss: no seed band, '—' for time to target, and --tune-lr is one line."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     base = ["compare", "--timing-only", "-q", "--no-straggler", "--strategies", "ps-asp", "--set", "train.steps=6",
             "--set", "train.workers=2"]
     assert main(base + ["--out", str(tmp_path / "a")]) == 0

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from experiments.cli import main
-from experiments.config import to_toml
-from experiments.errors import ConfigError, ExperimentError
-from experiments.results.faults import failure_summary, failures, throughput_series, validate_events
-from experiments.results.report import summary_table, write_report
-from experiments.results.rundir import RunDir, write_jsonl
-from experiments.studies.compare import parse_failure
+from pslab.experiments.cli import main
+from pslab.experiments.config import to_toml
+from pslab.experiments.errors import ConfigError, ExperimentError
+from pslab.experiments.results.faults import failure_summary, failures, throughput_series, validate_events
+from pslab.experiments.results.report import summary_table, write_report
+from pslab.experiments.results.rundir import RunDir, write_jsonl
+from pslab.experiments.studies.compare import parse_failure
 from tests.experiments.conftest import small_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,7 +155,7 @@ def test_compare_preset_failure_refuses_bad_input(argv, message, capsys):
 def test_the_summary_row_says_unknown_losses_are_unknown():
     """A failure whose loss nobody measured (an abort) is "—" lost in the summary row, as in the Failures table, not
     "0"; measured ones are summed."""
-    from experiments.results.faults import failure_summary
+    from pslab.experiments.results.faults import failure_summary
     abort = {"events": [{"time_s": 1.0, "event": "inject", "who": "worker:1", "how": "SIGKILL"},
                         {"time_s": 1.1, "event": "detect", "who": "worker:1", "how": "SIGKILL", "detect_s": 0.1},
                         {"time_s": 1.1, "event": "abort", "who": "worker:1", "how": "SIGKILL"}]}

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from experiments.cli import main
-from experiments.commands.memory import MEASURE, _config
-from experiments.workloads import get_workload
+from pslab.experiments.cli import main
+from pslab.experiments.commands.memory import MEASURE, _config
+from pslab.experiments.workloads import get_workload
 
 
 def test_article_example_and_fit_table(capsys):
@@ -80,7 +80,7 @@ def test_bad_input_is_one_line_exit_1(argv, fragment, capsys):
 
 
 def test_bad_input_from_the_shell_has_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "experiments.cli", "memory", "--dp", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "memory", "--dp", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["pslab: error: --dp must be >= 1, got 0"]
 

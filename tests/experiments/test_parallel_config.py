@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.cli import main
+from pslab.experiments.cli import main
 
 TF = ["--set", "workload.name=text-transformer"]
 
@@ -99,9 +99,9 @@ def test_bad_parallel_value_is_one_line_and_exit_1(tmp_path, capsys, sets, fragm
 
 def test_composed_layouts_the_table_admits():
     """What the refusals no longer cover loads: 3D with sp, checkpointing and overlap-free ZeRO-1, and ps-* 3D."""
-    from experiments.config import load_config
-    from experiments.strategies.build import check_layout
-    from experiments.workloads import get_workload
+    from pslab.experiments.config import load_config
+    from pslab.experiments.strategies.build import check_layout
+    from pslab.experiments.workloads import get_workload
     for sets in (["train.strategy=allreduce", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
                   "parallel.activation_checkpointing=true"],
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.zero=1",
@@ -119,9 +119,9 @@ def test_composed_layouts_the_table_admits():
 def test_stage_ms_pads_the_pipeline_engine():
     """parallel.stage_ms = 60 hands the pipeline engine equal stage times of 60 ms forward and 120 ms backward (the
     formula's setting, as `pslab schedule --run` pads); the run's label says so."""
-    from experiments.config import load_config
-    from experiments.strategies.build import make_engine
-    from experiments.workloads import get_workload
+    from pslab.experiments.config import load_config
+    from pslab.experiments.strategies.build import make_engine
+    from pslab.experiments.workloads import get_workload
     cfg = load_config(None, ["workload.name=text-transformer", "train.strategy=allreduce", "parallel.pp=2",
                              "parallel.stage_ms=60"])
     w = cfg.workload

@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from collectives.topology import Topology
-from experiments.bench.calibrate import CalibrationError, fit_line, model_flops, workload_shape
-from parallelism.cluster import Cluster
+from pslab.collectives.topology import Topology
+from pslab.experiments.bench.calibrate import CalibrationError, fit_line, model_flops, workload_shape
+from pslab.parallelism.cluster import Cluster
 
 LAT, BW = 2e-3, 20e6
 
@@ -28,7 +28,7 @@ def test_fit_line_recovers_a_line_and_refuses_one_point():
 def test_workload_shape_is_the_text_transformer_and_flops_follow_narayanan():
     """Shape off the workload (2 blocks, width 32, 4 heads, 32 tokens, the corpus' characters); FLOPs of a step:
     72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)), linear in the batch."""
-    from experiments.workloads import get_workload
+    from pslab.experiments.workloads import get_workload
     wl = get_workload("text-transformer", 1, 8, 0)
     sh = workload_shape(8)
     assert (sh.layers, sh.hidden, sh.heads, sh.micro_batch) == (2, 32, 4, 8)
@@ -42,7 +42,7 @@ def test_workload_shape_is_the_text_transformer_and_flops_follow_narayanan():
 def calibrated():
     """Batches 2 and 32 (16x the FLOPs: ~17 ms apart here, against ~20 ms of per-step overhead), and up to 3
     attempts: on a loaded machine one pair of short runs can still come out inverted, which calibrate refuses."""
-    from experiments.bench.calibrate import calibrate
+    from pslab.experiments.bench.calibrate import calibrate
     topo = Topology(2, 1, inter_latency_s=LAT, inter_bandwidth_Bps=BW)
     for attempt in range(3):
         details: dict = {}
@@ -66,7 +66,7 @@ def test_calibrate_recovers_the_emulated_link_and_round_trips(calibrated):
 
 
 def test_check_one_config_has_both_figures_and_equal_bytes(calibrated, tmp_path):
-    from experiments.studies.plan_check import check, format_table
+    from pslab.experiments.studies.plan_check import check, format_table
     topo, c, _ = calibrated
     rows = check(c, topo, [{"label": "dp=2", "dp": 2}], repeats=1, steps=6, progress=False, root=tmp_path)
     (r,) = rows
@@ -82,7 +82,7 @@ def test_check_one_config_has_both_figures_and_equal_bytes(calibrated, tmp_path)
 
 
 def test_check_refuses_a_config_that_does_not_fill_the_topology(calibrated):
-    from experiments.studies.plan_check import CheckError, check
+    from pslab.experiments.studies.plan_check import CheckError, check
     topo, c, _ = calibrated
     with pytest.raises(CheckError, match="ranks"):
         check(c, topo, [{"dp": 4}], progress=False)
@@ -94,7 +94,7 @@ def test_ranking_is_spearman_with_tied_ranks_and_the_top_picks_excess():
     """Spearman's ρ: 1 for the same order, −1 for the reverse, 0.8 for one swap of neighbours among 4; tied values
     share their mean rank and ρ is the Pearson correlation of the ranks (the textbook 1 − 6Σd²/(n(n²−1)) holds
     only without ties); the top pick's excess is its measured time over the measured best's, minus 1."""
-    from experiments.studies.plan_check import CheckError, ranking
+    from pslab.experiments.studies.plan_check import CheckError, ranking
 
     def rows(pred, meas):
         return [{"label": str(i), "predicted_s": p, "measured_s": m, "error_pct": abs(p - m) / m * 100}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from experiments.cli import main
+from pslab.experiments.cli import main
 
 SHAPE = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--seq", "2048", "--vocab", "51200"]
 
@@ -97,7 +97,7 @@ def test_virtual_stages_are_searched_when_asked(capsys):
 
 def test_nothing_fits_is_exit_1_with_the_reason(tmp_path, capsys):
     small = tmp_path / "small.json"
-    from parallelism.cluster import preset
+    from pslab.parallelism.cluster import preset
     small.write_text(preset("dgx-a100-80gb").with_(gpu_memory_bytes=1e9).to_json())
     assert main(["plan", "--model", "gpt-18b", "--cluster", str(small), "--nodes", "1", "--global-batch", "8",
                  "-q"]) == 1
@@ -105,7 +105,7 @@ def test_nothing_fits_is_exit_1_with_the_reason(tmp_path, capsys):
 
 
 def test_bad_input_from_the_shell_has_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "experiments.cli", "plan", "--model", "gpt-1t", "--nodes", "0"],
+    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "plan", "--model", "gpt-1t", "--nodes", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["pslab: error: --nodes must be >= 1, got 0"]
 

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-import collectives
-import ps
-from experiments.strategies.ps import PSSyncStrategy
-from parallelism.data import DataParallelEngine
-from parallelism.engine import train_step
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss, tiny_transformer
+from pslab import collectives
+from pslab import ps
+from pslab.experiments.strategies.ps import PSSyncStrategy
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.engine import train_step
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss, tiny_transformer
 
 from tests.parallelism.par_helpers import MLP_FACTORY, assert_close, dp_shard, mlp_batches, plain, reference
 
@@ -38,7 +38,7 @@ def _worker(group: Any, addresses: list[str], shard_pid: int, cp: int = 1) -> di
     torch.set_num_threads(1)
     mesh = DeviceMesh(group, dp=2, cp=cp)
     if cp > 1:         # context parallel: cp rank 0 talks to the shard, cp rank 1 mirrors it (its rewind too)
-        from parallelism.context import ContextParallelEngine
+        from pslab.parallelism.context import ContextParallelEngine
         replica = ContextParallelEngine(loss_fn=lm_loss).build(CP_FACTORY, mesh)
         batches = _cp_batches()
     else:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-import ps
-from experiments.strategies.ps import PSStrategyError, PSSyncStrategy, slot_group
-from parallelism.data import DataParallelEngine
-from parallelism.engine import train_step
-from parallelism.mesh import DeviceMesh
-from parallelism.pipeline import PipelineEngine
+from pslab import collectives
+from pslab import ps
+from pslab.experiments.strategies.ps import PSStrategyError, PSSyncStrategy, slot_group
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.engine import train_step
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.pipeline import PipelineEngine
 
 from tests.parallelism.par_helpers import MLP_FACTORY, STEPS, assert_close, dp_shard, mlp_batches, plain, reference
 
@@ -196,8 +196,8 @@ def test_attach_rejects_shards_sized_for_another_dp_group():
 
 
 def _tp_worker(group, addresses, steps):
-    from parallelism.models import lm_loss
-    from parallelism.tensor import TensorParallelEngine
+    from pslab.parallelism.models import lm_loss
+    from pslab.parallelism.tensor import TensorParallelEngine
     from tests.parallelism.par_helpers import TF_FACTORY, tf_batches
     torch.set_num_threads(1)
     mesh = DeviceMesh(group, dp=2, tp=2)

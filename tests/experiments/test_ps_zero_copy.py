@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import collectives
-import ps
-from collectives import shm
-from experiments.strategies.ps import PSSyncStrategy
-from parallelism.data import DataParallelEngine
-from parallelism.mesh import DeviceMesh
-from parallelism.models import mlp
+from pslab import collectives
+from pslab import ps
+from pslab.collectives import shm
+from pslab.experiments.strategies.ps import PSSyncStrategy
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import mlp
 
 FACTORY = functools.partial(mlp, [16, 32, 32, 4])
 STEPS = 4

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from experiments.errors import ConfigError
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
 from tests.experiments.conftest import small_config
 
 STRATEGIES = ["local", "allreduce", "allreduce[torch]", "allreduce[overlap]", "ps-bsp", "ps-bsp[2 shards]", "ps-ssp:1", "ps-asp"]

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectives.tensorfile import read_tensor_file
-from experiments.cli import main
-from experiments.config import load_config
-from experiments.errors import ConfigError
-from experiments.results.rundir import RunDir, read_jsonl
-from experiments.runner import execute
-from experiments.strategies.resume import resume_config
-from parallelism.state_io import committed_steps
+from pslab.collectives.tensorfile import read_tensor_file
+from pslab.experiments.cli import main
+from pslab.experiments.config import load_config
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.rundir import RunDir, read_jsonl
+from pslab.experiments.runner import execute
+from pslab.experiments.strategies.resume import resume_config
+from pslab.parallelism.state_io import committed_steps
 from tests.experiments.conftest import small_config
 
 DP = ["workload.name=digits-mlp", "train.strategy=allreduce", "train.workers=2", "train.optimizer=momentum",

@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from experiments.errors import ExperimentError
-from experiments.faults.spec import EVENT_FIELDS
-from experiments.results.faults import throughput_series
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
-from experiments.sim import faults as fm
+from pslab.experiments.errors import ExperimentError
+from pslab.experiments.faults.spec import EVENT_FIELDS
+from pslab.experiments.results.faults import throughput_series
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
+from pslab.experiments.sim import faults as fm
 from tests.experiments.conftest import small_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -89,8 +89,8 @@ def test_a_stop_shorter_than_detect_s_is_only_a_pause(tmp_path):
 
 def _ring_lrs(tmp_path, *overrides):
     """Run the all-reduce simulator, recording (world size, lr) at every optimizer step."""
-    from experiments.results.rundir import RunDir
-    from experiments.sim.allreduce import _Ring
+    from pslab.experiments.results.rundir import RunDir
+    from pslab.experiments.sim.allreduce import _Ring
     cfg = small_config("train.workers=4", "train.steps=12", "train.eval_every=1000", "train.strategy=allreduce",
                        *overrides)
     cfg.simulate.enabled = True

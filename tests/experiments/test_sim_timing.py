@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from experiments.cli import main
-from experiments.errors import ConfigError
-from experiments.results.records import UpdateRecord, steady_window_end
-from experiments.results.report import write_report
-from experiments.results.rundir import RunDir, read_jsonl
-from experiments.runner import execute
-from experiments.sim import laws
-from experiments.sim.timing import record_line
+from pslab.experiments.cli import main
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.records import UpdateRecord, steady_window_end
+from pslab.experiments.results.report import write_report
+from pslab.experiments.results.rundir import RunDir, read_jsonl
+from pslab.experiments.runner import execute
+from pslab.experiments.sim import laws
+from pslab.experiments.sim.timing import record_line
 from tests.experiments.conftest import small_config
 
 STRAGGLER = 'stragglers.factors={"2" = 3.0}'
@@ -188,7 +188,7 @@ def test_cli_timing_only_run_and_its_report(tmp_path, capsys):
 
 def test_bench_sim_smoke(capsys):
     """`pslab bench sim` runs, prints both rates and their ratio, and finds the records identical."""
-    from experiments.bench.sim import main as bench
+    from pslab.experiments.bench.sim import main as bench
     assert bench(["--workers", "8", "--steps", "20", "--peer-steps", "2", "--reps", "1",
                   "--workload", "digits-logreg"]) == 0
     out = capsys.readouterr().out

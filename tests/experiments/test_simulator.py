@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.results.rundir import read_jsonl
-from experiments.results.records import steady_throughput
-from experiments.runner import execute
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.results.records import steady_throughput
+from pslab.experiments.runner import execute
 from tests.experiments.conftest import small_config
 
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from experiments.cli import main
-from experiments.studies.ssp_straggler import SSPSpec, claim, lead_curve, run_ssp_study, summarise
+from pslab.experiments.cli import main
+from pslab.experiments.studies.ssp_straggler import SSPSpec, claim, lead_curve, run_ssp_study, summarise
 
 
 def test_the_fast_workers_lead_is_k_minus_1_times_s_gradients():

@@ -8,14 +8,14 @@ import math
 
 import pytest
 
-from experiments.cli import build_parser, main
-from experiments.config import TrainConfig
-from experiments.sim.dai import run_dai
-from experiments.studies import staleness_search as search
-from experiments.studies.staleness import REMEDIES, preset_spec, rows, run_row_cell, run_staleness_sweep
-from experiments.studies.staleness_report import claims, greater
-from experiments.studies.staleness_search import centre_out, lower_median, search_lr, steps_to_target
-from experiments.workloads import get_workload
+from pslab.experiments.cli import build_parser, main
+from pslab.experiments.config import TrainConfig
+from pslab.experiments.sim.dai import run_dai
+from pslab.experiments.studies import staleness_search as search
+from pslab.experiments.studies.staleness import REMEDIES, preset_spec, rows, run_row_cell, run_staleness_sweep
+from pslab.experiments.studies.staleness_report import claims, greater
+from pslab.experiments.studies.staleness_search import centre_out, lower_median, search_lr, steps_to_target
+from pslab.experiments.workloads import get_workload
 
 
 # --- exact steps to target -------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_remedies_preset_wires_each_variant_into_the_optimizer(monkeypatch):
     assert list(spec.variants) == ["plain", "staleness-lr", "dc-asgd", "dc-asgd-a"] and spec.variants == REMEDIES
     assert list(spec.models) == ["mlp3"] and {r.variant for r in rows(spec)} == set(REMEDIES)
     seen = {}
-    monkeypatch.setattr("experiments.studies.staleness.search_lr",
+    monkeypatch.setattr("pslab.experiments.studies.staleness.search_lr",
                         lambda mk, train, s, grid, seeds, **kw: seen.setdefault("train", train) and {})
     for variant, want in [("staleness-lr", (True, False, False)), ("dc-asgd-a", (False, True, True)),
                           ("plain", (False, False, False))]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.stragglers import StragglerConfig, StragglerModel
+from pslab.experiments.stragglers import StragglerConfig, StragglerModel
 
 
 def test_factor_and_determinism():

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from experiments.cli import build_parser, main
-from experiments.studies.staleness import SweepSpec, run_staleness_sweep
+from pslab.experiments.cli import build_parser, main
+from pslab.experiments.studies.staleness import SweepSpec, run_staleness_sweep
 
 
 def test_sweep_help_documents_every_preset_option(capsys):
@@ -88,8 +88,8 @@ def test_bad_preset_options_are_one_line(capsys, tmp_path, argv, fragment):
 
 
 def test_cli_delay_choices_are_the_emulators():
-    from experiments.commands.sweep import _DELAYS
-    from experiments.sim.delays import DELAYS
+    from pslab.experiments.commands.sweep import _DELAYS
+    from pslab.experiments.sim.delays import DELAYS
     assert _DELAYS == DELAYS
 
 

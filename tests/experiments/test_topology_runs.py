@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from collectives import hierarchical as hier
-from experiments.config import load_config
-from experiments.errors import ConfigError
-from experiments.results.records import step_time
-from experiments.results.rundir import read_jsonl
-from experiments.runner import execute
+from pslab.collectives import hierarchical as hier
+from pslab.experiments.config import load_config
+from pslab.experiments.errors import ConfigError
+from pslab.experiments.results.records import step_time
+from pslab.experiments.results.rundir import read_jsonl
+from pslab.experiments.runner import execute
 
 CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "topology_tp.toml"
 SHORT = ["train.steps=5", "train.timeout_s=60"]
@@ -117,7 +117,7 @@ def test_placement_decides_which_link_each_kind_crosses(runs):
 def test_data_parallel_over_two_hosts_is_hierarchical(runs):
     """dp = 4 on 2 x 2 packed: the gradient all-reduce (one flat buffer of the model's P parameters) crosses hosts
     with 2(H-1)/H · S/L per rank (exact_inter_bytes, written out in tests/collectives/test_topology.py)."""
-    from experiments.workloads import get_workload
+    from pslab.experiments.workloads import get_workload
     cfg = _cfg(*DP4)
     wl = get_workload(cfg.workload.name, 4, cfg.workload.batch_size, cfg.workload.seed)
     numel = sum(p.numel() for p in wl.make_model().parameters())
@@ -144,7 +144,7 @@ def test_topology_moves_time_only(runs):
 
 
 def test_pslab_run_prints_the_link_bytes(runs, capsys):
-    from experiments.commands.run import _report
+    from pslab.experiments.commands.run import _report
     _report(runs["spread"][0])
     line = next(s for s in capsys.readouterr().out.splitlines() if "links (" in s)
     assert "2x2 spread" in line and "intra" in line and "inter" in line and "step time" in line
@@ -152,7 +152,7 @@ def test_pslab_run_prints_the_link_bytes(runs, capsys):
 
 def test_resume_may_change_the_topology(runs):
     """The links are not part of a checkpoint's state (not in resume.FIXED): a run resumes at another placement."""
-    from experiments.strategies.resume import resume_config
+    from pslab.experiments.strategies.resume import resume_config
     cfg = resume_config(runs["packed"][0].path, ["topology.placement=spread", "train.steps=7"])
     assert cfg.topology.placement == "spread"
 

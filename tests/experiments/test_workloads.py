@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.errors import ConfigError, MissingDependencyError
-from experiments.workloads import WORKLOADS, BatchSchedule, get_params, get_workload
-from experiments.workloads import data as wdata
+from pslab.experiments.errors import ConfigError, MissingDependencyError
+from pslab.experiments.workloads import WORKLOADS, BatchSchedule, get_params, get_workload
+from pslab.experiments.workloads import data as wdata
 
 
 def test_batch_schedule_is_a_pure_function_and_partitions_the_data():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.cli import main
-from experiments.config import load_config
-from experiments.workloads import WORKLOADS, get_workload
-from experiments.workloads import data as wdata
+from pslab.experiments.cli import main
+from pslab.experiments.config import load_config
+from pslab.experiments.workloads import WORKLOADS, get_workload
+from pslab.experiments.workloads import data as wdata
 
 LITERATURE = {"digits-mlr": 0, "digits-mlp1": 1, "digits-mlp3": 3}
 

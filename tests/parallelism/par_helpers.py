@@ -10,10 +10,10 @@ from typing import Any, Callable
 
 import torch
 
-from parallelism.comm import KINDS
-from parallelism.engine import AllReduceStrategy
-from parallelism.mesh import DeviceMesh
-from parallelism.models import mlp, tiny_transformer
+from pslab.parallelism.comm import KINDS
+from pslab.parallelism.engine import AllReduceStrategy
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import mlp, tiny_transformer
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 5

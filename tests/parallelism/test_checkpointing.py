@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-from parallelism.checkpointing import ActivationMeter, measure, wrap_children
-from parallelism.data import DataParallelEngine
-from parallelism.models import lm_loss
-from parallelism.pipeline import PipelineEngine
+from pslab import collectives
+from pslab.parallelism.checkpointing import ActivationMeter, measure, wrap_children
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.pipeline import PipelineEngine
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, TF_FACTORY, assert_close, mlp_batches, reference,
                                           tf_batches, train_engine)

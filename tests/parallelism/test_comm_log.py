@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-from parallelism.comm import Comm
+from pslab import collectives
+from pslab.parallelism.comm import Comm
 from tests.parallelism.par_helpers import gloo_all_reduce_framing
 
 SMALL, LARGE = 1_000, 100_003          # float32 elements: 4 kB (<= 32 KiB) and 400 kB

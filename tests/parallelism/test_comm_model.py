@@ -13,13 +13,13 @@ import math
 import pytest
 import torch
 
-import collectives
-from collectives.topology import Topology, link_bytes, reset_link_bytes
-from parallelism.cluster import Cluster, preset
-from parallelism.comm_model import CommModelError, Placement, bytes_by_kind, bytes_by_link, ring, step_comm
-from parallelism.memory_model import Layout, Shape
-from parallelism.models import tiny_transformer
-from parallelism.step_model import StepModelError, model_flops, predict
+from pslab import collectives
+from pslab.collectives.topology import Topology, link_bytes, reset_link_bytes
+from pslab.parallelism.cluster import Cluster, preset
+from pslab.parallelism.comm_model import CommModelError, Placement, bytes_by_kind, bytes_by_link, ring, step_comm
+from pslab.parallelism.memory_model import Layout, Shape
+from pslab.parallelism.models import tiny_transformer
+from pslab.parallelism.step_model import StepModelError, model_flops, predict
 
 GPT = Shape(layers=4, hidden=256, heads=8, seq=128, vocab=1000, micro_batch=2)
 
@@ -45,7 +45,7 @@ def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients():
     c = ring(pl, [0, 1, 2], 1001, 4, "ar")
     assert c.bytes == {"intra": 2 * 2 * 1001 * 4, "inter": 0}
     # a flat ring over 2 nodes x 2 crosses twice; what the crossing ranks send is collectives' own exact count
-    from collectives.hierarchical import exact_inter_bytes
+    from pslab.collectives.hierarchical import exact_inter_bytes
     pl = Placement(Layout(dp=4), _cluster(2, 2), "packed")
     for numel in (7, 1001, 30011):
         c = ring(pl, [0, 1, 2, 3], numel, 4, "ar")
@@ -60,7 +60,7 @@ def test_pslab_ring_passes_pay_their_latency_hop_by_hop_and_the_closing_acknowle
     charges 1); 2 nodes x 2 packed, a reduce-scatter (3 steps): 2 crossings and 1 intra hop of the data lie on the
     critical path (the other intra hop pipelines), and the members whose right neighbour sits across then wait one
     more: 3·α_inter + α_intra (the textbook rule says 3·α_inter)."""
-    from parallelism.comm_cost import pass_latency
+    from pslab.parallelism.comm_cost import pass_latency
     cl = Cluster("t", 2, 2, 80e9, 1e12, 1.0, intra_latency_s=1e-3, intra_bandwidth_Bps=math.inf,
                  inter_latency_s=10e-3, inter_bandwidth_Bps=math.inf)
     one = Cluster("t", 4, 1, 80e9, 1e12, 1.0, intra_latency_s=1e-3, intra_bandwidth_Bps=math.inf)
@@ -213,13 +213,13 @@ def _dp4_worker(group, tp: int = 1, pp: int = 1, zero: int = 0):
     """Two training steps of the tiny transformer on a dp x pp x tp mesh of 4 ranks (or ZeRO over dp = 4): the
     link bytes of each. Micro-batches of 2 sequences (pipelines: 2 of them)."""
     torch.set_num_threads(1)
-    from parallelism.data import DataParallelEngine
-    from parallelism.engine import AllReduceStrategy, train_step
-    from parallelism.mesh import DeviceMesh
-    from parallelism.models import lm_loss
-    from parallelism.pipeline import PipelineEngine
-    from parallelism.tensor import TensorParallelEngine
-    from parallelism.zero import ZeroEngine, ZeroStrategy
+    from pslab.parallelism.data import DataParallelEngine
+    from pslab.parallelism.engine import AllReduceStrategy, train_step
+    from pslab.parallelism.mesh import DeviceMesh
+    from pslab.parallelism.models import lm_loss
+    from pslab.parallelism.pipeline import PipelineEngine
+    from pslab.parallelism.tensor import TensorParallelEngine
+    from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
     mesh = DeviceMesh(group, dp=4 // (tp * pp), tp=tp, pp=pp)
     opt = lambda ps: torch.optim.SGD(ps, lr=0.1)        # noqa: E731
     if zero:
@@ -298,9 +298,9 @@ def test_placement_moves_tp_and_dp_between_the_links_as_measured(placement):
 def test_pslab_parameter_lists_and_buckets_are_the_engines_own():
     """The pslab rules' parameter lists equal the real model's (per pipeline stage as split_stages cuts it), and the
     DDP buckets equal GradReducer's (reverse order, closed before exceeding bucket_bytes)."""
-    from parallelism.comm_model import buckets, stage_tensors
-    from parallelism.data import GradReducer
-    from parallelism.pipeline import split_stages, stage_module
+    from pslab.parallelism.comm_model import buckets, stage_tensors
+    from pslab.parallelism.data import GradReducer
+    from pslab.parallelism.pipeline import split_stages, stage_module
     shape = Shape(layers=3, hidden=32, heads=4, seq=6, vocab=16)
     model = tiny_transformer(vocab=16, d=32, heads=4, layers=3, seq=6)
     assert stage_tensors(shape, Layout(), 0, "pslab") == [p.numel() for p in model.parameters()]

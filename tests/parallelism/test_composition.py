@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-import collectives
-from parallelism.export import gather_full_state
-from parallelism.models import lm_loss
-from parallelism.pipeline import PipelineEngine
+from pslab import collectives
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.pipeline import PipelineEngine
 
 from tests.parallelism.par_helpers import (STEPS, TF_FACTORY, adam_attention, assert_close, plain, reference, run_training,
                                           sgd, tf_batches)
@@ -49,7 +49,7 @@ def _case(case):
 
 
 def _worker(group, case):
-    from parallelism.engine import AllReduceStrategy
+    from pslab.parallelism.engine import AllReduceStrategy
     mesh_shape, schedule, m, sp, ac, opt, overlap, v = _case(case)
     engine = PipelineEngine(schedule, m, loss_fn=lm_loss, sequence_parallel=sp, checkpoint_activations=ac,
                             virtual_stages=v)
@@ -102,8 +102,8 @@ ZERO_CASES = {   # name: (mesh, sequence parallel, optimizer)
 
 
 def _zero_worker(group, case):
-    from parallelism.distributed_optimizer import DistributedOptimizerStrategy
-    from parallelism.tensor import TensorParallelEngine
+    from pslab.parallelism.distributed_optimizer import DistributedOptimizerStrategy
+    from pslab.parallelism.tensor import TensorParallelEngine
     mesh_shape, sp, opt = ZERO_CASES[case]
     engine = (PipelineEngine("1f1b", 2, loss_fn=lm_loss, sequence_parallel=sp) if mesh_shape.get("pp", 1) > 1
               else TensorParallelEngine(loss_fn=lm_loss, sequence_parallel=sp))
@@ -114,7 +114,7 @@ def _zero_worker(group, case):
     kept = sum(v.numel() for st in strategy.optimizer.state.values() for v in st.values() if v.dim() > 0)
     by_kind = replica.log.by_kind(wire=False)
     # snapshots hold the chunked state: capture, take a step, restore, take the same step -> bitwise the same
-    from parallelism.snapshot import capture, restore_into
+    from pslab.parallelism.snapshot import capture, restore_into
     import torch
     dp_rank, dp = mesh.coord("dp"), mesh.size("dp")
     x, y = (torch.tensor_split(t, dp)[dp_rank] for t in tf_batches()[0])
@@ -157,8 +157,8 @@ def test_zero1_on_a_composed_replica_matches_single_process(backend, case):
 # ---- ZeRO 2-3 over dp x tp (2D: FSDP + TP): ZeroEngine on each tp rank's shards ------------------------------------
 def _zero_tp_worker(group, case):
     import torch
-    from parallelism.snapshot import capture, restore_into
-    from parallelism.zero import ZeroEngine, ZeroStrategy
+    from pslab.parallelism.snapshot import capture, restore_into
+    from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
     stage, opt = case
     mesh_shape = {"dp": 2, "tp": 2}
     engine = ZeroEngine(stage, OPTS[opt], loss_fn=lm_loss)

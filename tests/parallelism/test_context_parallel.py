@@ -8,16 +8,16 @@ import functools
 import pytest
 import torch
 
-import collectives
-from parallelism.checkpointing import ActivationMeter
-from parallelism.comm import Comm
-from parallelism.context import ContextParallelEngine, ContextParallelReplica, context_parallelize
-from parallelism.engine import AllReduceStrategy, EngineError
-from parallelism.export import gather_full_state
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss, tiny_transformer
-from parallelism.ring_attention import ring_bytes
-from parallelism.snapshot import capture, restore_into
+from pslab import collectives
+from pslab.parallelism.checkpointing import ActivationMeter
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.context import ContextParallelEngine, ContextParallelReplica, context_parallelize
+from pslab.parallelism.engine import AllReduceStrategy, EngineError
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss, tiny_transformer
+from pslab.parallelism.ring_attention import ring_bytes
+from pslab.parallelism.snapshot import capture, restore_into
 
 from tests.parallelism.par_helpers import adam_attention, assert_close, plain, reference, run_training, sgd
 
@@ -112,7 +112,7 @@ def test_cp_matches_single_process(backend, mesh_shape, opt, seq, ac):
 
 
 def _cp_pp_worker(group, mesh_shape, opt, seq, v):
-    from parallelism.pipeline import PipelineEngine
+    from pslab.parallelism.pipeline import PipelineEngine
     torch.set_num_threads(1)
     data = batches(seq, BATCH * mesh_shape.get("dp", 1))
     engine = PipelineEngine("1f1b", 2, loss_fn=lm_loss, virtual_stages=v)
@@ -238,9 +238,9 @@ model's and are written into the gradient tensors a strategy put there (a parame
 
 def test_moe_models_are_refused():
     """The context-parallel engine does not add an MoE model's load-balancing loss: such a model is refused."""
-    from parallelism.context import ContextParallelEngine
-    from parallelism.engine import EngineError
-    from parallelism.models import tiny_moe_transformer
+    from pslab.parallelism.context import ContextParallelEngine
+    from pslab.parallelism.engine import EngineError
+    from pslab.parallelism.models import tiny_moe_transformer
 
     class _Mesh:
         def size(self, axis):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-from parallelism.comm import Comm
-from parallelism.data import DataParallel, DataParallelEngine, GradReducer
+from pslab import collectives
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.data import DataParallel, DataParallelEngine, GradReducer
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, assert_close, dp_shard, gloo_all_reduce_framing,
                                           mlp_batches, plain, reference, sgd, train_engine)

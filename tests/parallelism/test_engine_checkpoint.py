@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import collectives
-from collectives.tensorfile import read_tensor_file, write_tensor_file
-from parallelism.data import DataParallelEngine
-from parallelism.engine import AllReduceStrategy
-from parallelism.export import gather_full_state
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss
-from parallelism.pipeline import PipelineEngine
-from parallelism.snapshot import SnapshotError, capture, restore_into
-from parallelism.state_io import CheckpointMismatchError, committed_steps, load, save
-from parallelism.tensor import TensorParallelEngine
-from parallelism.zero import ZeroEngine, ZeroStrategy
+from pslab import collectives
+from pslab.collectives.tensorfile import read_tensor_file, write_tensor_file
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.engine import AllReduceStrategy
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.pipeline import PipelineEngine
+from pslab.parallelism.snapshot import SnapshotError, capture, restore_into
+from pslab.parallelism.state_io import CheckpointMismatchError, committed_steps, load, save
+from pslab.parallelism.tensor import TensorParallelEngine
+from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
 from tests.parallelism.par_helpers import MLP_FACTORY, TF_FACTORY, assert_close, plain
 
 DIGEST = "d" * 64
@@ -135,7 +135,7 @@ def _load_worker(group, root: str, digest: str):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger("parallelism.state_io").addHandler(handler)
+    logging.getLogger("pslab.parallelism.state_io").addHandler(handler)
     mesh = DeviceMesh(group)
     replica = DataParallelEngine().build(MLP_FACTORY, mesh)
     strategy = AllReduceStrategy(_momentum)

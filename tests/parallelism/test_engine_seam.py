@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-import collectives
-from parallelism.data import DataParallelEngine
-from parallelism.engine import Replica, SyncStrategy, zero_grads
-from parallelism.mesh import DeviceMesh
-from parallelism.pipeline import PipelineEngine
+from pslab import collectives
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.engine import Replica, SyncStrategy, zero_grads
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.pipeline import PipelineEngine
 
 from tests.parallelism.par_helpers import MLP_FACTORY, dp_shard, mlp_batches, plain
 

@@ -8,16 +8,16 @@ import functools
 import pytest
 import torch
 
-import collectives
-from parallelism.comm import Comm
-from parallelism.engine import AllReduceStrategy, EngineError
-from parallelism.expert import ExpertParallelEngine, ExpertParallelMoE, all_to_all_bytes_per_step
-from parallelism.export import gather_full_state
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss, tiny_moe_transformer
-from parallelism.moe import MoE, capacity, moe_aux_loss, moe_layers
-from parallelism import state_io
-from parallelism.snapshot import capture, restore_into
+from pslab import collectives
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.engine import AllReduceStrategy, EngineError
+from pslab.parallelism.expert import ExpertParallelEngine, ExpertParallelMoE, all_to_all_bytes_per_step
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss, tiny_moe_transformer
+from pslab.parallelism.moe import MoE, capacity, moe_aux_loss, moe_layers
+from pslab.parallelism import state_io
+from pslab.parallelism.snapshot import capture, restore_into
 
 from tests.parallelism.par_helpers import (GLOO_HEADER, adam_attention, assert_close, plain, run_training, sgd,
                                           tf_batches)
@@ -242,7 +242,7 @@ def _pp_factory():
 
 
 def _pp_worker(group, mesh_shape, v, opt):
-    from parallelism.pipeline import PipelineEngine
+    from pslab.parallelism.pipeline import PipelineEngine
     torch.set_num_threads(1)
     engine = PipelineEngine("1f1b", 2, loss_fn=lm_loss, virtual_stages=v)
     mesh, replica, losses = run_training(group, engine, _pp_factory(), tf_batches(STEPS), mesh_shape,

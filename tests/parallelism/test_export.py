@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-from parallelism.comm import Comm
-from parallelism.data import DataParallelEngine
-from parallelism.engine import EngineError, LocalReplica, ParamSlot
-from parallelism.export import assemble, gather_full_state, local_pieces
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss
-from parallelism.pipeline import PipelineEngine
-from parallelism.tensor import SHARD_ATTR, TP_INDEX_ATTR, TensorParallelEngine, tensor_parallelize
-from parallelism.zero import ZeroEngine, ZeroStrategy
+from pslab import collectives
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.data import DataParallelEngine
+from pslab.parallelism.engine import EngineError, LocalReplica, ParamSlot
+from pslab.parallelism.export import assemble, gather_full_state, local_pieces
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.pipeline import PipelineEngine
+from pslab.parallelism.tensor import SHARD_ATTR, TP_INDEX_ATTR, TensorParallelEngine, tensor_parallelize
+from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, TF_FACTORY, adam, assert_close, mlp_batches, plain,
                                           reference, run_training, sgd, tf_batches)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallelism.checkpointing import measure
-from parallelism.memory_model import (Layout, MemoryModelError, Shape, estimate, layer_activation_bytes_16,
+from pslab.parallelism.checkpointing import measure
+from pslab.parallelism.memory_model import (Layout, MemoryModelError, Shape, estimate, layer_activation_bytes_16,
                                       rank_params, tiny_checkpointed_activation_bytes)
-from parallelism.models import lm_loss, tiny_transformer
-from parallelism.sequence import model_activation_bytes, paper_layer_bytes
+from pslab.parallelism.models import lm_loss, tiny_transformer
+from pslab.parallelism.sequence import model_activation_bytes, paper_layer_bytes
 
 torch.set_num_threads(1)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import collectives
-from parallelism.mesh import DeviceMesh, MeshError, MeshLayout
-from parallelism.zero_memory import FP32_ADAM, MIXED_PRECISION_ADAM, zero_bytes_per_rank
+from pslab import collectives
+from pslab.parallelism.mesh import DeviceMesh, MeshError, MeshLayout
+from pslab.parallelism.zero_memory import FP32_ADAM, MIXED_PRECISION_ADAM, zero_bytes_per_rank
 
 
 def test_layout_tp_adjacent_and_groups_partition():
@@ -105,7 +105,7 @@ def test_hosts_by_axis_order():
     (r // per_host); "tp,dp,pp" on dp 2 x pp 2 x tp 2 puts each pp stage on its own host (rank = (dp·2 + pp)·2 +
     tp, so ranks 2, 3, 6, 7 are stage 1); "dp,pp,tp" puts each tp rank on its own host. Orders that skip a split
     axis or repeat one are refused."""
-    from parallelism.mesh import MeshError, MeshLayout
+    from pslab.parallelism.mesh import MeshError, MeshLayout
     m = MeshLayout(dp=2, pp=2, tp=2)
     assert m.hosts_by_order(("tp", "ep", "cp", "pp", "dp"), 4) == [r // 4 for r in range(8)]
     assert m.hosts_by_order(("tp", "dp", "pp"), 4) == [0, 0, 1, 1, 0, 0, 1, 1]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from parallelism.models import lm_loss, tiny_moe_transformer
-from parallelism.moe import MoE, MoEConfigError, capacity, moe_aux_loss, moe_layers
+from pslab.parallelism.models import lm_loss, tiny_moe_transformer
+from pslab.parallelism.moe import MoE, MoEConfigError, capacity, moe_aux_loss, moe_layers
 
 D, E = 8, 4
 

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-import collectives
-from parallelism.engine import AllReduceStrategy, EngineError
-from parallelism.export import gather_full_state
-from parallelism.models import lm_loss
-from parallelism.moe import moe_layers
+from pslab import collectives
+from pslab.parallelism.engine import AllReduceStrategy, EngineError
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.moe import moe_layers
 
 from tests.parallelism import test_expert_parallel as TEP
 from tests.parallelism.par_helpers import adam_attention, assert_close, plain, run_training, sgd, tf_batches
@@ -34,15 +34,15 @@ def _reference(opt: str):
 
 def _engine(mesh_shape: dict[str, int], ckpt: bool):
     if mesh_shape.get("pp", 1) > 1:
-        from parallelism.pipeline import PipelineEngine
+        from pslab.parallelism.pipeline import PipelineEngine
         return PipelineEngine("1f1b", 2, loss_fn=lm_loss, checkpoint_activations=ckpt)
     if mesh_shape.get("ep", 1) > 1:
-        from parallelism.expert import ExpertParallelEngine
+        from pslab.parallelism.expert import ExpertParallelEngine
         return ExpertParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
     if mesh_shape.get("tp", 1) > 1:
-        from parallelism.tensor import TensorParallelEngine
+        from pslab.parallelism.tensor import TensorParallelEngine
         return TensorParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
-    from parallelism.data import DataParallelEngine
+    from pslab.parallelism.data import DataParallelEngine
     return DataParallelEngine(loss_fn=lm_loss, checkpoint_activations=ckpt)
 
 
@@ -109,8 +109,8 @@ def test_moe_with_sequence_parallelism_is_refused():
     """sp would route each tp rank's sequence shard alone, while capacity and the aux loss are per whole sequence:
     compose refuses it in one line."""
     from types import SimpleNamespace
-    from parallelism.comm import CommLog
-    from parallelism.compose import compose
+    from pslab.parallelism.comm import CommLog
+    from pslab.parallelism.compose import compose
 
     class _G:
         def __init__(self, size: int) -> None:
@@ -125,8 +125,8 @@ def test_engines_refuse_meshes_and_models_they_would_train_wrongly():
     """TensorParallelEngine on a mesh with ep (every ep rank would run the whole batch: experts' gradients ep times
     too large) and ZeroEngine on an MoE model (its replica drops the load-balancing loss) are one-line errors."""
     from types import SimpleNamespace
-    from parallelism.tensor import TensorParallelEngine
-    from parallelism.zero import ZeroEngine
+    from pslab.parallelism.tensor import TensorParallelEngine
+    from pslab.parallelism.zero import ZeroEngine
 
     class _G:
         def __init__(self, size: int) -> None:

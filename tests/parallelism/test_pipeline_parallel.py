@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-import collectives
-from parallelism.models import lm_loss, mlp
-from parallelism.pipeline import PipelineEngine, bubble_fraction, gather_spans, measure_step
+from pslab import collectives
+from pslab.parallelism.models import lm_loss, mlp
+from pslab.parallelism.pipeline import PipelineEngine, bubble_fraction, gather_spans, measure_step
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, TF_FACTORY, assert_close, mlp_batches, plain,
                                           reference, tf_batches, train_engine)
@@ -70,7 +70,7 @@ def check_boundary_traffic(out, mesh_shape, factory, batches, v: int = 1) -> Non
     4-byte loss report; plus one-off shape headers on the first step."""
     p = mesh_shape["pp"]
     model = factory()
-    from parallelism.pipeline import split_stages
+    from pslab.parallelism.pipeline import split_stages
     bounds = split_stages(model, p * v)
     x, _ = batches()[0]
     x = torch.tensor_split(x, mesh_shape.get("dp", 1))[0]
@@ -152,7 +152,7 @@ def test_interleaved_bubble_and_in_flight(p):
 def _torch_pipelining_worker(group, schedule):
     """Our pipeline engine and torch.distributed.pipelining, same stages, batches and SGD, in the same processes."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    from parallelism.pipeline import split_stages, stage_module
+    from pslab.parallelism.pipeline import split_stages, stage_module
     from tests.parallelism.par_helpers import sgd
     ours = train_engine(group, PipelineEngine(schedule, 4), MLP_FACTORY, mlp_batches(), {"pp": 2})
     model = MLP_FACTORY()

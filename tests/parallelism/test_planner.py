@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from parallelism.cluster import Cluster, preset
-from parallelism.memory_model import Layout, Shape, estimate
-from parallelism.planner import (PlanError, breakdown, candidates, describe, explain, link_seconds, micro_batch, plan,
+from pslab.parallelism.cluster import Cluster, preset
+from pslab.parallelism.memory_model import Layout, Shape, estimate
+from pslab.parallelism.planner import (PlanError, breakdown, candidates, describe, explain, link_seconds, micro_batch, plan,
                                  tp_on_intra)
-from parallelism.published import PUBLISHED, compare_published
+from pslab.parallelism.published import PUBLISHED, compare_published
 
 SMALL = Shape(layers=6, hidden=384, heads=12, seq=256, vocab=1000)
 GB = 1e9
@@ -338,7 +338,7 @@ def test_uneven_stages_are_planned():
     """pp need not divide the layers (published runs put 70 layers on 12 stages): the first 10 stages hold 6 layers,
     the last 2 hold 5 (as pipeline.split_stages cuts); a stage's memory is that of a stage with as many layers in
     an evenly cut model (stage 0 of 72 layers on 12, the last of 60 on 12), and the planner ranks such layouts."""
-    from parallelism.memory_model import stage_layers
+    from pslab.parallelism.memory_model import stage_layers
     big = replace(SMALL, layers=70, micro_batch=1)
     assert [stage_layers(70, 12, k) for k in range(12)] == [6] * 10 + [5] * 2
     lay = Layout(dp=2, tp=1, pp=12, micro_batches=24)

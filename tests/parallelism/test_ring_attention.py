@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import collectives
-from parallelism.comm import Comm
-from parallelism.ring_attention import (LayoutError, attention_memory, block_counts, local_positions,
+from pslab import collectives
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.ring_attention import (LayoutError, attention_memory, block_counts, local_positions,
                                         ring_attention, ring_bytes)
 
 from tests.parallelism.par_helpers import plain
@@ -101,7 +101,7 @@ def test_layout_checks():
 
 def _memory_worker(group, seq):
     torch.set_num_threads(1)
-    from parallelism.checkpointing import ActivationMeter
+    from pslab.parallelism.checkpointing import ActivationMeter
     comm = Comm(group)
     pos = local_positions(comm.rank, comm.size, seq)
     g = torch.Generator().manual_seed(0)

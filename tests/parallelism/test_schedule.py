@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallelism.schedule import (Action, PipelineSchedule, ScheduleError, gpipe, interleaved_1f1b, make_schedule,
+from pslab.parallelism.schedule import (Action, PipelineSchedule, ScheduleError, gpipe, interleaved_1f1b, make_schedule,
                                   one_f_one_b, simulate)
 
 
@@ -45,7 +45,7 @@ def test_interleaved_replay_bubble_equals_formula(p, v, k):
     deadlocks, its makespan is (m + (p−1)/v)(t_f + t_b) and its bubble exactly (p−1)/(v·m+p−1) — v times smaller
     a fill and drain than 1F1B's; stage s holds min(2(p−s−1) + (v−1)p + 1, v·m) chunk-micro-batches at its peak
     (Megatron-LM's warm-up + 1), the figure memory_model.Layout.in_flight divides by v."""
-    from parallelism.memory_model import Layout
+    from pslab.parallelism.memory_model import Layout
     m = k * p
     sched = make_schedule("1f1b", p, m, v)
     assert sched.name == "interleaved-1f1b" and sched.virtual_stages == v
@@ -101,7 +101,7 @@ def test_invalid_schedules_are_rejected():
 
 def test_schedule_command_draws_picture(tmp_path, capsys):
     """`pslab schedule` writes a PNG and prints the bubble next to (p−1)/(m+p−1); bad sizes give exit code 1."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     out = tmp_path / "pipe.png"
     assert main(["schedule", "--stages", "4", "--micro-batches", "8", "--schedule", "1f1b", "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -112,7 +112,7 @@ def test_schedule_command_draws_picture(tmp_path, capsys):
 
 def test_schedule_command_draws_interleaved(tmp_path, capsys):
     """`pslab schedule -v 2` replays interleaved 1F1B next to (p−1)/(v·m+p−1); m not a multiple of p: exit 1."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     out = tmp_path / "inter.png"
     assert main(["schedule", "-p", "4", "-m", "8", "-v", "2", "-o", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
@@ -126,7 +126,7 @@ def test_schedule_command_draws_interleaved(tmp_path, capsys):
 def test_schedule_command_run_measures(tmp_path, capsys):
     """`pslab schedule --run` executes the schedule on p processes and draws the measured timeline; it reports the
     measured peak in-flight activations of 1F1B (min(p−s, m) per stage)."""
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     out = tmp_path / "run.png"
     assert main(["schedule", "--stages", "2", "--micro-batches", "3", "--schedule", "1f1b", "--run",
                  "--forward-ms", "5", "-o", str(out)]) == 0

@@ -9,17 +9,17 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import collectives
-from parallelism.checkpointing import ActivationMeter
-from parallelism.comm import CommLog
-from parallelism.engine import AllReduceStrategy, EngineError
-from parallelism.export import gather_full_state
-from parallelism.mesh import DeviceMesh
-from parallelism.models import lm_loss, tiny_transformer
-from parallelism.sequence import (GRAD_SITE, LOSS_SITE, meter_modules, paper_layer_bytes, sp_activation_bytes,
+from pslab import collectives
+from pslab.parallelism.checkpointing import ActivationMeter
+from pslab.parallelism.comm import CommLog
+from pslab.parallelism.engine import AllReduceStrategy, EngineError
+from pslab.parallelism.export import gather_full_state
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import lm_loss, tiny_transformer
+from pslab.parallelism.sequence import (GRAD_SITE, LOSS_SITE, meter_modules, paper_layer_bytes, sp_activation_bytes,
                                   sp_comm_bytes, tp_activation_bytes)
-from parallelism.snapshot import capture, restore_into
-from parallelism.tensor import TensorParallelEngine
+from pslab.parallelism.snapshot import capture, restore_into
+from pslab.parallelism.tensor import TensorParallelEngine
 
 from tests.parallelism.par_helpers import (TF_FACTORY, adam_attention, assert_close, plain, reference, run_training,
                                           sgd, tf_batches)
@@ -285,10 +285,10 @@ def test_sp_accumulates_gradients_like_tp():
         for name in want:
             assert_close(got[name], want[name], name)
     with pytest.raises(EngineError, match="mixture-of-experts"):
-        from parallelism.models import tiny_moe_transformer
+        from pslab.parallelism.models import tiny_moe_transformer
         TensorParallelEngine(sequence_parallel=True).build(tiny_moe_transformer, _OneRankMesh())
     with pytest.raises(EngineError, match="splits the sequence at the embedding"):
-        from parallelism.models import Block
+        from pslab.parallelism.models import Block
         TensorParallelEngine(sequence_parallel=True).build(lambda: torch.nn.Sequential(Block(16, 4)),
                                                            _OneRankMesh())
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import collectives
-from parallelism.comm import Comm
-from parallelism.models import lm_loss
-from parallelism.tensor import SHARD_ATTR, TensorParallelEngine, f, g, tensor_parallelize
+from pslab import collectives
+from pslab.parallelism.comm import Comm
+from pslab.parallelism.models import lm_loss
+from pslab.parallelism.tensor import SHARD_ATTR, TensorParallelEngine, f, g, tensor_parallelize
 
 from tests.parallelism.par_helpers import (STEPS, TF_FACTORY, assert_close, plain, reference, tf_batches,
                                           train_engine)

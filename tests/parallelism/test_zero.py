@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 
-import collectives
-from parallelism.mesh import DeviceMesh
-from parallelism.models import mlp
-from parallelism.zero import ZeroEngine, ZeroStrategy
-from parallelism.zero_memory import FP32_ADAM, zero_bytes_per_rank
+from pslab import collectives
+from pslab.parallelism.mesh import DeviceMesh
+from pslab.parallelism.models import mlp
+from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
+from pslab.parallelism.zero_memory import FP32_ADAM, zero_bytes_per_rank
 
 from tests.parallelism.par_helpers import adam, assert_close, dp_shard, plain, reference
 

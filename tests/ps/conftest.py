@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from ps.server import ServerConfig, ShardServer
+from pslab.ps.server import ServerConfig, ShardServer
 
 torch.set_num_threads(1)
 

@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from collectives.wire import decode, encode
-from ps.admission import job_secret, plain_client
+from pslab.collectives.wire import decode, encode
+from pslab.ps.admission import job_secret, plain_client
 
 
 class Raw:

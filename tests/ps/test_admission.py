@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ps import shm_path
-from ps.admin import connect_admin
-from ps.client import connect
-from ps.errors import AlreadyInitializedError, AuthenticationError, DuplicateWorkerError, ShmLimitError
+from pslab.ps import shm_path
+from pslab.ps.admin import connect_admin
+from pslab.ps.client import connect
+from pslab.ps.errors import AlreadyInitializedError, AuthenticationError, DuplicateWorkerError, ShmLimitError
 
 from .rawsock import Raw
 from ..timebox import within

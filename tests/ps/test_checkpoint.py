@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from ps.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from ps.admin import connect_admin
-from ps.client import connect
-from ps.errors import AlreadyInitializedError, CheckpointError
-from ps.restore import load_state
-from ps.server import ServerConfig, ShardServer, start_servers
-from ps.shard import ShardState
+from pslab.ps.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from pslab.ps.admin import connect_admin
+from pslab.ps.client import connect
+from pslab.ps.errors import AlreadyInitializedError, CheckpointError
+from pslab.ps.restore import load_state
+from pslab.ps.server import ServerConfig, ShardServer, start_servers
+from pslab.ps.shard import ShardState
 
 RNG = np.random.default_rng(3)
 INIT = {"w": RNG.standard_normal((6, 4)).astype(np.float32), "b": RNG.standard_normal(4).astype(np.float32)}

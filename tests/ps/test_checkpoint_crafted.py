@@ -11,11 +11,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from ps.checkpoint import MAGIC, load_checkpoint, save_checkpoint
-from ps.errors import CheckpointError
-from ps.restore import load_state
-from ps.server import ServerConfig, ShardServer
-from ps.shard import ShardState
+from pslab.ps.checkpoint import MAGIC, load_checkpoint, save_checkpoint
+from pslab.ps.errors import CheckpointError
+from pslab.ps.restore import load_state
+from pslab.ps.server import ServerConfig, ShardServer
+from pslab.ps.shard import ShardState
 
 INIT = {"w": np.arange(24, dtype=np.float32).reshape(6, 4), "b": np.ones(4, np.float32)}
 CONFIG = dict(num_workers=2, policy="asp", optimizer="momentum:lr=0.1")
@@ -104,7 +104,7 @@ def two_checkpoints(tmp_path):
 
 
 def _falls_back(directory, old, new, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="ps.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="pslab.ps.checkpoint"):
         server = ShardServer(ServerConfig(checkpoint_dir=str(directory), **CONFIG))
     assert server.restored_from == str(old) and server.state.version == 3
     assert [p for p, _ in server.rejected_checkpoints] == [str(new)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments.cli import main as cli_main
+from pslab.experiments.cli import main as cli_main
 
 
 def test_server_bad_policy_is_one_line(capsys):
@@ -18,7 +18,7 @@ def test_server_bad_policy_is_one_line(capsys):
 
 
 def test_server_runs_and_exits_on_idle_timeout():
-    p = subprocess.run([sys.executable, "-m", "experiments.cli", "server", "--workers", "1", "--policy", "ssp:1",
+    p = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "server", "--workers", "1", "--policy", "ssp:1",
                         "--optimizer", "adam:lr=0.001", "--idle-timeout", "0.5"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -29,7 +29,7 @@ def test_server_runs_and_exits_on_idle_timeout():
 def test_bench_ps_smoke(capfd):
     """... and its processes (torch rpc's included) print no third-party warnings: capfd reads file descriptor 2,
     which the child processes share."""
-    from experiments.bench.ps import main
+    from pslab.experiments.bench.ps import main
     rc = main(["--params", "2000", "--workers", "1", "--shards", "1", "--updates", "3", "--reps", "1"])
     out, err = capfd.readouterr()
     assert rc == 0
@@ -69,9 +69,9 @@ def test_server_without_a_secret_makes_one_and_prints_where(tmp_path):
     import re
     import stat
 
-    from ps.admin import connect_admin
+    from pslab.ps.admin import connect_admin
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSLAB_JOB_SECRET")}
-    p = subprocess.Popen([sys.executable, "-m", "experiments.cli", "server", "--workers", "1", "--idle-timeout", "3"],
+    p = subprocess.Popen([sys.executable, "-m", "pslab.experiments.cli", "server", "--workers", "1", "--idle-timeout", "3"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
@@ -114,7 +114,7 @@ def test_server_secret_file_is_created_checked_and_bad_ones_are_one_line(tmp_pat
 
 
 def test_bench_ps_peers_are_validated(capsys):
-    from experiments.bench.ps import main
+    from pslab.experiments.bench.ps import main
     with pytest.raises(SystemExit, match="--peers takes a comma-separated list of rpc, ray or none"):
         main(["--peers", "rpc,mpi"])
 
@@ -124,7 +124,7 @@ def test_bench_ps_peers_are_validated(capsys):
                     reason="the Ray peer is an optional extra (pip install -e '.[bench]')")
 def test_bench_ps_ray_peer(capfd):
     """Ray's actor PS in the same run, its ratio printed, and no warnings from Ray on fd 2."""
-    from experiments.bench.ps import main
+    from pslab.experiments.bench.ps import main
     rc = main(["--params", "2000", "--workers", "1", "--shards", "1", "--updates", "3", "--reps", "1",
                "--peers", "ray"])
     out, err = capfd.readouterr()

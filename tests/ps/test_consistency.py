@@ -12,9 +12,9 @@ import heapq
 import numpy as np
 import pytest
 
-from ps.consistency import ASP, BSP, SSP, BackupBSP, policy_from_string
-from ps.errors import ClockError, ConfigError, ProtocolError
-from ps.shard import ShardState
+from pslab.ps.consistency import ASP, BSP, SSP, BackupBSP, policy_from_string
+from pslab.ps.errors import ClockError, ConfigError, ProtocolError
+from pslab.ps.shard import ShardState
 
 
 def grad_of(w: int, c: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps.client import connect
+from pslab.ps.client import connect
 
 STEPS = 50
 OPTS = {"sgd": ("sgd:lr=0.05", lambda p: torch.optim.SGD(p, lr=0.05)),

@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ps.admin import connect_admin
-from ps import shm_path
-from ps.checkpoint import list_checkpoints, load_checkpoint
-from ps.client import connect
-from ps.errors import (CheckpointWarning, ConfigError, MembershipError, NotAMemberError, NotRegisteredError,
+from pslab.ps.admin import connect_admin
+from pslab.ps import shm_path
+from pslab.ps.checkpoint import list_checkpoints, load_checkpoint
+from pslab.ps.client import connect
+from pslab.ps.errors import (CheckpointWarning, ConfigError, MembershipError, NotAMemberError, NotRegisteredError,
                        ShardLostError)
-from ps.processes import start_servers
-from ps.shard import ShardState
+from pslab.ps.processes import start_servers
+from pslab.ps.shard import ShardState
 from tests.detectlog import detected
 
 from .test_processes import shard_children
@@ -342,7 +342,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path, cap
     with pytest.raises(ConfigError, match="checkpoint_dir .* is not a writable directory"):
         start_servers(1, num_workers=1, start_method="fork", checkpoint_dir=bad)
     assert not shard_children()
-    from experiments.cli import main
+    from pslab.experiments.cli import main
     assert main(["server", "--workers", "1", "--checkpoint-dir", bad]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a writable directory" in err[0]
@@ -351,7 +351,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path, cap
 @contextlib.contextmanager
 def _pslab_server(*args: str):
     """`pslab server ARGS` in a subprocess (stdout, stderr piped), always reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from experiments.cli import main; "
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from pslab.experiments.cli import main; "
                              "sys.exit(main(sys.argv[1:]))", "server", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[2])
@@ -502,8 +502,8 @@ def test_membership_in_the_sans_io_shard_for_ssp_and_backup():
 def test_a_handshake_refused_before_the_first_request_is_still_reported(thread_servers, monkeypatch):
     """The monitor that now watches a socket for its whole life may report a refused handshake before register
     is even sent: that refusal is kept, so connect raises AuthenticationError instead of timing out."""
-    from ps.client import PSClient
-    from ps.errors import AuthenticationError
+    from pslab.ps.client import PSClient
+    from pslab.ps.errors import AuthenticationError
     servers = thread_servers(1, num_workers=1)
     real = PSClient._register
 

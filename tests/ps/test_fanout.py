@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps.futures import Fanout
+from pslab.ps.futures import Fanout
 
 
 def _never(fut, timeout):          # a driver with nothing to receive

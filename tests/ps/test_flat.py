@@ -1,4 +1,4 @@
-"""ps.flat: a shard's parameters in one buffer per dtype, and runs of adjacent (dst, src) tensors merged into one flat
+"""pslab.ps.flat: a shard's parameters in one buffer per dtype, and runs of adjacent (dst, src) tensors merged into one flat
 pair. Checked against per-tensor references: values bitwise, bytes outside the tensors untouched, no merge across
 dtypes, storages or gaps, the cached grouping never reused for tensors that moved; and, end to end, that a client's
 push arena puts a shard's whole tensors back to back so the shard checks and steps them with ONE run."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ps import flat, shm_path
-from ps.client import connect
-from ps.shard import ShardState
+from pslab.ps import flat, shm_path
+from pslab.ps.client import connect
+from pslab.ps.shard import ShardState
 
 PARAMS = {"w[0:700]": torch.randn(700), "b": torch.randn(30), "a": torch.randn(10, 3), "h": torch.randn(5).half(),
           "w[700:1000]": torch.randn(300)}

@@ -13,9 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from collectives.wire import encode
-from ps.client import connect
-from ps.processes import start_servers
+from pslab.collectives.wire import encode
+from pslab.ps.client import connect
+from pslab.ps.processes import start_servers
 
 from .rawsock import Raw
 

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from collectives import shm
-from collectives.errors import WireError
-from ps import lane as lanes, shm_path
-from ps.client import connect
+from pslab.collectives import shm
+from pslab.collectives.errors import WireError
+from pslab.ps import lane as lanes, shm_path
+from pslab.ps.client import connect
 from tests.ps.rawsock import Raw
 
 pytestmark = pytest.mark.skipif(not lanes.enabled(), reason="the lane needs x86-64 and a writable /dev/shm")

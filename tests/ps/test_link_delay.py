@@ -1,4 +1,4 @@
-"""ps.link_delay: the emulated link between a PS client and its shards (the model collectives/topology.py uses)."""
+"""pslab.ps.link_delay: the emulated link between a PS client and its shards (the model collectives/topology.py uses)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ps.link_delay import EmulatedLink
+from pslab.ps.link_delay import EmulatedLink
 
 
 def test_a_message_is_delivered_after_its_bytes_and_the_latency_and_messages_queue():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ps import ShardState, connect
-from ps.errors import NonFiniteGradientError
+from pslab.ps import ShardState, connect
+from pslab.ps.errors import NonFiniteGradientError
 
 SHAPES = {"w": (64, 8), "b": (8,)}
 

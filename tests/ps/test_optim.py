@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ps.errors import ConfigError
-from ps.optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
-from ps.shard import ShardState
+from pslab.ps.errors import ConfigError
+from pslab.ps.optim import Contribution, OptimizerSpec, ServerOptimizer, optimizer_from_string
+from pslab.ps.shard import ShardState
 
 RNG = np.random.default_rng(0)
 GRADS = [RNG.standard_normal(16).astype(np.float32) for _ in range(40)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.optim import Contribution, ServerOptimizer, optimizer_from_string
+from pslab.ps.optim import Contribution, ServerOptimizer, optimizer_from_string
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps.errors import ConfigError
-from ps.partition import make_partition
+from pslab.ps.errors import ConfigError
+from pslab.ps.partition import make_partition
 
 SHAPES = {"fc1.weight": (512, 256), "fc1.bias": (512,), "fc2.weight": (10, 512), "fc2.bias": (10,),
           "emb": (1000, 64)}

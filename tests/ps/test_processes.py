@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ps.checkpoint import save_checkpoint
-from ps.client import connect
-from ps.errors import ConfigError, PSError
-from ps.optim import OptimizerSpec
-from ps.processes import start_servers
-from ps.server import ServerConfig
-from ps.shard import ShardState
+from pslab.ps.checkpoint import save_checkpoint
+from pslab.ps.client import connect
+from pslab.ps.errors import ConfigError, PSError
+from pslab.ps.optim import OptimizerSpec
+from pslab.ps.processes import start_servers
+from pslab.ps.server import ServerConfig
+from pslab.ps.shard import ShardState
 
 PARAMS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, dtype=np.float32)}
 GRADS = {"w": np.full((2, 3), 0.5, np.float32), "b": np.full(4, -1.0, np.float32)}

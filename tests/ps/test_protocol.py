@@ -104,7 +104,7 @@ def test_gate_timeout_replies_with_a_clear_error(thread_servers):
 def test_pipelined_pulls_see_consistent_snapshots(thread_servers):
     """Pulls and pushes in flight together (no waiting in between): each pull's weights are exactly those of the
     version it reports, although the server replies zero-copy and updates in place (copy-on-write)."""
-    from ps.client import connect
+    from pslab.ps.client import connect
     servers = thread_servers(2, num_workers=1, policy="asp", optimizer="sgd:lr=1")
     init = {"w": np.zeros(300_000, np.float32), "b": np.zeros(7, np.float32)}
     ones = {"w": np.ones(300_000, np.float32), "b": np.ones(7, np.float32)}
@@ -126,8 +126,8 @@ def test_pipelined_pulls_see_consistent_snapshots(thread_servers):
 
 def test_client_refuses_a_shard_holding_another_model(thread_servers):
     """Connecting with a model whose partition does not match what an initialised shard holds is a clear error."""
-    from ps.client import connect
-    from ps.errors import ConfigError
+    from pslab.ps.client import connect
+    from pslab.ps.errors import ConfigError
     servers = thread_servers(1, num_workers=2)
     with connect(servers.addresses, 0, {"w": W, "b": B}, timeout=10) as c:
         c.init({"w": W, "b": B}).result(10)
@@ -144,10 +144,10 @@ def test_curve_shard_admits_only_clients_with_the_keys(tmp_path):
     import numpy as np
     import pytest as _pytest
 
-    from collectives.curve import generate_keys
-    from ps.client import connect
-    from ps.errors import AuthenticationError, ConfigError
-    from ps.server import ServerConfig, ShardServer
+    from pslab.collectives.curve import generate_keys
+    from pslab.ps.client import connect
+    from pslab.ps.errors import AuthenticationError, ConfigError
+    from pslab.ps.server import ServerConfig, ShardServer
     generate_keys(str(tmp_path))
     with _pytest.raises(ConfigError, match="curve_keys_dir"):
         ServerConfig(bind="tcp://10.1.2.3:0").validate()
@@ -182,9 +182,9 @@ def test_two_curve_shards_in_one_process_and_a_failed_bind_leaves_nothing(tmp_pa
     import numpy as np
     import pytest as _pytest
 
-    from collectives.curve import generate_keys
-    from ps.client import connect
-    from ps.server import ServerConfig, ShardServer
+    from pslab.collectives.curve import generate_keys
+    from pslab.ps.client import connect
+    from pslab.ps.server import ServerConfig, ShardServer
     generate_keys(str(tmp_path))
     servers = [ShardServer(ServerConfig(num_workers=1, curve_keys_dir=str(tmp_path))) for _ in range(2)]
     addrs = [s.bind() for s in servers]
@@ -198,7 +198,7 @@ def test_two_curve_shards_in_one_process_and_a_failed_bind_leaves_nothing(tmp_pa
                 assert c.ping().result(10)[0]["shard"] == 0
         before = threading.active_count()
         taken = ShardServer(ServerConfig(bind=addrs[0], curve_keys_dir=str(tmp_path)))
-        from ps.errors import ConfigError
+        from pslab.ps.errors import ConfigError
         with _pytest.raises(ConfigError, match="Address already in use"):
             taken.bind()
         deadline = time.monotonic() + 5

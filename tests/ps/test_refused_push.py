@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps import connect
-from ps.errors import ConfigError, NonFiniteGradientError, ProtocolError, ShapeError
+from pslab.ps import connect
+from pslab.ps.errors import ConfigError, NonFiniteGradientError, ProtocolError, ShapeError
 
 SHAPES = {"w": (6, 4), "b": (4,)}
 POLICIES = ["asp", "bsp", "ssp:2", "bsp-backup:1"]

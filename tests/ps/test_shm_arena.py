@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from ps import shm_arena, shm_path
-from ps.client import connect
+from pslab.ps import shm_arena, shm_path
+from pslab.ps.client import connect
 from tests.ps.rawsock import Raw
 
 pytestmark = pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
@@ -204,7 +204,7 @@ def test_malformed_pull_arena_offers_are_refused():
 def test_bogus_shm_into_keys_in_a_reply_are_refused(thread_servers):
     """A reply naming pieces the link did not offer a place for is refused (WireError: the client turns shm replies
     off) instead of being read from the arena."""
-    from collectives.errors import WireError
+    from pslab.collectives.errors import WireError
     servers = thread_servers(2, num_workers=1)
     with connect(servers.addresses, 0, tensors(0), timeout=30) as c:
         link = next(x for x in c._links if x.into_places)

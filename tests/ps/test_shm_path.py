@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 
-from ps import shm_path
-from ps.client import connect
+from pslab.ps import shm_path
+from pslab.ps.client import connect
 from tests.ps.rawsock import Raw
 
 pytestmark = pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
@@ -230,7 +230,7 @@ def test_full_dev_shm_falls_back_to_frames(thread_servers, monkeypatch):
 def test_resync_cancels_a_parked_read_and_the_path_keeps_working(thread_servers):
     """Under BSP a push_pull parked at the gate, then resync(): the parked read is answered with a clear error (not
     lost), and afterwards reads through shared memory work again."""
-    from ps.errors import ProtocolError
+    from pslab.ps.errors import ProtocolError
     servers = thread_servers(1, num_workers=2, policy="bsp", optimizer="sgd:lr=0.1")
     with connect(servers.addresses, 0, SHAPES) as a, connect(servers.addresses, 1, SHAPES) as b:
         a.init(tensors(0)).result(30)

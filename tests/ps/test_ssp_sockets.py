@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ps.client import connect
+from pslab.ps.client import connect
 
 K, CLOCKS, SLOW = 3, 8, 0.03
 INIT = {"w": np.zeros(16, np.float32)}

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from ps.shard import ShardState
-from ps.staleness import StalenessStats
+from pslab.ps.shard import ShardState
+from pslab.ps.staleness import StalenessStats
 
 
 def _grad(v: float = 1.0) -> dict[str, np.ndarray]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps import lane as lanes, shm_path
-from ps.client import connect
-from ps.processes import start_servers
+from pslab.ps import lane as lanes, shm_path
+from pslab.ps.client import connect
+from pslab.ps.processes import start_servers
 
 SHAPES = {"w": (64, 33), "b": (33,), "v": (1000,)}
 S = sum(int(np.prod(s)) for s in SHAPES.values()) * 4          # bytes of the model (float32)
@@ -78,7 +78,7 @@ def test_push_and_pull_bytes_counted_by_client_and_shard_agree(label):
 @pytest.mark.parametrize("shm", [False, True])
 def test_a_refused_push_is_counted_on_both_sides(shm):
     """A push the shard refuses (a NaN, nonfinite = reject) still crossed: the client and the shard count it."""
-    from ps.errors import NonFiniteGradientError
+    from pslab.ps.errors import NonFiniteGradientError
     if shm and not shm_path.shm.available():
         pytest.skip("/dev/shm is not writable here")
     with start_servers(1, num_workers=1, policy="asp", optimizer="sgd:lr=0.01", transport="ipc",

@@ -1,0 +1,29 @@
+"""pslab: a research and teaching platform for distributed training — one import namespace over the product's folders.
+
+The folders stay at the top level of the checkout (the product's layout); installed, they are subpackages of this one,
+so a user's own `experiments/` or `ps/` folder can never shadow them:
+
+    pslab.collectives       process groups (our ZeroMQ ring, torch.distributed), the launcher, topology, auth
+    pslab.ps                the sharded parameter server: push/pull client, shards, ASP/BSP/SSP, server optimizers
+    pslab.parallelism       the engines (dp, tp + sp, cp, ep, pp, ZeRO 1-3, checkpointing), the mesh, the planner
+    pslab.experiments       the `pslab` command, workloads, the one training loop, the simulator, studies, results
+
+Imports point down these layers: experiments -> ps / parallelism -> collectives.
+
+From a source checkout without an install (`python -c "import pslab"` in the repository root) the four folders are
+found beside this one: the package's search path includes the checkout's root when they are not inside it.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+from pathlib import Path as _Path
+
+try:
+    __version__: str = _metadata.version("pslab")
+except _metadata.PackageNotFoundError:       # a source checkout that was never installed
+    __version__ = "0+unknown"
+
+_here = _Path(__file__).resolve().parent
+if not (_here / "collectives").is_dir() and (_here.parent / "collectives" / "__init__.py").is_file():
+    __path__.append(str(_here.parent))       # the checkout: pslab.ps is ../ps (an install maps it under pslab/)
