@@ -1,4 +1,4 @@
-"""The `pslab` command. Each sub-command lives in `experiments/commands/<name>.py` and exposes
+"""The `pslab` command (also `python -m pslab`). Each sub-command lives in `experiments/commands/<name>.py` and exposes
 `register(subparsers) -> None`, which adds its parser and sets `func=run(args) -> int` as the default.
 
 Errors that derive from a pslab error class become one clear line on stderr and a non-zero exit.
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pslab",
         description="pslab: see the difference between synchronous and asynchronous distributed training.",
     )
+    from pslab import __version__
+    parser.add_argument("--version", action="version", version=f"pslab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:

@@ -54,9 +54,12 @@ def test_a_users_own_folders_do_not_shadow_pslab(tmp_path):
     where, version = r.stdout.split()
     assert Path(where) in (ROOT, ROOT / "pslab") or "site-packages" in where, where   # editable or installed
     assert version and version != "0+unknown"
-    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "--help"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pslab", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0 and "usage: pslab" in r.stdout, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pslab", "--version"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"pslab {version}", (r.stdout, r.stderr[-2000:])
 
 
 @pytest.mark.parametrize("bad", ["import ps\n", "from experiments.cli import main\n", "import collectives.wire\n",

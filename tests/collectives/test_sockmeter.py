@@ -92,7 +92,7 @@ def test_a_run_whose_gloo_group_cannot_be_observed_says_so(tmp_path):
     """TORCH_GLOO_LAZY_INIT: gloo connects at the first op, after the group formed, so pslab cannot tell its
     connections: the summary's measured figure is None with the reason, the per-worker bytes None, not 0."""
     env = dict(os.environ, TORCH_GLOO_LAZY_INIT="1")
-    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "run", "experiments/configs/compare_default.toml",
+    r = subprocess.run([sys.executable, "-m", "pslab", "run", "experiments/configs/compare_default.toml",
                         "--set", "train.strategy=allreduce", "--set", "train.backend=torch", "--set", "train.steps=6",
                         "--set", "train.eval_every=6", "--set", "train.timeout_s=60", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=170)

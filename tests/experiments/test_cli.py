@@ -19,7 +19,7 @@ import pytest
 from pslab.experiments.cli import main
 from pslab.experiments.workloads import data as wdata
 
-PSLAB = [sys.executable, "-m", "pslab.experiments.cli"]
+PSLAB = [sys.executable, "-m", "pslab"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -226,7 +226,8 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
 
 
 def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
-    """`torchrun --nproc_per_node=N -m pslab.experiments.cli run CFG` on a free local port; returns the run directory."""
+    """`torchrun --nproc_per_node=N -m pslab run CFG` (the tutorial's recipe) on a free local port; returns the run
+    directory."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(toml)
     s = socket.socket()
@@ -234,7 +235,7 @@ def torchrun_pslab(tmp_path: Path, nproc: int, toml: str, label: str) -> Path:
     port = s.getsockname()[1]
     s.close()
     torchrun = Path(sys.executable).parent / "torchrun"
-    r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "pslab.experiments.cli",
+    r = subprocess.run([str(torchrun), f"--nproc_per_node={nproc}", f"--master_port={port}", "-m", "pslab",
                         "run", str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"], cwd=ROOT,
                        capture_output=True, text=True, timeout=110,
                        env={**os.environ, "PSLAB_JOB_SECRET": secrets.token_hex(32)})   # what the README says to set

@@ -80,7 +80,7 @@ def test_bad_input_is_one_line_exit_1(argv, fragment, capsys):
 
 
 def test_bad_input_from_the_shell_has_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "memory", "--dp", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "pslab", "memory", "--dp", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["pslab: error: --dp must be >= 1, got 0"]
 

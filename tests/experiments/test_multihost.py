@@ -78,7 +78,7 @@ def run_on_two_hosts(hosts, tmp_path: Path, strategy: str, label: str) -> Path:
     for rank, (ns, addr, _) in enumerate(hosts):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=hosts[0][1], MASTER_PORT=str(port),
                    PSLAB_BIND_HOST=addr, PSLAB_CURVE_KEYS=str(keys), PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pslab.experiments.cli", "run",
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pslab", "run",
                                        str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))

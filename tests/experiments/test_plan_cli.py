@@ -105,7 +105,7 @@ def test_nothing_fits_is_exit_1_with_the_reason(tmp_path, capsys):
 
 
 def test_bad_input_from_the_shell_has_no_traceback():
-    r = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "plan", "--model", "gpt-1t", "--nodes", "0"],
+    r = subprocess.run([sys.executable, "-m", "pslab", "plan", "--model", "gpt-1t", "--nodes", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == ["pslab: error: --nodes must be >= 1, got 0"]
 

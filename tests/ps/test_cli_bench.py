@@ -18,7 +18,7 @@ def test_server_bad_policy_is_one_line(capsys):
 
 
 def test_server_runs_and_exits_on_idle_timeout():
-    p = subprocess.run([sys.executable, "-m", "pslab.experiments.cli", "server", "--workers", "1", "--policy", "ssp:1",
+    p = subprocess.run([sys.executable, "-m", "pslab", "server", "--workers", "1", "--policy", "ssp:1",
                         "--optimizer", "adam:lr=0.001", "--idle-timeout", "0.5"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -71,7 +71,7 @@ def test_server_without_a_secret_makes_one_and_prints_where(tmp_path):
 
     from pslab.ps.admin import connect_admin
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSLAB_JOB_SECRET")}
-    p = subprocess.Popen([sys.executable, "-m", "pslab.experiments.cli", "server", "--workers", "1", "--idle-timeout", "3"],
+    p = subprocess.Popen([sys.executable, "-m", "pslab", "server", "--workers", "1", "--idle-timeout", "3"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
