@@ -391,13 +391,40 @@ def parse_override(text: str) -> dict[str, Any]:
     return {section: {name: value}}
 
 
+def example_configs() -> dict[str, Path]:
+    """The example configs shipped with pslab, by file name: package data (experiments/configs/*.toml), read through
+    importlib.resources so an installed wheel finds them as a checkout does."""
+    from importlib.resources import files
+    return {p.name: Path(str(p)) for p in files("pslab.experiments").joinpath("configs").iterdir()
+            if p.name.endswith(".toml")}
+
+
+def example_config(name: str) -> Path:
+    """One shipped example config: 'compare_default.toml' (or without '.toml')."""
+    shipped = example_configs()
+    key = name if name.endswith(".toml") else name + ".toml"
+    if key not in shipped:
+        raise ConfigError(f"no example config {name!r}: pslab ships {', '.join(sorted(shipped))}")
+    return shipped[key]
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` if it is a file; else a shipped example named as in the docs — `experiments/configs/3d.toml` from a
+    folder that is not a checkout (an installed pslab), or the bare name `3d.toml` / `3d`."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = p.name if p.name.endswith(".toml") else p.name + ".toml"
+    if p.parent in (Path("."), Path("experiments/configs")) and name in example_configs():
+        return example_configs()[name]
+    raise ConfigError(f"config file not found: {p} (the shipped examples: {', '.join(sorted(example_configs()))})")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 base: RunConfig | None = None) -> RunConfig:
     cfg = base if base is not None else RunConfig()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        p = resolve_config_path(path)
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:

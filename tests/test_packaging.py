@@ -5,6 +5,7 @@ folder names — a user's own `experiments/` or `ps/` folder must never shadow p
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import tomllib
@@ -67,3 +68,49 @@ def test_a_users_own_folders_do_not_shadow_pslab(tmp_path):
 def test_the_check_finds_a_bare_import(tmp_path, bad):
     (tmp_path / "m.py").write_text(bad + "from pslab import ps\nfrom . import x\n")
     assert len(_bare_imports(tmp_path / "m.py", tmp_path)) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_built_wheel_holds_the_configs_and_runs_compare_from_anywhere(tmp_path):
+    """Build the wheel from a copy of the checkout, install it (not editable) into a folder, and from a folder that
+    is not a checkout run `python -m pslab compare` on its default config, which it finds as package data."""
+    import shutil
+    import zipfile
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for d in ("pslab", *FOLDERS):
+        shutil.copytree(ROOT / d, src / d, ignore=skip)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("pslab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    configs = {p.name for p in (ROOT / "experiments" / "configs").glob("*.toml")}
+    assert {f"pslab/experiments/configs/{c}" for c in configs} <= names and "compare_default.toml" in configs
+    assert {"pslab/__init__.py", "pslab/__main__.py", "pslab/ps/server.py", "pslab/collectives/launcher.py",
+            "pslab/parallelism/planner.py", "pslab/experiments/commands/compare.py"} <= names
+    assert not any(n.split("/")[0] in (*FOLDERS, "tests") for n in names), "a bare top-level package in the wheel"
+
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                        str(site), str(wheel)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    code = ("import pslab; from pslab.experiments.studies.compare import DEFAULT_CONFIG; "
+            "print(pslab.__file__); print(DEFAULT_CONFIG)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    init, default = r.stdout.split()
+    assert Path(init).is_relative_to(site) and Path(default) == site / "pslab/experiments/configs/compare_default.toml"
+    r = subprocess.run([sys.executable, "-m", "pslab", "compare", "--strategies", "local,allreduce", "--no-straggler",
+                        "--noise-seeds", "0", "--set", "train.steps=4", "--set", "train.eval_every=4", "-q",
+                        "--out", str(elsewhere / "out")], cwd=elsewhere, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list((elsewhere / "out").rglob("report.md")), r.stdout[-2000:]

@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from pslab.experiments.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GPU_SIZES = (80e9, 141e9)
 TP_TOML, MOE_TOML = "transformer_tp.toml", "moe_ep.toml"
 MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is the dp degree
@@ -224,9 +222,9 @@ def _storage_total(tensors: list[Any]) -> int:
 
 
 def _config(label: str) -> Any:
-    from pslab.experiments.config import load_config
+    from pslab.experiments.config import example_config, load_config
     toml, overrides = MEASURE[label]
-    return load_config(CONFIGS / toml, overrides)
+    return load_config(example_config(toml), overrides)
 
 
 def measure_worker(group: Any, label: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pslab.experiments.config import RunConfig, load_config
+from pslab.experiments.config import RunConfig, example_config, load_config
 from pslab.experiments.errors import ConfigError, ExperimentError
 from pslab.experiments.results.rundir import RunDir
 from pslab.experiments.results.report import write_report
@@ -37,7 +37,7 @@ from pslab.experiments.studies.fairness import band_section, seed_band, tune_lr,
 
 DEFAULT_STRATEGIES = ("local", "allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")
 FAILURE_STRATEGIES = ("allreduce", "ps-bsp", "ps-ssp:3", "ps-asp")     # local has no worker to lose
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_default.toml"
+DEFAULT_CONFIG = example_config("compare_default.toml")     # package data: found installed or not
 STRAGGLER_FACTOR = 4.0
 NOISE_SEEDS = 5          # reference runs for the seed-noise band (0: none)
 TARGET_ACC = 0.9         # the time-to-accuracy column
