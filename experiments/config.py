@@ -251,8 +251,9 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         from pslab.experiments.workloads import WORKLOADS
         t, w = self.train, self.workload
-        if w.name not in WORKLOADS:
-            raise ConfigError(f"workload.name: unknown workload {w.name!r}; choose one of: {', '.join(WORKLOADS)}")
+        if w.name not in WORKLOADS and ":" not in w.name:     # 'file.py:fn': a user workload, checked when loaded
+            raise ConfigError(f"workload.name: unknown workload {w.name!r}; choose one of: {', '.join(WORKLOADS)}, "
+                              "or your own as 'my_file.py:make_workload' (experiments/workloads/user.py)")
         _positive("workload.batch_size", w.batch_size)
         s = self.strategy  # raises on unknown strategy / negative staleness
         _positive("train.workers", t.workers)

@@ -80,7 +80,8 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
         blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
         if not blocks:
             raise ConfigError(f"parallel.tp = {p.tp} splits attention heads and MLP width; workload "
-                              f"{wl.name!r} has none: use workload.name = text-transformer")
+                              f"{wl.name!r} has none: build the model from pslab.parallelism.models' Attention and "
+                              "MLP blocks (as text-transformer does), or use parallel.tp = 1")
         for m in blocks:        # the MLP width is 4 x the model width, a multiple of the heads: one check
             if isinstance(m, Attention) and m.heads % p.tp:
                 raise ConfigError(f"parallel.tp = {p.tp} must divide the attention heads ({m.heads}) and the MLP "

@@ -13,7 +13,8 @@ U(+-1/sqrt(fan_in)) init) are unchanged, bit for bit. `quadratic.py` holds a qua
 staleness emulator's exact tests and the momentum study (not registered: it is no real-run workload).
 
 Files: `data.py` (datasets, standardisation), `models.py` (model factories, init), `schedule.py` (BatchSchedule: which
-examples worker w gets at step t), `quadratic.py`; this file is the registry.
+examples worker w gets at step t), `quadratic.py`, `user.py` (your own model, data and loss, named in the config as
+'file.py:function' — the protocol is its docstring); this file is the registry.
 
 Parameters travel as a dict name -> flat float32 numpy array (`get_params`, `set_params`, `get_grads`), which is
 what the parameter server and the collectives move.
@@ -140,8 +141,15 @@ def get_workload(name: str, workers: int = 1, batch_size: int = 32, seed: int = 
                  **model_kwargs: object) -> Workload:
     """The workload `name`; `context`: tokens per sample of a text workload (default 32); `model_kwargs` override its
     model's (e.g. the MoE workload's experts, top_k)."""
+    from .user import UserWorkloadRunner, is_user_workload
+    if is_user_workload(name):                   # 'my_file.py:make_workload' or 'my_pkg.mod:make_workload'
+        if context is not None or model_kwargs:
+            raise ConfigError(f"workload {name!r} is yours: workload.seq_len and the MoE keys apply to pslab's text "
+                              "workloads (set such things inside your function)")
+        return UserWorkloadRunner(name, workers, batch_size, seed)  # type: ignore[return-value]
     if name not in WORKLOADS:
-        raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+        raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)} (or your own: "
+                          "'my_file.py:make_workload', experiments/workloads/user.py)")
     return Workload(WORKLOADS[name], workers, batch_size, seed, model_kwargs, context)
 
 

@@ -42,7 +42,7 @@ TF = ["--set", "workload.name=text-transformer"]
     (["train.strategy=local", "parallel.tp=2"], "strategy local is one process"),
     (["parallel.tp=2", "simulate.enabled=true"], "the simulator models data parallelism only"),
     (["parallel.tp=3"], "must divide the attention heads (4)"),
-    (["parallel.tp=2", "workload.name=digits-mlp"], "use workload.name = text-transformer"),
+    (["parallel.tp=2", "workload.name=digits-mlp"], "Attention and MLP blocks (as text-transformer does)"),
     (["parallel.pp=5"], "exceeds the 4 layers of text-transformer"),
     (["parallel.pp=2", "train.strategy=ps-bsp-backup:1"], "ps-bsp-backup picks"),
     (["train.strategy=ps-bsp-backup:1", "train.shards=2", "train.workers=3"], "use train.shards = 1"),
