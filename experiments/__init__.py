@@ -3,6 +3,7 @@
 Where is X? (paths from here)
 
     cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench, workloads
+    api.py                          the Python API: pslab.run / compare / load -> Run, Comparison (DataFrames)
     config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate] [faults], validation
     combinations.py                 which [parallel] / [topology] combinations run: the table of refusals, each's reason
     errors.py                       ExperimentError / ConfigError: one line, exit 1

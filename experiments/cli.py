@@ -13,7 +13,8 @@ import sys
 import threading
 
 # sub-command modules, in the order `pslab --help` lists them; a missing module is skipped (work in progress)
-COMMANDS = ("compare", "run", "sweep", "report", "server", "schedule", "bench", "workloads", "memory", "plan")
+COMMANDS = ("compare", "run", "sweep", "report", "export", "server", "secret", "schedule", "bench", "workloads",
+            "memory", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

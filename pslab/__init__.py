@@ -10,6 +10,12 @@ so a user's own `experiments/` or `ps/` folder can never shadow them:
 
 Imports point down these layers: experiments -> ps / parallelism -> collectives.
 
+The Python API (pslab.experiments.api; its docstring is the manual):
+
+    pslab.run(config, set=[...]) -> Run                 one run; .metrics .evals .events DataFrames, .summary dict
+    pslab.compare(strategies=[...], ...) -> Comparison  the main job; .summary (a row per run), .metrics, .report
+    pslab.load(path) -> Run | Comparison                a run directory or a compare folder, read back
+
 From a source checkout without an install (`python -c "import pslab"` in the repository root) the four folders are
 found beside this one: the package's search path includes the checkout's root when they are not inside it.
 """
@@ -27,3 +33,12 @@ except _metadata.PackageNotFoundError:       # a source checkout that was never 
 _here = _Path(__file__).resolve().parent
 if not (_here / "collectives").is_dir() and (_here.parent / "collectives" / "__init__.py").is_file():
     __path__.append(str(_here.parent))       # the checkout: pslab.ps is ../ps (an install maps it under pslab/)
+
+__all__ = ["run", "compare", "load", "Run", "Comparison", "__version__"]
+
+
+def __getattr__(name: str):  # lazy: `import pslab` stays light; the API (experiments/api.py) loads on first use
+    if name in ("run", "compare", "load", "Run", "Comparison"):
+        from pslab.experiments import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'pslab' has no attribute {name!r}")

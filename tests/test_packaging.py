@@ -61,6 +61,10 @@ def test_a_users_own_folders_do_not_shadow_pslab(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pslab", "--version"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == f"pslab {version}", (r.stdout, r.stderr[-2000:])
+    r = subprocess.run([sys.executable, "-m", "pslab", "compare", "--strategies", "local", "--no-straggler",
+                        "--noise-seeds", "0", "--set", "train.steps=4", "--set", "train.eval_every=4", "-q",
+                        "--out", "out"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "out" / "report.md").is_file(), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("bad", ["import ps\n", "from experiments.cli import main\n", "import collectives.wire\n",

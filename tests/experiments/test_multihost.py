@@ -1,7 +1,8 @@
 """Two hosts for real: two network namespaces joined by a veth pair (10.77.N.1 <-> 10.77.N.2), one `pslab run`
 process in each (RANK 0 and 1, as torchrun/SLURM would start them), PSLAB_BIND_HOST set to each "host's" address and
-CURVE keys in PSLAB_CURVE_KEYS. Every byte between the ranks crosses the veth link encrypted: a ring all-reduce run
-and a parameter-server run (shards on host A, a worker on each host) finish with every worker's updates.
+the job's secret and CURVE keys from `pslab secret` (the tutorial's recipe, §5). Every byte between the ranks
+crosses the veth link encrypted: a ring all-reduce run and a parameter-server run (shards on host A, a worker on
+each host) finish with every worker's updates.
 
 Needs root and iproute2 (`ip netns`); skipped elsewhere. The namespaces are this test's own and are deleted after.
 """
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from pslab.collectives.curve import generate_keys
 from pslab.experiments.results.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,17 +67,25 @@ def hosts():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def job_environment(folder: Path) -> dict[str, str]:
+    """The tutorial's recipe: `pslab secret DIR` once, then export the variables it prints."""
+    r = subprocess.run([sys.executable, "-m", "pslab", "secret", str(folder)], capture_output=True, text=True,
+                       timeout=60, check=True)
+    lines = [ln.removeprefix("export ").split("=", 1) for ln in r.stdout.splitlines() if ln.startswith("export ")]
+    assert {k for k, _ in lines} == {"PSLAB_JOB_SECRET_FILE", "PSLAB_CURVE_KEYS"}, r.stdout
+    return dict(lines)
+
+
 def run_on_two_hosts(hosts, tmp_path: Path, strategy: str, label: str) -> Path:
-    keys = tmp_path / "keys"
-    generate_keys(str(keys))
+    job = job_environment(tmp_path / "job")
     cfg = tmp_path / f"{label}.toml"
     cfg.write_text(f'[workload]\nname = "digits-mlp"\n[train]\nstrategy = "{strategy}"\nworkers = 2\n'
                    f'steps = {STEPS}\neval_every = 1000\ntimeout_s = 60\n')
     port = random.randint(20000, 60000)   # inside the namespaces nothing else listens
     procs = []
     for rank, (ns, addr, _) in enumerate(hosts):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=hosts[0][1], MASTER_PORT=str(port),
-                   PSLAB_BIND_HOST=addr, PSLAB_CURVE_KEYS=str(keys), PYTHONPATH=str(ROOT))
+        env = dict(os.environ, **job, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=hosts[0][1],
+                   MASTER_PORT=str(port), PSLAB_BIND_HOST=addr, PYTHONPATH=str(ROOT))
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pslab", "run",
                                        str(cfg), "--out", str(tmp_path / "runs"), "--label", label, "-q"],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

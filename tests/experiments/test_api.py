@@ -1,0 +1,234 @@
+"""The Python API (experiments/api.py): pslab.run / compare / load return DataFrames equal to the run directory's
+files, work from a kernel-like process (a __main__ without a file, as a Jupyter kernel's cells), leave no
+process-wide state behind, and an interrupt leaves no process, shared-memory segment or temp directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import pslab
+from pslab.experiments.errors import ConfigError, ExperimentError
+from pslab.experiments.results.rundir import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["train.steps=12", "train.eval_every=6"]
+
+
+def _records(frame) -> list[dict]:
+    """A frame's rows as the file's records: a key a record lacks is NaN in the frame, dropped here."""
+    return [{k: v for k, v in row.items() if v is not None and v == v} for row in frame.to_dict("records")]
+
+
+def _file(path: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if v is not None} for row in read_jsonl(path)]
+
+
+def test_run_returns_the_files_as_frames_and_restores_the_thread_count(tmp_path):
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        r = pslab.run("compare_default", set=["train.strategy=local", *SHORT], out=tmp_path, progress=False)
+        assert torch.get_num_threads() == 2                     # the run set 1 for itself, then put it back
+    finally:
+        torch.set_num_threads(before)
+    assert r.strategy == "local" and not r.interrupted and r.summary["final_test_acc"] is not None
+    assert _records(r.metrics) == _file(r.path / "metrics.jsonl") and len(r.metrics) == 4 * 12
+    assert _records(r.evals) == _file(r.path / "eval.jsonl") and list(r.evals.columns)[:2] == ["updates", "time_s"]
+    assert r.summary == json.loads((r.path / "summary.json").read_text()) and r.events.empty
+    again = pslab.load(r.path)
+    assert again.summary == r.summary and again.metrics.equals(r.metrics) and repr(again) == repr(r)
+
+
+def test_a_toml_file_a_dict_and_a_runconfig_give_the_same_run(tmp_path):
+    """Three spellings of one config; the local strategy is deterministic, so the losses are equal; the caller's
+    RunConfig is not changed by the run's overrides."""
+    from pslab.experiments.config import load_config
+    toml = tmp_path / "c.toml"
+    toml.write_text('[workload]\nname = "digits-logreg"\n[train]\nstrategy = "local"\nsteps = 12\neval_every = 6\n')
+    cfg = load_config(toml)
+    runs = [pslab.run(toml, out=tmp_path / "a", progress=False),
+            pslab.run({"workload": {"name": "digits-logreg"}, "train": {"strategy": "local", "steps": 12,
+                                                                        "eval_every": 6}}, out=tmp_path / "b",
+                      progress=False),
+            pslab.run(cfg, set=["train.eval_every=4"], out=tmp_path / "c", progress=False)]
+    assert {r.config["workload"]["name"] for r in runs} == {"digits-logreg"}
+    assert list(runs[0].metrics["loss"]) == list(runs[1].metrics["loss"]) == list(runs[2].metrics["loss"])
+    assert runs[2].config["train"]["eval_every"] == 4 and cfg.train.eval_every == 6
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda t: pslab.run("no-such.toml", out=t), "config file not found"),
+    (lambda t: pslab.run(set="train.steps=3", out=t), "set= takes a list"),
+    (lambda t: pslab.run({"nope": {}}, out=t), "unknown section [nope]"),
+    (lambda t: pslab.compare(strategies=["ps-nope"], out=t), "unknown strategy"),
+    (lambda t: pslab.compare(strategies="ps-asp", out=t), "strategies= takes a non-empty list"),
+    (lambda t: pslab.load(t), "neither a pslab run directory"),
+])
+def test_bad_input_raises_pslabs_one_line_errors(tmp_path, call, fragment):
+    with pytest.raises((ConfigError, ExperimentError)) as e:
+        call(tmp_path)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+KERNEL = """
+import sys
+import pslab
+from pslab.experiments.results.rundir import read_jsonl
+rows = lambda f: [{k: v for k, v in r.items() if v is not None and v == v} for r in f.to_dict("records")]
+file = lambda p: [{k: v for k, v in r.items() if v is not None} for r in read_jsonl(p)]
+c = pslab.compare(strategies=["allreduce", "ps-asp"], straggler=False, noise_seeds=0, progress=False,
+                  set=["train.steps=12", "train.eval_every=6"], out=sys.argv[1])
+assert [r.strategy for r in c.runs] == ["allreduce", "ps-asp"], c
+for r in c.runs:
+    assert rows(r.metrics) == file(r.path / "metrics.jsonl") and rows(r.evals) == file(r.path / "eval.jsonl")
+loaded = pslab.load(sys.argv[1])
+assert loaded.summary.equals(c.summary) and loaded.metrics.equals(c.metrics) and c.report.is_file()
+s = c.summary
+assert list(s["strategy"]) == ["allreduce", "ps-asp"] and not s["straggler"].any()
+assert set(c.metrics["run"]) == {r.label for r in c.runs} and len(c.metrics) == 2 * 4 * 12
+print("ok", len(c.metrics))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_compare_from_a_kernel_like_process_returns_frames_equal_to_the_files(tmp_path):
+    """`python -c`: __main__ has no file, as in a Jupyter kernel, so the ranks and shards the run starts cannot
+    re-run the caller's code; the frames equal the files and `load` reads the same Comparison back."""
+    r = subprocess.run([sys.executable, "-c", KERNEL, str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=220)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", str(2 * 4 * 12)], (r.stdout[-1000:], r.stderr[-3000:])
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in out]
+            out.update(kids)
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for p in pids:
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2] != "Z":
+            alive.add(p)
+    return alive
+
+
+INTERRUPTED = """
+import sys
+import pslab
+try:
+    pslab.run({"workload": {"name": "digits-logreg"}, "train": {"strategy": sys.argv[2], "workers": 3,
+               "steps": 100000, "base_step_s": 0.01, "timeout_s": 60}}, out=sys.argv[1], progress=False)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+    sys.exit(3)
+"""
+
+
+@pytest.mark.under_load
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["ps-asp", "allreduce"])
+def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
+    """SIGINT to the calling process alone (a kernel's stop button): KeyboardInterrupt comes out of pslab.run,
+    every rank and shard it started is gone, no temp directory or segment of this run is left, the run directory
+    says interrupted and keeps its metrics."""
+    from pslab.ps import shm_path
+    private = tmp_path / "tmp"
+    private.mkdir()
+    segments = shm_path.segments()
+    p = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(tmp_path / "runs"), strategy], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, TMPDIR=str(private)),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and p.poll() is None:
+            started |= _descendants(p.pid)
+            parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
+            if len(parts) == 3 and all(q.stat().st_size > 0 for q in parts):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the workers did not start: {p.communicate(timeout=30)}")
+        started |= _descendants(p.pid)
+        os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 3 and out.strip() == "KeyboardInterrupt", (out, err[-3000:])
+        deadline = time.monotonic() + 10                       # the forkserver reaps its last children
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started and _alive(started) == set(), _alive(started)
+        assert list(private.iterdir()) == [] and shm_path.segments() <= segments
+        (run,) = (tmp_path / "runs").iterdir()
+        env = json.loads((run / "env.json").read_text())
+        assert env.get("interrupted") and (run / "metrics.jsonl").stat().st_size > 0
+        assert pslab.load(run).interrupted and len(pslab.load(run).metrics) > 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for pid in _alive(started | _descendants(p.pid)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_notebook_example_runs_as_a_kernel_runs_it(tmp_path):
+    """docs/notebook.py (percent format: open it in Jupyter with jupytext, or run it) executed cell by cell the way
+    a kernel does — in a process whose __main__ is not the file — from a folder that is not the checkout."""
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = ["notebook", {str(tmp_path / 'nb')!r}]
+        runpy.run_path({str(ROOT / 'docs' / 'notebook.py')!r}, run_name="notebook")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "notebook: done" in r.stdout, r.stdout[-2000:]
+    assert (tmp_path / "nb" / "report.md").is_file() and (tmp_path / "nb" / "loss_by_strategy.png").stat().st_size
+
+
+def test_export_writes_the_records_as_csv_tables(tmp_path, capsys):
+    """`pslab export` over two runs: one table per kind, every row tagged with its run; the values read back equal
+    the files'; --parquet without pyarrow is one line."""
+    import pandas as pd
+    from pslab.experiments.cli import main
+    runs = [pslab.run("compare_default", set=[f"train.strategy={s}", *SHORT], out=tmp_path / "runs", label=s,
+                      progress=False, simulate=s != "local") for s in ("local", "ps-asp")]
+    assert main(["export", str(tmp_path / "runs"), "--out", str(tmp_path / "x")]) == 0
+    assert "metrics.csv  (" in capsys.readouterr().out
+    m = pd.read_csv(tmp_path / "x" / "metrics.csv")
+    assert len(m) == sum(len(r.metrics) for r in runs) and set(m["run"]) == {"local", "ps-asp"}
+    for r in runs:
+        mine = m[m["run"] == r.label].drop(columns=["run", "run_dir"]).reset_index(drop=True)
+        assert list(mine["loss"]) == pytest.approx(list(r.metrics["loss"]), rel=1e-12)
+        assert list(mine["staleness"]) == list(r.metrics["staleness"])
+    s = pd.read_csv(tmp_path / "x" / "summary.csv")
+    assert list(s["run"]) == ["local", "ps-asp"] and list(s["final_test_acc"]) == pytest.approx(
+        [r.summary["final_test_acc"] for r in runs])
+    assert len(pd.read_csv(tmp_path / "x" / "evals.csv")) == sum(len(r.evals) for r in runs)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert main(["export", str(tmp_path / "runs"), "--parquet", "--out", str(tmp_path / "y")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == "pslab: error: --parquet needs pyarrow: pip install pyarrow (or export --csv)"
