@@ -140,9 +140,12 @@ class TorchGroup(ProcessGroup):
                 try:
                     work.wait(slice_)           # c10d: "timed out" leaves the work pending; wait again
                     break
-                except RuntimeError as e:
-                    if work.is_completed():     # gloo: a peer closed its connection (killed)
-                        self._peer_failed(op, e, deadline)
+                except RuntimeError:
+                    if work.is_completed():     # completed after the slice's timeout, or failed
+                        err = self._failed(work)
+                        if err is None:
+                            break
+                        self._peer_failed(op, err, deadline)   # gloo: a peer closed its connection (killed)
                 self.interrupt()
                 if time.monotonic() >= deadline:
                     raise PeerTimeoutError(op, 0, -1, self.timeout, "gloo work not completed")
@@ -150,6 +153,17 @@ class TorchGroup(ProcessGroup):
             if not work.is_completed():
                 self._inflight.append(work)
             raise
+
+    @staticmethod
+    def _failed(work: Any) -> RuntimeError | None:
+        """The error of a completed `work`, None if it succeeded. A sliced wait's timeout ("Operation timed out!")
+        races with the work completing: is_completed() may then be True for a work that succeeded, and only an
+        unbounded wait on the completed work tells (it returns at once, or raises the op's own error)."""
+        try:
+            work.wait()
+            return None
+        except RuntimeError as err:
+            return err
 
     def _wait_p2p(self, work: Any, op: str, deadline: float) -> None:
         finished, failed = threading.Event(), []
