@@ -25,8 +25,9 @@ from __future__ import annotations
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
+DISTRIBUTION = "pslab-distributed"           # the name pip knows it by ("pslab" on the index is another project)
 try:
-    __version__: str = _metadata.version("pslab")
+    __version__: str = _metadata.version(DISTRIBUTION)
 except _metadata.PackageNotFoundError:       # a source checkout that was never installed
     __version__ = "0+unknown"
 

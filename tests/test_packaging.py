@@ -90,7 +90,7 @@ def test_a_built_wheel_holds_the_configs_and_runs_compare_from_anywhere(tmp_path
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                         "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    (wheel,) = (tmp_path / "dist").glob("pslab-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("pslab_distributed-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {p.name for p in (ROOT / "experiments" / "configs").glob("*.toml")}
     assert {f"pslab/experiments/configs/{c}" for c in configs} <= names and "compare_default.toml" in configs

@@ -78,7 +78,7 @@ def git_revision() -> str | None:
 def environment() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
     versions: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for dist in ("pslab", "torch", "numpy", "pyzmq", "msgpack", "scikit-learn", "matplotlib", "mlxtend"):
+    for dist in ("pslab-distributed", "torch", "numpy", "pyzmq", "msgpack", "scikit-learn", "matplotlib", "mlxtend"):
         try:  # metadata only: importing sklearn or matplotlib just for a version costs seconds
             versions[dist] = version(dist)
         except PackageNotFoundError:

