@@ -2,9 +2,11 @@
 
 Where is X? (paths from here)
 
-    cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, server, schedule, bench, workloads
+    cli.py, commands/<name>.py      `pslab <name>`: compare, run, sweep, report, export, server, secret, schedule,
+                                    bench, workloads, memory, plan
     api.py                          the Python API: pslab.run / compare / load -> Run, Comparison (DataFrames)
-    config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate] [faults], validation
+    config.py                       RunConfig: [workload] [train] [stragglers] [parallel] [simulate] [faults]
+                                    [topology] [logging], validation; the shipped example configs
     combinations.py                 which [parallel] / [topology] combinations run: the table of refusals, each's reason
     errors.py                       ExperimentError / ConfigError: one line, exit 1
     stragglers.py                   the step-time model (per-worker factors, transient slow-downs, random delays)
@@ -13,6 +15,7 @@ Where is X? (paths from here)
 
     workloads/                      (model factory, dataset, per-worker batch schedule, seed) — identical everywhere
         data.py, models.py, schedule.py, quadratic.py (the emulator's exact test bed)
+        user.py                     your own model and data: workload.name = "file.py:make_workload"
 
     strategies/                     real runs: every strategy through ONE loop
         loop.py                     the training loop every rank runs (the ps-asp worker loop is this one too)
@@ -55,6 +58,7 @@ Where is X? (paths from here)
         bytes.py                    bytes per step by kind, measured next to the formula
         plots.py, report.py         PNG plots and report.md
         faults.py                   the failure report: per failure detect / recover / lost, the timeline figure
+        tensorboard.py              a run's records as TensorBoard scalars ([logging] tensorboard, pslab export)
 
     bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP, sim
 

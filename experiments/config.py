@@ -230,6 +230,14 @@ class TopologyConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where else a run's records go, beside its run directory."""
+
+    tensorboard: bool = False        # true: RUN_DIR/tensorboard/ with the per-update scalars after the run
+                                     # (results/tensorboard.py; needs the tensorboard package)
+
+
+@dataclass
 class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -238,6 +246,7 @@ class RunConfig:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def strategy(self) -> Strategy:

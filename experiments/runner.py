@@ -97,6 +97,9 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
         cfg.validate()
     if sim and resume is not None:
         raise ConfigError("--resume continues a real run from its engine checkpoints; drop --simulate")
+    if cfg.logging.tensorboard:               # before anything runs: the missing package is one line
+        from pslab.experiments.results.tensorboard import require_tensorboard
+        require_tensorboard()
     if not sim:
         check_processes(cfg, force)
     wl = _preload(cfg)
@@ -151,6 +154,9 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     if resume is not None:                # the label is the run's; the layout it was resumed at is this
         summary["resumed_as"] = default_label(cfg, False)
     rd.write_summary(summary)
+    if cfg.logging.tensorboard:
+        from pslab.experiments.results.tensorboard import write_tensorboard
+        write_tensorboard(rd.path)
     return rd
 
 

@@ -94,9 +94,18 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     if tp.size == 1:
         return []
     from .models import MLP, Attention
+    from .tensor import TP_PLAN_ATTR
+    if getattr(model, TP_PLAN_ATTR, None) is not None:      # the model's own plan (a user's model): no pp cut
+        if stage is not model:
+            raise EngineError(f"a model split by its own {TP_PLAN_ATTR} runs without pipeline parallelism (pp = 1)")
+        try:
+            tensor_parallelize(stage, tp, sequence_parallel, regather)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        return []
     if not any(isinstance(m, (Attention, MLP)) for m in model.modules()):
         raise EngineError("tensor parallelism found no Attention or MLP module to split; build the model from "
-                          "pslab.parallelism.models blocks")
+                          "pslab.parallelism.models blocks, or give it a tp_plan")
     tensor_parallelize(stage, tp, sequence_parallel, regather, require=False)
     if not sequence_parallel:
         return []

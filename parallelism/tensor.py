@@ -42,6 +42,8 @@ from .sequence import (SequenceParallelReplica, gather_linear, gather_sequence, 
                        sequence_parallelize_embedding)
 
 SHARD_ATTR = "_tp_shard"   # set on parameters that are shards (not replicas) across the tp group
+TP_PLAN_ATTR = "tp_plan"   # a model's own plan {Linear module name: "colwise" | "rowwise"} (see apply_tp_plan)
+TP_STYLES = ("colwise", "rowwise")
 TP_INDEX_ATTR = "_tp_index"   # (dim, LongTensor): which indices along dim of the full tensor a shard holds
 
 
@@ -221,11 +223,59 @@ class TensorParallelAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, w))
 
 
+def check_tp_plan(model: nn.Module, plan: object, tp: int) -> dict[str, str]:
+    """The model's plan, validated: a dict naming nn.Linear modules, each "colwise" (output features split; f
+    before it) or "rowwise" (input features split; g after it), every split feature count divisible by `tp`.
+    ValueError with a one-line reason otherwise."""
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"the model's {TP_PLAN_ATTR} must be a non-empty dict {{module name: 'colwise' | "
+                         f"'rowwise'}}, got {plan!r}")
+    out: dict[str, str] = {}
+    for name, style in plan.items():
+        try:
+            mod = model.get_submodule(str(name))
+        except AttributeError:
+            raise ValueError(f"{TP_PLAN_ATTR} names {name!r}, which is not a module of the model") from None
+        if not isinstance(mod, nn.Linear):
+            raise ValueError(f"{TP_PLAN_ATTR} names {name!r}, a {type(mod).__name__}: only nn.Linear modules split")
+        if style not in TP_STYLES:
+            raise ValueError(f"{TP_PLAN_ATTR}[{name!r}] must be 'colwise' or 'rowwise', got {style!r}")
+        n = mod.out_features if style == "colwise" else mod.in_features
+        if n % tp:
+            raise ValueError(f"{TP_PLAN_ATTR}[{name!r}] = {style!r} splits {n} "
+                             f"{'output' if style == 'colwise' else 'input'} features over tp = {tp}: choose a tp "
+                             "that divides it")
+        out[str(name)] = style
+    return out
+
+
+def apply_tp_plan(model: nn.Module, comm: Comm) -> None:
+    """Swap each nn.Linear the model's `tp_plan` names for its Megatron shard (in place), as `parallelize_module`
+    does with ColwiseParallel / RowwiseParallel: "colwise" takes this rank's output rows, f before it, its output
+    stays split; "rowwise" takes the matching input columns, g after it sums the partial products, the bias added
+    once. Between a colwise Linear and its rowwise partner only per-feature operations may run (an activation, a
+    dropout): the plan's author vouches for that, as in torch's API; parity with one process is what tests it."""
+    plan = check_tp_plan(model, getattr(model, TP_PLAN_ATTR, None), comm.size)
+    for name, style in plan.items():
+        lin = model.get_submodule(name)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        cls = ColumnParallelLinear if style == "colwise" else RowParallelLinear
+        setattr(parent, attr, cls.from_full(lin, comm, site=name))
+
+
 def tensor_parallelize(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
                        regather: bool = False, require: bool = True) -> nn.Module:
     """Swap every `Attention` and `MLP` in `model` for its tensor-parallel version (in place; returns model).
     sequence_parallel: their entries/exits become ḡ/ḡ* and every `Embed` embeds only the rank's sequence shard.
-    require=False: a module with nothing to split is fine (a pipeline stage holding only the embedding or head)."""
+    require=False: a module with nothing to split is fine (a pipeline stage holding only the embedding or head).
+    A model with its own `tp_plan` (a user's model) is split by that plan instead (apply_tp_plan)."""
+    if getattr(model, TP_PLAN_ATTR, None) is not None:
+        if sequence_parallel:
+            raise ValueError("sequence parallelism splits pslab's transformer blocks; a model split by its own "
+                             f"{TP_PLAN_ATTR} runs without it")
+        apply_tp_plan(model, comm)
+        return model
     for name, child in list(model.named_modules()):
         if isinstance(child, (Attention, MLP)):
             parent_name, _, attr = name.rpartition(".")

@@ -1,8 +1,10 @@
-"""`pslab export RUN_DIR... [--out DIR] [--parquet]`: a run's records as tables for other tools (pandas, R, a
-spreadsheet): metrics (one row per update), evals, events (failures) and summary (one row per run, nested fields
-flattened to 'a.b' columns), every row tagged with its run's label and directory. The files are the same data as the
-run directory's JSON lines (experiments/results/rundir.py documents the layout); `pslab.load` gives them as
-DataFrames without a file in between."""
+"""`pslab export RUN_DIR... [--out DIR] [--parquet | --tensorboard]`: a run's records for other tools.
+
+Tables (CSV, or Parquet): metrics (one row per update), evals, events (failures) and summary (one row per run,
+nested fields flattened to 'a.b' columns), every row tagged with its run's label and directory — for pandas, R, a
+spreadsheet. `--tensorboard` writes each run's scalars into RUN_DIR/tensorboard instead (results/tensorboard.py).
+The data are the run directory's JSON lines (experiments/results/rundir.py documents the layout); `pslab.load`
+gives them as DataFrames without a file in between."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     fmt.add_argument("--csv", dest="fmt", action="store_const", const="csv", help="CSV files (the default)")
     fmt.add_argument("--parquet", dest="fmt", action="store_const", const="parquet",
                      help="Parquet files (needs pyarrow: pip install pyarrow)")
+    fmt.add_argument("--tensorboard", dest="fmt", action="store_const", const="tensorboard",
+                     help="TensorBoard scalars into each RUN_DIR/tensorboard (needs tensorboard; "
+                          "then: tensorboard --logdir RUN_DIR)")
     p.set_defaults(func=run, fmt="csv")
 
 
@@ -51,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise MissingDependencyError("--parquet needs pyarrow: pip install pyarrow (or export --csv)") from None
     dirs = find_runs(args.runs)
+    if args.fmt == "tensorboard":
+        from pslab.experiments.results.tensorboard import write_tensorboard
+        for d in dirs:
+            print(f"{write_tensorboard(d)}")
+        return 0
     out = Path(args.out) if args.out else (Path(args.runs[0]) / "export" if len(args.runs) == 1 else Path("export"))
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in tables(dirs).items():

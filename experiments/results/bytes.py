@@ -91,7 +91,13 @@ def _activations(model: torch.nn.Module, wl: Workload) -> list[int]:
 
 
 def _split_ids(model: torch.nn.Module) -> set[int]:
-    """ids of the parameters tensor parallelism splits: qkv, proj.weight, fc1, fc2.weight (experts' MLPs too)."""
+    """ids of the parameters tensor parallelism splits: qkv, proj.weight, fc1, fc2.weight (experts' MLPs too); for
+    a model with its own tp_plan, each colwise Linear's weight and bias and each rowwise Linear's weight."""
+    plan = getattr(model, "tp_plan", None)
+    if plan:
+        lins = {name: (model.get_submodule(name), style) for name, style in plan.items()}
+        return {id(t) for lin, style in lins.values()
+                for t in ((lin.weight, lin.bias) if style == "colwise" else (lin.weight,)) if t is not None}
     split = set()
     for m in model.modules():
         if isinstance(m, Attention):
@@ -137,7 +143,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
             parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
     model = wl.make_model() if (p.tp > 1 or p.pp > 1) else None
-    acts = _activations(model, wl) if model is not None else []
+    acts = _activations(model, wl) if model is not None and not getattr(model, "tp_plan", None) else []
     if p.tp > 1:
         out["tp activations"] = _tensor(cfg, wl, model, acts)
     if p.cp > 1:
@@ -190,9 +196,45 @@ def _micro_sizes(cfg: RunConfig) -> list[int]:
     return [len(c) for c in torch.tensor_split(torch.arange(b // p.ep), p.micro_batches)]
 
 
+def _tensor_plan(cfg: RunConfig, wl: Workload, model: torch.nn.Module) -> tuple[float, str]:
+    """A model split by its own tp_plan: each rowwise Linear's g all-reduces its output forward (and again when
+    activation checkpointing recomputes it), each colwise Linear's f all-reduces its input's gradient backward;
+    the sizes are read off one forward of the full model on worker 0's first batch (hooks on the planned Linears)."""
+    T, D, ac = cfg.parallel.tp, cfg.train.workers, cfg.parallel.activation_checkpointing
+    sizes: dict[str, int] = {}
+    hooks = []
+    for name, style in model.tp_plan.items():
+        def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor, name: str = name, style: str = style) -> None:
+            t = args[0] if style == "colwise" else out
+            if style == "rowwise" or t.requires_grad:     # f's backward runs only for an input that needs a grad
+                sizes[name] = t.numel() * t.element_size()   # (not for the data itself, a first layer's input)
+        hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    try:
+        with torch.enable_grad():
+            model(wl.batch(0, 0)[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    per = {name: _allreduce(a, T, "T", "A_m", _gloo(cfg)) for name, a in sizes.items()}
+    times = {name: (1 if style == "colwise" else (2 if ac else 1)) for name, style in model.tp_plan.items()}
+    if not per:
+        return 0.0, "0 (no planned Linear communicates)"
+    total = D * T * sum(times[n] * per[n][0] for n in per)
+    rule = next(iter(per.values()))[1]
+    return total, (f"D·T ranks · Σ over the tp_plan's Linears m ({len(per)}) of {rule}: f backward on a colwise "
+                   "input that needs a gradient, g forward on a rowwise output" + (" (twice: recomputed)" if ac else "")
+                   + "; A_m = bytes of that activation on one batch")
+
+
 def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
     """Tensor (+ sequence) parallelism, also inside pipeline stages: every Attention and MLP region communicates
     per micro-batch (of a_i = A · b_i/b bytes), activation checkpointing replays its forward collectives."""
+    if getattr(model, "tp_plan", None):
+        total, formula = _tensor_plan(cfg, wl, model)
+        if cfg.strategy.uses_ps:
+            total += cfg.train.workers * (cfg.parallel.tp - 1) * _replicated_bytes(model)
+            formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
+        return total, formula
     p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
     D *= C * p.ep                  # tp × cp: D·C tp groups, each on its S/C tokens; tp × ep: D·ep, on b/ep sequences
     regions = sum(1 for n, m in model.named_modules() if isinstance(m, (Attention, MLP)) and ".experts." not in n)

@@ -22,6 +22,9 @@ The parts, and what pslab does with them:
 
 - `train`, `test`: the examples. A tuple of equal-length arrays or tensors (x, y, ...), a dict of them
   ({"x": ..., "y": ...}), or a torch Dataset (indexable, with len; items collated by torch's default_collate).
+  Readers for data on disk, none of which downloads or unpickles: `npz(path)` (arrays x_train, y_train, x_test,
+  y_test), `image_folder(path)` (PATH/<class>/<image>, read with Pillow, a fixed split), `token_file(path,
+  context)` (a .npy of token ids, or a text file one character a token: next-token windows).
   pslab's batch schedule (schedule.py) splits the training examples into the workers' disjoint shards and picks
   worker w's batch at step t as for the built-in workloads, so every strategy sees the same examples.
 - `model(seed) -> nn.Module`: any module, called as `model(inputs(batch))`.
@@ -33,9 +36,15 @@ The parts, and what pslab does with them:
   `max_eval` examples). Default: `test_loss` (your loss), and `test_acc` when the output is a tensor of class scores
   and the target an integer tensor. `test_acc` is what time-to-accuracy and the studies read.
 
+- `tp_plan`: {name of an nn.Linear in the model: "colwise" | "rowwise"}, how tensor parallelism splits it (as
+  torch's parallelize_module with ColwiseParallel / RowwiseParallel, and Hugging Face's tp_plan): a colwise
+  Linear keeps its output features split, its rowwise partner takes them and sums the partial products — only
+  per-feature operations (an activation) between the two. (A model may also carry the dict as `model.tp_plan`.)
+
 Where it runs: every strategy (local, allreduce, every ps-*), the simulator, data parallelism and ZeRO 1-3, any
-module. Tensor and context parallelism split pslab's transformer blocks (parallelism/models.py) and pipeline
-parallelism cuts an nn.Sequential into stages: a model that has none of these gets one line saying so.
+module; tensor parallelism (x dp) by the model's tp_plan. Context and sequence parallelism split pslab's
+transformer blocks (parallelism/models.py) and pipeline parallelism cuts an nn.Sequential into stages; what a
+model cannot do gets one line saying so.
 
 The function is imported in every process pslab starts (by its module name, or by file path), so it must be
 importable from the working directory, and calling it must give the same data each time (read files, seed any
@@ -71,6 +80,7 @@ class UserWorkload:
     evaluate: Callable[[nn.Module, Any], Mapping[str, float]] | None = None
     max_eval: int = 2000
     description: str = "a user workload"
+    tp_plan: Mapping[str, str] | None = None
 
 
 def npz(path: str | Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -84,6 +94,78 @@ def npz(path: str | Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarr
             raise ConfigError(f"{p}: a workload .npz needs arrays x_train, y_train, x_test, y_test; missing "
                               f"{', '.join(missing)} (has {', '.join(f.files)})")
         return (f["x_train"], f["y_train"]), (f["x_test"], f["y_test"])
+
+
+SPLIT_SEED = 12345        # the built-in datasets' split seed (data.py): a fixed split, whatever the run's seed
+
+
+def _split(x: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[tuple[np.ndarray, np.ndarray],
+                                                                      tuple[np.ndarray, np.ndarray]]:
+    if not 0 < test_fraction < 1:
+        raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    perm = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_test = max(1, int(round(len(x) * test_fraction)))
+    if n_test >= len(x):
+        raise ConfigError(f"{len(x)} examples are too few to keep {test_fraction:.0%} for the test set")
+    test, train = perm[:n_test], perm[n_test:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def image_folder(path: str | Path, size: tuple[int, int] | None = None, grayscale: bool = False,
+                 test_fraction: float = 0.2) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """((x_train, y_train), (x_test, y_test)) from PATH/<class>/<image> (png, jpg, bmp, gif; read with Pillow):
+    classes are the sub-folder names in sorted order (label = index), pixels float32 in [0, 1], channels first
+    (N, C, H, W); `size` (width, height) resizes every image, else all must share one size; a fixed split (seed
+    12345) keeps `test_fraction` for the test set."""
+    from PIL import Image
+    root = Path(path)
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    if not classes:
+        raise ConfigError(f"{root}: an image folder holds one sub-folder per class (none found)")
+    xs, ys = [], []
+    for label, c in enumerate(classes):
+        for f in sorted((root / c).iterdir()):
+            if f.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".gif"):
+                continue
+            with Image.open(f) as im:
+                im = im.convert("L" if grayscale else "RGB")
+                if size is not None:
+                    im = im.resize(size)
+                a = np.asarray(im, dtype=np.float32) / 255.0
+            xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+            ys.append(label)
+    if not xs:
+        raise ConfigError(f"{root}: no images in its class folders ({', '.join(classes)})")
+    shapes = {x.shape for x in xs}
+    if len(shapes) > 1:
+        raise ConfigError(f"{root}: images differ in size {sorted(shapes)[:3]}: pass size=(width, height)")
+    return _split(np.stack(xs), np.asarray(ys, dtype=np.int64), test_fraction)
+
+
+def token_file(path: str | Path, context: int = 32, test_fraction: float = 0.1
+               ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int]:
+    """A language-model dataset from a file of token ids (.npy of integers) or of text (anything else: UTF-8,
+    one token per character, the vocabulary its sorted characters): non-overlapping windows of `context` tokens,
+    each target the window shifted by one, as pslab's text workloads; returns (train, test, vocabulary size)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no such token file: {p}")
+    if p.suffix == ".npy":
+        ids = np.load(p, allow_pickle=False)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) == 0 or ids.min() < 0:
+            raise ConfigError(f"{p}: a token file is a 1-D array of non-negative integer ids")
+        vocab = int(ids.max()) + 1
+    else:
+        text = p.read_text(encoding="utf-8")
+        index = {c: i for i, c in enumerate(sorted(set(text)))}
+        ids, vocab = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text)), len(index)
+    n = (len(ids) - 1) // context
+    if n < 2:
+        raise ConfigError(f"{p}: {len(ids)} tokens make fewer than 2 windows of context {context} + 1")
+    x = np.stack([ids[i * context: (i + 1) * context] for i in range(n)]).astype(np.int64)
+    y = np.stack([ids[i * context + 1: (i + 1) * context + 1] for i in range(n)]).astype(np.int64)
+    train, test = _split(x, y, test_fraction)
+    return train, test, vocab
 
 
 def is_user_workload(name: str) -> bool:
@@ -219,6 +301,8 @@ class UserWorkloadRunner:
         model = self.user.model(self.seed)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{self.name}: model(seed) must return a torch nn.Module, got {type(model).__name__}")
+        if self.user.tp_plan is not None:
+            model.tp_plan = dict(self.user.tp_plan)       # what tensor parallelism splits (parallelism/tensor.py)
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if bad:
             raise ConfigError(f"{self.name}: parameters must be float32 (pslab's wire and optimizers are); "

@@ -232,3 +232,40 @@ def test_export_writes_the_records_as_csv_tables(tmp_path, capsys):
         assert main(["export", str(tmp_path / "runs"), "--parquet", "--out", str(tmp_path / "y")]) == 1
         err = capsys.readouterr().err.strip()
         assert err == "pslab: error: --parquet needs pyarrow: pip install pyarrow (or export --csv)"
+
+
+def test_tensorboard_scalars_read_back(tmp_path, capsys):
+    """[logging] tensorboard = true writes RUN_DIR/tensorboard; tensorboard's own reader finds every update's loss
+    per worker, the evaluations and the summary, with the run's values; pslab export --tensorboard writes the same
+    for a run made without it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    r = pslab.run("compare_default", set=["train.strategy=local", *SHORT, "logging.tensorboard=true"],
+                  out=tmp_path / "runs", progress=False)
+    acc = EventAccumulator(str(r.path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"loss/worker{k}" for k in range(4)} | {"eval/test_acc", "summary/updates_per_s"} <= tags
+    by_worker = r.metrics[r.metrics["worker"] == 2]
+    assert [e.value for e in acc.Scalars("loss/worker2")] == pytest.approx(list(by_worker["loss"]), rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval/test_acc")] == list(r.evals["updates"])
+    assert acc.Scalars("summary/final_test_acc")[0].value == pytest.approx(r.summary["final_test_acc"], rel=1e-6)
+    plain = pslab.run("compare_default", set=["train.strategy=local", *SHORT], out=tmp_path / "plain",
+                      progress=False)
+    assert not (plain.path / "tensorboard").exists()
+    from pslab.experiments.cli import main
+    assert main(["export", str(plain.path), "--tensorboard"]) == 0
+    again = EventAccumulator(str(plain.path / "tensorboard"))
+    again.Reload()
+    assert len(again.Scalars("loss/worker0")) == 12
+
+
+def test_tensorboard_without_the_package_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    from pslab.experiments.cli import main
+    assert main(["run", "compare_default", "--set", "logging.tensorboard=true", "--out", str(tmp_path), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("pslab: error: [logging] tensorboard needs the tensorboard package: pip install tensorboard "
+                   "(in a checkout: pip install -e '.[tensorboard]')")
+    assert not list(tmp_path.iterdir())                         # refused before a run directory was made
