@@ -104,18 +104,13 @@ class Comparison:
         return pd.DataFrame.from_records([{"label": r.label, "strategy": r.strategy, **flat_scalars(r.summary or {})}
                                           for r in self.runs])
 
-    def _stack(self, what: str) -> Any:
-        import pandas as pd
-        parts = [getattr(r, what).assign(run=r.label) for r in self.runs if len(getattr(r, what))]
-        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-
     @property
     def metrics(self) -> Any:
-        return self._stack("metrics")
+        return stack(self.runs, "metrics")
 
     @property
     def evals(self) -> Any:
-        return self._stack("evals")
+        return stack(self.runs, "evals")
 
     def __getitem__(self, label: str) -> Run:
         for r in self.runs:
@@ -125,6 +120,15 @@ class Comparison:
 
     def __repr__(self) -> str:
         return f"Comparison({len(self.runs)} runs: {', '.join(r.label for r in self.runs)}; path={str(self.path)!r})"
+
+
+def stack(runs: Sequence[Run], what: str, with_dir: bool = False) -> Any:
+    """The runs' `what` frames ("metrics", "evals", "events") as one, each row tagged with its run's label
+    (`run`) and, `with_dir`, its directory (`run_dir`)."""
+    import pandas as pd
+    tags = lambda r: {"run": r.label, **({"run_dir": str(r.path)} if with_dir else {})}    # noqa: E731
+    parts = [getattr(r, what).assign(**tags(r)) for r in runs if len(getattr(r, what))]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run"] + ["run_dir"] * with_dir)
 
 
 def read_run(path: Path) -> Run:
@@ -147,13 +151,13 @@ def load(path: str | Path) -> Run | Comparison:
     p = Path(path)
     if (p / "config.toml").is_file():
         return read_run(p)
-    if (p / "runs").is_dir() and _run_dirs(p):
-        return Comparison(path=p, runs=[read_run(d) for d in _run_dirs(p)])
+    dirs = _run_dirs(p) if (p / "runs").is_dir() else []
+    if dirs:
+        return Comparison(path=p, runs=[read_run(d) for d in dirs])
     raise ExperimentError(f"{p} is neither a pslab run directory (config.toml) nor a compare folder (runs/*/)")
 
 
-def _config(config: str | Path | RunConfig | Mapping[str, Any] | None, overrides: Sequence[str],
-            default: Path | None = None) -> RunConfig:
+def _config(config: str | Path | RunConfig | Mapping[str, Any] | None, overrides: Sequence[str]) -> RunConfig:
     """A RunConfig from a file path (or a shipped example's name), a RunConfig (copied), a dict of sections
     ({'train': {'strategy': 'ps-asp'}}), or None (the compare default); then `overrides` ('train.steps=50')."""
     import copy
@@ -163,12 +167,8 @@ def _config(config: str | Path | RunConfig | Mapping[str, Any] | None, overrides
         return load_config(None, list(overrides), base=copy.deepcopy(config))
     if isinstance(config, Mapping):
         return load_config(None, list(overrides), base=apply(RunConfig(), dict(config), "config dict"))
-    if config is None:
-        if default is None:
-            raise ExperimentError("give a config: a TOML path, an example's name such as 'compare_default', a "
-                                  "RunConfig or a dict of sections")
-        config = default
-    return load_config(config, list(overrides))
+    from pslab.experiments.studies.compare import DEFAULT_CONFIG
+    return load_config(DEFAULT_CONFIG if config is None else config, list(overrides))
 
 
 @contextlib.contextmanager
@@ -190,8 +190,7 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, *, set
     `simulate`: the discrete-event simulator (None: as the config says). `force`: more processes than this machine
     admits by default."""
     from pslab.experiments.runner import execute
-    from pslab.experiments.studies.compare import DEFAULT_CONFIG
-    cfg = _config(config, set, DEFAULT_CONFIG)
+    cfg = _config(config, set)
     with _no_leftover_state():
         rd = execute(cfg, out, label=label, simulate=simulate, quiet=not progress, force=force)
     return read_run(rd.path)
@@ -208,7 +207,7 @@ def compare(config: str | Path | RunConfig | Mapping[str, Any] | None = None, *,
     import time
     from pslab.experiments.strategies.spec import parse_strategy
     from pslab.experiments.studies import compare as cmp
-    cfg = _config(config, set, cmp.DEFAULT_CONFIG)
+    cfg = _config(config, set)
     chosen = tuple(strategies) if strategies is not None else cmp.DEFAULT_STRATEGIES
     if isinstance(strategies, str) or not chosen:
         raise ExperimentError("strategies= takes a non-empty list, e.g. ['allreduce', 'ps-asp']")

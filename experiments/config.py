@@ -425,9 +425,10 @@ def resolve_config_path(path: str | Path) -> Path:
     if p.is_file():
         return p
     name = p.name if p.name.endswith(".toml") else p.name + ".toml"
-    if p.parent in (Path("."), Path("experiments/configs")) and name in example_configs():
-        return example_configs()[name]
-    raise ConfigError(f"config file not found: {p} (the shipped examples: {', '.join(sorted(example_configs()))})")
+    shipped = example_configs()
+    if p.parent in (Path("."), Path("experiments/configs")) and name in shipped:
+        return shipped[name]
+    raise ConfigError(f"config file not found: {p} (the shipped examples: {', '.join(sorted(shipped))})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -34,13 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def tables(run_dirs: list[Path]) -> dict[str, object]:
     """{'metrics' | 'evals' | 'events' | 'summary': DataFrame} over `run_dirs`, each row with `run` and `run_dir`."""
     import pandas as pd
-    from pslab.experiments.api import flat_scalars, read_run
+    from pslab.experiments.api import flat_scalars, read_run, stack
     runs = [read_run(d) for d in run_dirs]
-    tag = lambda r, f: f.assign(run=r.label, run_dir=str(r.path))            # noqa: E731
-    out: dict[str, object] = {}
-    for name in ("metrics", "evals", "events"):
-        parts = [tag(r, getattr(r, name)) for r in runs if len(getattr(r, name))]
-        out[name] = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run", "run_dir"])
+    out: dict[str, object] = {name: stack(runs, name, with_dir=True) for name in ("metrics", "evals", "events")}
     out["summary"] = pd.DataFrame.from_records([{"run": r.label, "run_dir": str(r.path), "strategy": r.strategy,
                                                  "interrupted": r.interrupted, **flat_scalars(r.summary or {})}
                                                 for r in runs])

@@ -227,14 +227,19 @@ def _tensor_plan(cfg: RunConfig, wl: Workload, model: torch.nn.Module) -> tuple[
 
 
 def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
+    """Tensor parallelism: the activations' collectives (by pslab's blocks, or by the model's own tp_plan), and
+    under ps-* tp rank 0's broadcast of the replicated tensors it pulled."""
+    total, formula = (_tensor_plan(cfg, wl, model) if getattr(model, "tp_plan", None) else
+                      _tensor_blocks(cfg, wl, model, acts))
+    if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py; under
+        total += cfg.train.workers * (cfg.parallel.tp - 1) * _replicated_bytes(model)   # cp: cp rank 0's tp group)
+        formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
+    return total, formula
+
+
+def _tensor_blocks(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int]) -> tuple[float, str]:
     """Tensor (+ sequence) parallelism, also inside pipeline stages: every Attention and MLP region communicates
     per micro-batch (of a_i = A · b_i/b bytes), activation checkpointing replays its forward collectives."""
-    if getattr(model, "tp_plan", None):
-        total, formula = _tensor_plan(cfg, wl, model)
-        if cfg.strategy.uses_ps:
-            total += cfg.train.workers * (cfg.parallel.tp - 1) * _replicated_bytes(model)
-            formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
-        return total, formula
     p, D, T, C = cfg.parallel, cfg.train.workers, cfg.parallel.tp, cfg.parallel.cp
     D *= C * p.ep                  # tp × cp: D·C tp groups, each on its S/C tokens; tp × ep: D·ep, on b/ep sequences
     regions = sum(1 for n, m in model.named_modules() if isinstance(m, (Attention, MLP)) and ".experts." not in n)
@@ -272,9 +277,6 @@ def _tensor(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: list[int
                    "all-reduces (g forward, f backward" + (", g recomputed" if ac else "")
                    + f", per attention and MLP) · {parts[0][1]}{mtext}{etext}); "
                    + ("A = b·(S/C)·d·4 B" if C > 1 else "A = (b/ep)·S·d·4 B" if p.ep > 1 else "A = b·S·d·4 B"))
-    if cfg.strategy.uses_ps:      # tp rank 0 broadcasts the replicated tensors it pulled (strategies/ps.py; under
-        total += cfg.train.workers * (T - 1) * _replicated_bytes(model)       # cp: cp rank 0's tp group only)
-        formula += " + D·(T−1)·R (PS: tp rank 0 broadcasts the R bytes of replicated tensors)"
     return total, formula
 
 

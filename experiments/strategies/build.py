@@ -74,19 +74,19 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
         raise ConfigError("ps-bsp-backup picks the first N gradients of each clock per shard set; with a split "
                           f"model ({p.describe()}) the shard sets could pick different workers: use parallel.tp = "
                           "pp = cp = ep = 1")
-    if p.tp > 1 and getattr(wl.make_model(), "tp_plan", None) is not None:      # the model's own plan
+    model = wl.make_model() if p.tp > 1 else None
+    if model is not None and getattr(model, "tp_plan", None) is not None:      # the model's own plan
         from pslab.parallelism.tensor import check_tp_plan
         other = [a for a, v in (("sp", p.sp), ("cp", p.cp > 1), ("ep", p.ep > 1), ("pp", p.pp > 1)) if v]
         if other:
             raise ConfigError(f"a model split by its own tp_plan runs with tp and dp only (not {', '.join(other)}): "
                               f"{wl.name!r} has no pslab transformer blocks to split otherwise")
         try:
-            check_tp_plan(wl.make_model(), wl.make_model().tp_plan, p.tp)
+            check_tp_plan(model, model.tp_plan, p.tp)
         except ValueError as e:
             raise ConfigError(f"{wl.name}: {e}") from None
-    elif p.tp > 1:
+    elif model is not None:
         from pslab.parallelism.models import MLP, Attention
-        model = wl.make_model()
         blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
         if not blocks:
             raise ConfigError(f"parallel.tp = {p.tp} splits attention heads and MLP width; workload "
