@@ -5,10 +5,13 @@ group of the mesh (`mesh.py`: tp innermost, then ep, cp, pp, dp outermost), and 
 
     model = factory()
     1. pp  cut     keep this rank's pipeline stage: whole top-level layers,    pipeline.py     talks on pp:
-                   a balanced cut of the parameterised ones (interleaved:                      p2p at the cuts
-                   v chunks of a v·p-way cut, chunks s, s+p, …)
+                   a balanced cut of the parameterised ones, or the model's                    p2p at the cuts
+                   own pp_cuts (interleaved: v chunks of a v·p-way cut,
+                   chunks s, s+p, …)
     2. tp  split   Attention / MLP → Megatron column- and row-parallel shards  tensor.py       talks on tp:
-                   (an MoE layer: each expert's MLP, the router replicated)                    every block
+                   (an MoE layer: each expert's MLP, the router replicated);                   every block
+                   a user's model: the Linears its tp_plan names that the
+                   stage holds (whole colwise/rowwise pairs per stage)
        sp          + the LayerNorm regions (and embedding, head) on S/T tokens sequence.py
     3. cp  ring    attention (each tp rank's heads) by ring attention over     context.py      talks on cp:
                    the cp group, every layer on the rank's S/C tokens                          K/V blocks, then
@@ -87,7 +90,7 @@ def cut_pipeline(model: nn.Module, pp: Comm, virtual_stages: int = 1) -> tuple[n
 
 
 def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel: bool,
-                 regather: bool) -> list[torch.Tensor]:
+                 regather: bool, stage_index: int = 0) -> list[torch.Tensor]:
     """Step 2: swap the stage's Attention / MLP blocks for tensor-parallel ones (+ sequence parallelism); returns
     the parameters tp left replicated whose gradients are partial under sp (empty without sp, or at tp = 1)."""
     from .tensor import SHARD_ATTR, tensor_parallelize
@@ -95,11 +98,14 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
         return []
     from .models import MLP, Attention
     from .tensor import TP_PLAN_ATTR
-    if getattr(model, TP_PLAN_ATTR, None) is not None:      # the model's own plan (a user's model): no pp cut
+    plan = getattr(model, TP_PLAN_ATTR, None)
+    if plan is not None:                  # the model's own plan (a user's model); a pp stage splits what it holds
         if stage is not model:
-            raise EngineError(f"a model split by its own {TP_PLAN_ATTR} runs without pipeline parallelism (pp = 1)")
+            check_stage_plans(model, plan, {stage_index: stage})
+            stage.tp_plan = stage_plan(plan, stage)
         try:
-            tensor_parallelize(stage, tp, sequence_parallel, regather)
+            if stage.tp_plan:
+                tensor_parallelize(stage, tp, sequence_parallel, regather)
         except ValueError as e:
             raise EngineError(str(e)) from None
         return []
@@ -110,6 +116,25 @@ def split_tensor(stage: nn.Module, model: nn.Module, tp: Comm, sequence_parallel
     if not sequence_parallel:
         return []
     return [p for p in stage.parameters() if not getattr(p, SHARD_ATTR, False)]
+
+
+def stage_plan(plan: dict[str, str], stage: nn.Module) -> dict[str, str]:
+    """The entries of a model's tp_plan that name modules of this pipeline stage (whose children keep the full
+    model's indices as names, so the names are unchanged)."""
+    return {n: st for n, st in plan.items() if str(n).split(".")[0] in stage._modules}
+
+
+def check_stage_plans(model: nn.Module, plan: dict[str, str], stages: dict[int, nn.Module]) -> None:
+    """Each stage's planned Linears, in module order, are colwise/rowwise pairs, so what crosses a cut is whole
+    (not one tp rank's share of the features). EngineError naming the pair a cut separates."""
+    order = [n for n, _ in model.named_modules() if n in plan]
+    for k, st in stages.items():
+        mine = [n for n in order if n in stage_plan(plan, st)]
+        styles = [plan[n] for n in mine]
+        if styles != ["colwise", "rowwise"] * (len(styles) // 2) or len(styles) % 2:
+            raise EngineError(f"pipeline stage {k} holds the tp_plan's Linears {mine} ({', '.join(styles)}): a cut "
+                              "must not separate a colwise Linear from its rowwise partner (what crosses a cut is "
+                              "whole); move the cut (pp_cuts) or the plan")
 
 
 # what a mixture-of-experts model cannot go through, by step
@@ -145,7 +170,7 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     tp = Comm(mesh.group("tp"), log)
     if moe and sequence_parallel:
         raise EngineError(_MOE_REFUSED["sp"])
-    replicated = split_tensor(stage, model, tp, sequence_parallel, regather)  # 2. tp (+ sp)
+    replicated = split_tensor(stage, model, tp, sequence_parallel, regather, pp.rank)  # 2. tp (+ sp)
     cp = Comm(mesh.group("cp"), log)
     if cp.size > 1:
         if sequence_parallel:

@@ -8,6 +8,11 @@ ranks s ± 1 mod p; "first" and "last" below are virtual stages 0 and p·v − 1
           (last stage: loss_i = loss_fn(out, y_i) · b_i/B, so Σ loss_i is the full-batch mean)
     B i:  receive ∂L/∂out_i from s+1 (last stage: loss_i.backward()), backpropagate, send ∂L/∂in_i to s−1
 
+The cut: the model's own `pp_cuts` (child indices where stages 1 … n−1 begin) if it declares them, else its
+parameterised children spread evenly (`split_stages`). A batch may be a tensor or a (nested) tuple / dict of them
+(a user's workload): it is cut into micro-batches along dim 0 (`split_batch`), stage 0 runs on micro-batch i's
+inputs, the last stage's loss_fn reads micro-batch i of the whole batch, and what crosses a cut is one tensor.
+
 Sends are non-blocking (waited at the end of the step) and receives are tagged (2(c·m+i) forward, +1 backward, c the
 sender's virtual stage), so no schedule whose replay (`schedule.simulate`) finishes can deadlock; the first time a
 micro-batch shape crosses a cut, the sender sends a small shape header before the activation so the receiver can
@@ -44,16 +49,84 @@ _MAX_DIMS = 6
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
+PP_CUTS_ATTR = "pp_cuts"   # a model's own stage cut: the child indices where stages 1, 2, ... begin (see split_stages)
+
+
 def split_stages(model: nn.Sequential, stages: int) -> list[tuple[int, int]]:
-    """[start, end) child indices of each stage: parameterised children spread evenly, others join their left."""
+    """[start, end) child indices of each stage: the model's own `pp_cuts` (the child indices where stages 1 … n−1
+    begin, as torch.distributed.pipelining's split points) if it declares them; else parameterised children spread
+    evenly, others join their left."""
     if not isinstance(model, nn.Sequential):
         raise EngineError(f"pipeline parallelism cuts an nn.Sequential into stages; got {type(model).__name__}")
+    cuts = getattr(model, PP_CUTS_ATTR, None)
+    if cuts is not None:
+        starts = [0] + check_pp_cuts(model, cuts, stages)
+        return list(zip(starts, starts[1:] + [len(model)]))
     heavy = [i for i, c in enumerate(model) if any(True for _ in c.parameters())]
     if len(heavy) < stages:
         raise EngineError(f"cannot cut a model with {len(heavy)} parameterised layers into {stages} stages; "
                           f"use fewer stages or a deeper model")
     starts = [0] + [heavy[a] for a, _ in chunk_bounds(len(heavy), stages)[1:]]
     return list(zip(starts, starts[1:] + [len(model)]))
+
+
+def check_pp_cuts(model: nn.Sequential, cuts: object, stages: int) -> list[int]:
+    """The model's declared cut, validated: `stages` − 1 increasing child indices in 1 … len(model) − 1, each stage
+    holding a parameter. EngineError with a one-line reason otherwise."""
+    n = len(model)
+    if not isinstance(cuts, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts):
+        raise EngineError(f"the model's {PP_CUTS_ATTR} must be a list of child indices where stages 1, 2, ... begin, "
+                          f"got {cuts!r}")
+    if len(cuts) != stages - 1:
+        raise EngineError(f"the model's {PP_CUTS_ATTR} {list(cuts)} cuts it into {len(cuts) + 1} stages, but the "
+                          f"layout asks for {stages} (parallel.pp x virtual_stages): declare {stages - 1} cut(s)")
+    if list(cuts) != sorted(set(cuts)) or (cuts and (cuts[0] < 1 or cuts[-1] > n - 1)):
+        raise EngineError(f"the model's {PP_CUTS_ATTR} {list(cuts)} must be increasing child indices in 1..{n - 1} "
+                          f"(its nn.Sequential has {n} children)")
+    starts = [0, *cuts, n]
+    for k, (a, b) in enumerate(zip(starts, starts[1:])):
+        if not any(True for i in range(a, b) for _ in model[i].parameters()):
+            raise EngineError(f"the model's {PP_CUTS_ATTR} {list(cuts)} leaves stage {k} (children {a}..{b - 1}) "
+                              "without a parameter: move a cut")
+    return list(cuts)
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """`batch` (a tensor, or a tuple / list / dict of them, nested) cut into m micro-batches along dim 0, as
+    torch.tensor_split cuts a tensor; anything that is not a tensor is repeated in every micro-batch."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, m))
+    if isinstance(batch, (tuple, list)):
+        parts = [split_batch(v, m) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    if isinstance(batch, dict):
+        parts = {k: split_batch(v, m) for k, v in batch.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
+    return [batch] * m
+
+
+def _signature(b: Any) -> Any:
+    """The shapes and dtypes of a (nested) batch's tensors; other leaves by their type."""
+    if isinstance(b, torch.Tensor):
+        return (tuple(b.shape), b.dtype)
+    if isinstance(b, dict):
+        return tuple((k, _signature(v)) for k, v in b.items())
+    if isinstance(b, (tuple, list)):
+        return tuple(_signature(v) for v in b)
+    return type(b).__name__
+
+
+def batch_rows(batch: Any) -> int:
+    """Examples in `batch`: dim 0 of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    for v in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()):
+        try:
+            return batch_rows(v)
+        except EngineError:
+            pass
+    raise EngineError(f"a pipeline batch must hold a tensor (its micro-batches are cut along dim 0); got "
+                      f"{type(batch).__name__}")
 
 
 def stage_module(model: nn.Sequential, bounds: tuple[int, int] | list[tuple[int, int]]) -> nn.Sequential:
@@ -155,16 +228,17 @@ class PipelineReplica:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         m, s, p = self.micro_batches, self.s, self.p
         last = p * self.v - 1                              # the virtual stage that scores the loss
-        total = x.shape[0]                                 # the worker's batch: loss_i · b_i/total sums to its mean
+        total = batch_rows(x)                              # the worker's batch: loss_i · b_i/total sums to its mean
         if self.ep is not None:                            # this ep rank's sample chunk (expert.py)
             n = self.ep.size
             if x.shape[0] % n:
                 raise EngineError(f"a worker batch of {x.shape[0]} samples cannot be split over ep = {n} ranks; "
                                   "use a batch size divisible by ep")
             x, y = torch.tensor_split(x, n)[self.ep.rank], torch.tensor_split(y, n)[self.ep.rank]
-        if x.shape[0] < m:
-            raise EngineError(f"batch of {x.shape[0]} cannot be split into {m} micro-batches")
-        xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+        if batch_rows(x) < m:
+            raise EngineError(f"batch of {batch_rows(x)} cannot be split into {m} micro-batches")
+        xs, ys = split_batch(x, m), split_batch(y, m)     # (a user's batch: a tuple or dict of tensors)
+        rows = [batch_rows(b) for b in xs]
         sp = self.sp
         if sp is not None:
             from .sequence import sequence_bounds
@@ -204,13 +278,16 @@ class PipelineReplica:
                 out = self.chunks[k](inp)
                 aux = None
                 if k in self.moe_chunks:                  # this chunk's MoE layers' aux loss of this micro-batch
-                    aux = moe_aux_loss(self.chunks[k]) * (xs[i].shape[0] / total)
+                    aux = moe_aux_loss(self.chunks[k]) * (rows[i] / total)
                     aux_sum = aux_sum + aux.detach()
                 if c == last:
-                    out = self.loss_fn(out, ys[i]) * (xs[i].shape[0] / total)
+                    out = self.loss_fn(out, ys[i]) * (rows[i] / total)
                     losses.append(out.detach())
                 t1 = self._pad(a.phase, t0)
                 if c < last:
+                    if not isinstance(out, torch.Tensor):
+                        raise EngineError(f"pipeline stage {c}'s output is a {type(out).__name__}; one tensor "
+                                          "crosses a stage cut: cut the model where a child returns a tensor")
                     self._send_shape((c, self._shape_key(i, xs)), out, c, i)
                     sends.append(self.pp.isend(out.detach().contiguous(), (s + 1) % p, tag=self._tag(c, i),
                                                site=f"stage {s} -> {(s + 1) % p}"))
@@ -278,8 +355,9 @@ class PipelineReplica:
         return tuple(t[:, pos] for t in xs), tuple(t[:, pos] for t in ys)
 
     @staticmethod
-    def _shape_key(i: int, xs: tuple[torch.Tensor, ...]) -> tuple:
-        return (tuple(xs[i].shape), xs[i].dtype)
+    def _shape_key(i: int, xs: Any) -> tuple:
+        """What decides the shape crossing a cut: micro-batch i's tensors' shapes and dtypes."""
+        return _signature(xs[i])
 
     def enable_overlapped_sync(self) -> None:
         """Used by AllReduceStrategy(overlap=True): the dp all-reduce runs in buckets from autograd hooks during

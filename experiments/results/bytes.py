@@ -143,7 +143,8 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
             parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
     model = wl.make_model() if (p.tp > 1 or p.pp > 1) else None
-    acts = _activations(model, wl) if model is not None and not getattr(model, "tp_plan", None) else []
+    acts = (_activations(model, wl) if model is not None and (p.pp > 1 or not getattr(model, "tp_plan", None))
+            else [])                               # (a planned model's tp bytes are read off its own Linears)
     if p.tp > 1:
         out["tp activations"] = _tensor(cfg, wl, model, acts)
     if p.cp > 1:

@@ -77,10 +77,10 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
     model = wl.make_model() if p.tp > 1 else None
     if model is not None and getattr(model, "tp_plan", None) is not None:      # the model's own plan
         from pslab.parallelism.tensor import check_tp_plan
-        other = [a for a, v in (("sp", p.sp), ("cp", p.cp > 1), ("ep", p.ep > 1), ("pp", p.pp > 1)) if v]
+        other = [a for a, v in (("sp", p.sp), ("cp", p.cp > 1), ("ep", p.ep > 1)) if v]
         if other:
-            raise ConfigError(f"a model split by its own tp_plan runs with tp and dp only (not {', '.join(other)}): "
-                              f"{wl.name!r} has no pslab transformer blocks to split otherwise")
+            raise ConfigError(f"a model split by its own tp_plan runs with tp, pp and dp only (not "
+                              f"{', '.join(other)}): {wl.name!r} has no pslab transformer blocks to split otherwise")
         try:
             check_tp_plan(model, model.tp_plan, p.tp)
         except ValueError as e:
@@ -117,27 +117,43 @@ def check_layout(cfg: RunConfig, wl: Workload) -> None:
             if isinstance(model, torch.nn.Sequential) else 0
         if layers == 0:
             raise ConfigError(f"parallel.pp cuts an nn.Sequential into stages; {wl.name!r} is not one")
-        if p.pp > layers:
+        from pslab.parallelism.pipeline import PP_CUTS_ATTR, split_stages, stage_module
+        cut = getattr(model, PP_CUTS_ATTR, None) is not None   # the model's own cut (split_stages checks it below)
+        if p.pp > layers and not cut:
             raise ConfigError(f"parallel.pp = {p.pp} exceeds the {layers} layers of {wl.name}: use pp <= {layers}")
         v = p.virtual_stages
-        if p.pp * v > layers:
+        if p.pp * v > layers and not cut:
             raise ConfigError(f"parallel.virtual_stages = {v} cuts {wl.name}'s {layers} layers into pp x v = "
                               f"{p.pp * v} chunks, more than it has: use virtual_stages <= {layers // p.pp}")
+        from pslab.parallelism.engine import EngineError
+        try:
+            bounds = split_stages(model, p.pp * v)
+            if p.tp > 1 and getattr(model, "tp_plan", None):      # each chunk splits whole colwise/rowwise pairs
+                from pslab.parallelism.compose import check_stage_plans
+                check_stage_plans(model, model.tp_plan, {k: stage_module(model, b) for k, b in enumerate(bounds)})
+        except EngineError as e:
+            raise ConfigError(f"{wl.name}: {e}") from None
         if cfg.strategy.uses_ps and (p.ep > 1 or p.tp > 1):   # every rank's chunks hold something of its own
             from pslab.parallelism.models import MLP, Attention
             from pslab.parallelism.moe import MoEBase
+            planned = p.ep == 1 and getattr(model, "tp_plan", None)
             ax, kinds, what = (("ep", MoEBase, "an MoE layer") if p.ep > 1 else
+                               ("tp", torch.nn.Linear, "a Linear its tp_plan names") if planned else
                                ("tp", (Attention, MLP), "an attention or MLP block"))
-            ok = [q for q in range(2, layers // v + 1) if _every_stage_holds(model, q, v, kinds)]
+            qs = [p.pp] if cut else range(2, layers // v + 1)
+            ok = [q for q in qs if _every_stage_holds(model, q, v, kinds, model.tp_plan if planned else None)]
             if p.pp not in ok:
                 raise ConfigError(f"parallel.pp = {p.pp} with {ax} = {getattr(p, ax)} under {cfg.strategy.label} "
                                   f"leaves a stage without {what}, so its {ax} ranks > 0 would hold nothing of their "
                                   f"own to push: use pp in {ok or [1]}")
 
 
-def _every_stage_holds(model: torch.nn.Module, pp: int, v: int, kinds: Any) -> bool:
-    """Whether each of the pp ranks' chunks hold a module of `kinds`."""
+def _every_stage_holds(model: torch.nn.Module, pp: int, v: int, kinds: Any, plan: dict | None = None) -> bool:
+    """Whether each of the pp ranks' chunks hold a module of `kinds` (with a tp_plan: a Linear the plan names)."""
     from pslab.parallelism.pipeline import rank_stages
+    if plan is not None:
+        from pslab.parallelism.compose import stage_plan
+        return all(stage_plan(plan, st) for st in rank_stages(model, pp, v))
     return all(any(isinstance(m, kinds) for m in st.modules()) for st in rank_stages(model, pp, v))
 
 

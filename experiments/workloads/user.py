@@ -40,11 +40,19 @@ The parts, and what pslab does with them:
   torch's parallelize_module with ColwiseParallel / RowwiseParallel, and Hugging Face's tp_plan): a colwise
   Linear keeps its output features split, its rowwise partner takes them and sums the partial products — only
   per-feature operations (an activation) between the two. (A model may also carry the dict as `model.tp_plan`.)
+- `pp_cuts`: for pipeline parallelism, the child indices of the model (an nn.Sequential) where stages 1, 2, ...
+  begin — `[3]` cuts it into children 0-2 and 3-end (as torch.distributed.pipelining's split points). Without
+  it, pslab spreads the parameterised children evenly. Stage 0 is called with `inputs(micro_batch)` (a tensor, a
+  tuple or a dict: the batch is cut into micro-batches along dim 0), every later cut carries one tensor, and the
+  last stage scores `loss(output, micro_batch)` — which must be the mean over the micro-batch's examples (as
+  cross-entropy is), so the micro-batches' losses weighted by their sizes sum to the batch's.
+  With a tp_plan too, each stage splits the planned Linears it holds (dp x tp x pp, 3D): a colwise Linear and its
+  rowwise partner must fall in one stage.
 
 Where it runs: every strategy (local, allreduce, every ps-*), the simulator, data parallelism and ZeRO 1-3, any
-module; tensor parallelism (x dp) by the model's tp_plan. Context and sequence parallelism split pslab's
-transformer blocks (parallelism/models.py) and pipeline parallelism cuts an nn.Sequential into stages; what a
-model cannot do gets one line saying so.
+module; tensor parallelism by the model's tp_plan and pipeline parallelism for an nn.Sequential, alone or
+together (x dp). Context, sequence and expert parallelism split pslab's own transformer and MoE blocks
+(parallelism/models.py); what a model cannot do gets one line saying so.
 
 The function is imported in every process pslab starts (by its module name, or by file path), so it must be
 importable from the working directory, and calling it must give the same data each time (read files, seed any
@@ -81,6 +89,7 @@ class UserWorkload:
     max_eval: int = 2000
     description: str = "a user workload"
     tp_plan: Mapping[str, str] | None = None
+    pp_cuts: Sequence[int] | None = None
 
 
 def npz(path: str | Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -303,6 +312,8 @@ class UserWorkloadRunner:
             raise ConfigError(f"{self.name}: model(seed) must return a torch nn.Module, got {type(model).__name__}")
         if self.user.tp_plan is not None:
             model.tp_plan = dict(self.user.tp_plan)       # what tensor parallelism splits (parallelism/tensor.py)
+        if self.user.pp_cuts is not None:
+            model.pp_cuts = list(self.user.pp_cuts)       # where pipeline parallelism cuts (parallelism/pipeline.py)
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if bad:
             raise ConfigError(f"{self.name}: parameters must be float32 (pslab's wire and optimizers are); "

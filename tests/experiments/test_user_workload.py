@@ -2,7 +2,9 @@
 CNN on an .npz it generates, and a dict-batch model whose output is an object. Under local, allreduce, ps-asp,
 ps-ssp:2 and the simulator; allreduce equals local (as the built-ins do: float32 summation order aside); ZeRO-2
 runs; an MLP with a declared tp_plan under tp = 2 (and dp x tp, and ps-bsp) equals local, its tp bytes equal the
-formula; tensor parallelism on a model without blocks or plan, a bad plan, and a bad name are one line, exit 1."""
+formula; with a declared pp_cuts too, dp x tp x pp (3D), ps-bsp tp x pp and ZeRO-3 x tp equal local, and a dict
+batch is cut into micro-batches; tensor parallelism on a model without blocks or plan, a bad plan, a bad cut and
+a bad name are one line, exit 1."""
 
 from __future__ import annotations
 
@@ -83,6 +85,59 @@ def bad_plan():
     return make_workload({"0": "colwise", "1": "rowwise"})      # "1" is the GELU
 """
 
+DEEP = """
+import numpy as np, torch
+from torch import nn
+from torch.nn import functional as F
+from pslab.experiments.workloads.user import UserWorkload
+
+def make_workload(cuts=(4,)):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((256, 12)).astype(np.float32)
+    y = (x @ rng.standard_normal((12, 5))).argmax(1).astype(np.int64)
+    def model(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh(),
+                             nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5))
+    return UserWorkload(model=model, train=(x[:200], y[:200]), test=(x[200:], y[200:]),
+                        tp_plan={"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"},
+                        pp_cuts=cuts)
+
+def split_pair():
+    return make_workload(cuts=[2])                 # stage 0 would end on the colwise "0"
+
+def three_stages():
+    return make_workload(cuts=[2, 4])
+
+class Features(nn.Module):                         # stage 0 reads the dict batch; one tensor crosses the cut
+    def forward(self, b):
+        return b["features"] * b["scale"][:, None]
+
+class Pair(nn.Module):                             # returns a tuple: no cut may follow it
+    def forward(self, h):
+        return h, h
+
+class First(nn.Module):
+    def forward(self, pair):
+        return pair[0]
+
+def dict_pipeline(pair=False):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((300, 16)).astype(np.float32)
+    data = lambda s: {"features": x[s], "scale": np.full(len(x[s]), 0.5, np.float32),
+                      "label": x[s, :3].argmax(1).astype(np.int64)}
+    def model(seed):
+        torch.manual_seed(seed)
+        if pair:
+            return nn.Sequential(Features(), nn.Linear(16, 32), Pair(), First(), nn.Linear(32, 3))
+        return nn.Sequential(Features(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3))
+    return UserWorkload(model=model, train=data(slice(0, 240)), test=data(slice(240, 300)),
+                        loss=lambda out, b: F.cross_entropy(out, b["label"]), pp_cuts=[3])
+
+def tuple_cut():
+    return dict_pipeline(pair=True)
+"""
+
 
 @pytest.fixture()
 def folder(tmp_path, monkeypatch):
@@ -97,6 +152,7 @@ def folder(tmp_path, monkeypatch):
     (tmp_path / "my_cnn.py").write_text(textwrap.dedent(CNN))
     (tmp_path / "my_dict.py").write_text(textwrap.dedent(DICT))
     (tmp_path / "my_mlp.py").write_text(textwrap.dedent(PLANNED))
+    (tmp_path / "my_deep.py").write_text(textwrap.dedent(DEEP))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -155,6 +211,54 @@ def test_a_declared_tp_plan_splits_the_users_model_and_equals_local(folder):
                                                                                       rel=1e-9), (label, tp)
 
 
+def _same_losses(r, ref, label):
+    want = {(u.worker, u.step): u.loss for u in ref.metrics.itertuples()}
+    got = {(u.worker, u.step): u.loss for u in r.metrics.itertuples()}
+    assert got.keys() == want.keys() and max(abs(got[q] - want[q]) for q in want) < 1e-4, label
+    assert r.summary["final_test_acc"] == pytest.approx(ref.summary["final_test_acc"], abs=1e-6), label
+
+
+@pytest.mark.timeout(400)
+def test_a_declared_cut_and_plan_run_the_users_model_in_3d(folder):
+    """The model's own pp_cuts and tp_plan: dp 2 x tp 2 x pp 2 (8 ranks), ps-bsp with tp 2 x pp 2, and ZeRO-3 over
+    the tp shards each equal local; the tp and pp bytes equal their formulas; a dict batch is cut into micro-batches
+    (stage 0 reads the dict, the last stage's loss the dict's labels) and equals local."""
+    name = "my_deep.py:make_workload"
+    ref = {1: _run(folder, name, "local", "train.workers=1"), 2: _run(folder, name, "local")}
+    runs = {"dp2 x tp2 x pp2": (_run(folder, name, "allreduce", "parallel.tp=2", "parallel.pp=2"), 2),
+            "ps-bsp tp2 x pp2": (_run(folder, name, "ps-bsp", "train.workers=1", "parallel.tp=2", "parallel.pp=2"), 1),
+            "zero3 x tp2": (_run(folder, name, "allreduce", "parallel.tp=2", "parallel.zero=3"), 2)}
+    for label, (r, k) in runs.items():
+        _same_losses(r, ref[k], label)
+        for kind in ("tp activations", "pp boundaries"):
+            b = r.summary["bytes_by_kind"].get(kind)
+            if b is not None:
+                assert b["measured_per_step"] > 0 and b["model_per_step"] == pytest.approx(
+                    b["measured_per_step"], rel=1e-9), (label, kind, b)
+    assert "pp boundaries" in runs["dp2 x tp2 x pp2"][0].summary["bytes_by_kind"]
+    dict_name = "my_deep.py:dict_pipeline"
+    _same_losses(_run(folder, dict_name, "allreduce", "train.workers=1", "parallel.pp=2"),
+                 _run(folder, dict_name, "local", "train.workers=1"), "dict batch, pp2")
+
+
+@pytest.mark.parametrize("name, extra, fragment", [
+    ("my_deep.py:split_pair", ["parallel.tp=2"],
+     "pipeline stage 0 holds the tp_plan's Linears ['0'] (colwise): a cut must not separate"),
+    ("my_deep.py:three_stages", [], "pp_cuts [2, 4] cuts it into 3 stages, but the layout asks for 2"),
+    ("my_deep.py:tuple_cut", [], "pipeline stage 0's output is a tuple; one tensor crosses a stage cut"),
+    ("my_dict.py:make_workload", [], "parallel.pp cuts an nn.Sequential into stages; 'my_dict.py:make_workload' "
+                                     "is not one"),
+])
+def test_a_cut_that_cannot_run_is_one_line(folder, capsys, name, extra, fragment):
+    from pslab.experiments.cli import main
+    cfg = folder / "c.toml"
+    cfg.write_text(f'[workload]\nname = "{name}"\nbatch_size = 8\n[train]\nstrategy = "allreduce"\nworkers = 1\n'
+                   'steps = 2\ntimeout_s = 60\n[parallel]\npp = 2\n')
+    assert main(["run", str(cfg), "--out", str(folder / "runs"), "-q", *sum((["--set", e] for e in extra), [])]) == 1
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and "\n" not in err, err
+
+
 @pytest.mark.parametrize("name, fragment", [
     ("nofile.py:make_workload", "no such file"),
     ("my_cnn.py:nope", "has no function 'nope'"),
@@ -186,7 +290,7 @@ def test_tensor_parallelism_on_a_model_without_blocks_is_one_line(folder, capsys
 @pytest.mark.parametrize("name, extra, fragment", [
     ("my_mlp.py:bad_plan", [], "tp_plan names '1', a GELU: only nn.Linear modules split"),
     ("my_mlp.py:make_workload", ["parallel.tp=3"], "splits 32 output features over tp = 3"),
-    ("my_mlp.py:make_workload", ["parallel.sp=true"], "runs with tp and dp only (not sp)"),
+    ("my_mlp.py:make_workload", ["parallel.sp=true"], "runs with tp, pp and dp only (not sp)"),
 ])
 def test_a_plan_that_cannot_split_is_one_line(folder, capsys, name, extra, fragment):
     from pslab.experiments.cli import main
