@@ -54,6 +54,7 @@ Before sleeping in poll both sides spin a little on the slots (collectives.shm_c
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import re
@@ -85,6 +86,30 @@ def enabled() -> bool:
     return os.environ.get(_DISABLE, "1") != "0" and supported()
 
 
+# names this process made in /dev/shm and has not removed yet: unlinked at interpreter exit, so a client that
+# exits without close() (an exception in a script, no pslab supervisor to sweep) leaves no FIFO or segment
+_OWNED: dict[str, int] = {}             # name -> the pid that made it (a forked child never removes its parent's)
+
+
+def _own(name: str) -> None:
+    _OWNED[name] = os.getpid()
+
+
+def _disown(name: str) -> None:
+    _OWNED.pop(name, None)
+
+
+@atexit.register
+def _remove_owned() -> None:
+    for name, pid in list(_OWNED.items()):
+        if pid == os.getpid():
+            try:
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+            except OSError:
+                pass
+    _OWNED.clear()
+
+
 # ---------------------------------------------------------------------------------------------- bells
 class Bell:
     """This process's doorbell: a FIFO it reads (to poll) and its peers ring. `who` is "w<worker>" or "s<shard>"."""
@@ -100,6 +125,7 @@ class Bell:
         except OSError:
             os.unlink(path)
             raise
+        _own(self.name)
 
     def drain(self) -> None:
         """Swallow the rings so far (call before looking at the lanes: a later ring wakes the next poll)."""
@@ -113,6 +139,7 @@ class Bell:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        _disown(self.name)
         try:
             os.unlink(os.path.join(shm.SHM_DIR, self.name))
         except FileNotFoundError:
@@ -195,6 +222,7 @@ class ClientLane:
             raise
         finally:
             os.close(fd)
+        _own(self.name)
         _header(self.mm)[:] = (MAGIC, VERSION, worker, shard, CAPACITY)
         self.request, self.reply = _Slot(self.mm, REQUEST), _Slot(self.mm, REPLY)
         self.bell = -1                         # the shard's bell (after accept)
@@ -259,6 +287,7 @@ class ClientLane:
             except BufferError:
                 pass
             self.mm = None
+        _disown(self.name)
         try:
             os.unlink(os.path.join(shm.SHM_DIR, self.name))
         except FileNotFoundError:

@@ -7,6 +7,7 @@ versioned membership releases gates blocked by a dead worker and re-admits a rep
 from __future__ import annotations
 
 import contextlib
+import ast
 import os
 import shutil
 import signal
@@ -394,9 +395,10 @@ def test_a_killed_pslab_server_leaves_no_fifo_or_segment(tmp_path, job_secret_en
     """kill -9 of a stand-alone `pslab server` with a same-host client registered (its doorbell FIFO and the
     client's reply segment exist): its sweeper removes them, and nothing of it stays in /dev/shm."""
     sock = f"ipc://{tmp_path}/s.sock"
+    before = _server_traces()               # (another job's, which this test does not judge)
     with _pslab_server("--bind", sock, "--workers", "1", "--idle-timeout", "60") as proc:
         assert "serving 1 workers" in proc.stdout.readline()
-        mine = _server_traces()
+        mine = _server_traces() - before
         with connect([sock], 0, PARAMS, timeout=20) as c:
             c.init(PARAMS).result(20)
             c.push(grads(0, 0)).result(20)
@@ -409,6 +411,28 @@ def test_a_killed_pslab_server_leaves_no_fifo_or_segment(tmp_path, job_secret_en
         while time.monotonic() < deadline and _server_traces() & (ours | mine):
             time.sleep(0.1)
         assert not _server_traces() & (ours | mine), sorted(_server_traces() & (ours | mine))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
+def test_a_client_that_exits_without_close_leaves_no_fifo_or_segment(tmp_path, job_secret_env):
+    """A script (no pslab supervisor to sweep after it) connects to a stand-alone server over the same-host lane,
+    then dies of an exception without close(): its doorbell FIFO and lane segment go with it (atexit)."""
+    sock = f"ipc://{tmp_path}/s.sock"
+    before = _server_traces()
+    script = ("import sys, numpy as np\nfrom pslab.ps import connect\n"
+              "p = {'w': np.zeros(8, np.float32)}\nc = connect([sys.argv[1]], 0, p, timeout=20)\n"
+              "c.init(p).result(20); c.pull().result(20)\n"
+              "import os; print(sorted(n for n in os.listdir('/dev/shm') if n.startswith('pslab-')), flush=True)\n"
+              "raise RuntimeError('the user script fails')\n")
+    with _pslab_server("--bind", sock, "--workers", "1", "--idle-timeout", "60") as proc:
+        assert "serving 1 workers" in proc.stdout.readline()
+        r = subprocess.run([sys.executable, "-c", script, sock], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).resolve().parents[2])
+        assert "the user script fails" in r.stderr, r.stderr[-2000:]
+        had = {n for n in ast.literal_eval(r.stdout.strip().splitlines()[-1]) if "-w0-" in n or n.endswith("-w0-bell")}
+        assert any(n.endswith("-w0-bell") for n in had), f"the client made no bell: the test would prove nothing {had}"
+        assert not (_server_traces() - before) & had, sorted((_server_traces() - before) & had)
 
 
 # ---------------------------------------------------------------------------------------------- membership
