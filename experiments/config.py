@@ -15,6 +15,7 @@
                   bandwidth_inter_Bps, workers_per_host, timing_only
     [topology]    hosts, gpus_per_host, placement, intra_latency_us, intra_bandwidth_GBps, inter_latency_us,
                   inter_bandwidth_GBps: real runs on emulated hosts (collectives/topology.py); hosts = 0: none
+    [outer]       optimizer, lr, momentum: DiLoCo's outer step (diloco:<H>; parallelism/local_sgd.py)
 
 Every value is validated here; a bad one raises ConfigError naming the key and what is allowed.
 """
@@ -230,6 +231,16 @@ class TopologyConfig:
 
 
 @dataclass
+class OuterConfig:
+    """DiLoCo's outer optimizer (train.strategy = "diloco:<H>"), stepping θ_outer on the averaged pseudo-gradient
+    every H inner steps. Defaults: Douillard et al. 2023 (Nesterov momentum 0.9, lr 0.7)."""
+
+    optimizer: str = "nesterov"      # nesterov | sgd (heavy-ball momentum; momentum = 0: plain SGD)
+    lr: float = 0.7                  # outer lr = 1 with sgd and momentum 0: DiLoCo is Local SGD
+    momentum: float = 0.9            # in [0, 1); nesterov needs > 0
+
+
+@dataclass
 class LoggingConfig:
     """Where else a run's records go, beside its run directory."""
 
@@ -247,6 +258,7 @@ class RunConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
 
     @property
     def strategy(self) -> Strategy:
@@ -330,7 +342,32 @@ class RunConfig:
             raise ConfigError("train.target_acc needs trained weights to evaluate: a timing-only simulation "
                               "(simulate.timing_only) computes no gradients; drop one of them")
         validate_topology(self)
+        self._validate_periodic(s)
         return self
+
+    def _validate_periodic(self, s: Strategy) -> None:
+        """[outer] and what local-sgd / diloco do not run with yet (one line each)."""
+        from pslab.parallelism.local_sgd import OUTER_OPTIMIZERS
+        o = self.outer
+        if o.optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(f"outer.optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got {o.optimizer!r}")
+        if isinstance(o.lr, bool) or not isinstance(o.lr, (int, float)) or not (o.lr > 0 and math.isfinite(o.lr)):
+            raise ConfigError(f"outer.lr must be a finite number > 0, got {o.lr!r}")
+        if isinstance(o.momentum, bool) or not isinstance(o.momentum, (int, float)) or not 0 <= o.momentum < 1:
+            raise ConfigError(f"outer.momentum must be in [0, 1), got {o.momentum!r}")
+        if o.optimizer == "nesterov" and o.momentum == 0:
+            raise ConfigError("outer.optimizer = nesterov needs outer.momentum > 0 (for plain SGD use "
+                              "outer.optimizer = sgd with momentum 0)")
+        if not s.periodic:
+            return
+        if self.simulate.enabled:
+            raise ConfigError(f"{s.label} runs for real only: the simulator does not model periodic averaging yet; "
+                              "drop --simulate")
+        f = self.faults
+        if f.events or f.checkpoint_every or f.policy(s.kind) != "abort":
+            raise ConfigError(f"{s.label} keeps per-worker parameters and optimizer state between averages, which "
+                              "the failure and checkpoint machinery does not save yet: drop faults.events and "
+                              "faults.checkpoint_every, use faults.on_failure = abort (or auto), or use allreduce")
 
 
 def _worker_key(k: Any) -> int:

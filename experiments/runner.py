@@ -71,7 +71,7 @@ class _FilePoller:
 
 def default_label(cfg: RunConfig, simulated: bool) -> str:
     lab = cfg.strategy.label
-    if cfg.strategy.kind == "allreduce" and cfg.train.backend != "zmq":
+    if cfg.strategy.ring and cfg.train.backend != "zmq":
         lab += f"[{cfg.train.backend}]"
     if cfg.parallel.describe():
         lab += f"[{cfg.parallel.describe()}]"

@@ -95,7 +95,7 @@ class FaultsConfig:
         model is split over ranks (tp, pp or ZeRO), which only an engine checkpoint can re-cut: auto aborts."""
         if self.on_failure != "auto":
             return self.on_failure
-        if strategy_kind == "local" or split:
+        if strategy_kind in ("local", "local-sgd", "diloco") or split:   # (periodic averaging: not survived yet)
             return "abort"
         return "shrink" if strategy_kind == "allreduce" else "continue"
 

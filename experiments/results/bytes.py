@@ -4,6 +4,8 @@ Kinds (each is one process group's traffic, or the PS client's payload), summed 
 step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b the per-worker batch:
 
     dp gradient sync      ring all-reduce of each rank's gradients      Σ_r 2(D−1)/D · S_r
+    dp parameter average  local-sgd:H / diloco:H: the parameters (or θ_outer − θ_i) all-reduced after every H-th
+                          step and the last, per step                    ⌈n/H⌉/n · Σ_r 2(D−1)/D · S_r
     zero RS + AG          ZeRO 1/2: reduce-scatter + all-gather          Σ_r 2(D−1)/D · S_r    (stage 3: 3(D−1)/D)
     tp activations        Megatron f/g: per attention and per MLP region (2L of them) one all-reduce forward (g)
                           and one backward (f) of the activation A = b·S·d·4 B; under a pipeline, per micro-batch
@@ -121,6 +123,14 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
+    elif cfg.strategy.periodic and D > 1:      # local-sgd / diloco: the parameters (or θ_outer − θ_i) every H steps
+        n = steps or cfg.train.steps
+        H = cfg.strategy.period
+        syncs = -(-n // H)                      # after every H-th step, and after the last
+        parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
+        out["dp parameter average"] = (syncs / n * sum(b for b, _ in parts),
+                                       f"⌈n/H⌉/n · Σ_r {parts[0][1]} (one all-reduce of the parameters per H = {H} "
+                                       f"steps, and after the last: {syncs} over n = {n} steps)")
     elif cfg.strategy.kind == "allreduce" and D > 1:
         rs = 2 if _gloo(cfg) else 1             # gloo has no uneven reduce-scatter: the backend all-reduces a copy
         gloo_rs = " (gloo: the reduce-scatter is an all-reduce, 2(D−1)/D)" if _gloo(cfg) else ""
@@ -386,6 +396,8 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
     unobserved: dict[str, str] = {}
 
     def kind_of(axis: str) -> str:
+        if axis == "dp" and cfg.strategy.periodic:
+            return "dp parameter average"
         return "zero RS + AG" if axis == "dp" and cfg.parallel.zero else KIND_OF_AXIS[axis]
     sends: dict[str, int] = {}
     for r in results:

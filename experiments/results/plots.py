@@ -23,7 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-STRATEGY_ORDER = ["local", "allreduce", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp", "ps-ssp-agg"]
+STRATEGY_ORDER = ["local", "allreduce", "local-sgd", "diloco", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp",
+                  "ps-ssp-agg"]
 
 
 def run_label(run: dict[str, Any]) -> str:

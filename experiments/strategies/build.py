@@ -23,6 +23,8 @@ Strategies:
     local      LocalStrategy: K virtual workers in one process, their gradients averaged
     allreduce  AllReduceStrategy (ring all-reduce over replica.dp, then torch.optim) — or ZeroStrategy for ZeRO,
                DistributedOptimizerStrategy for ZeRO-1 on a split model
+    local-sgd:H, diloco:H  PeriodicAveragingStrategy: local torch.optim steps, the parameters (DiLoCo: the outer
+               step on the pseudo-gradient) averaged over replica.dp every H steps
     ps-*       PSSyncStrategy on this rank's slot group: one shard set per (pp, tp) coordinate, D workers each
 
 `check_layout` adds the rules that need the model (divisibility of heads and width by tp, layers for pp) to the
@@ -224,6 +226,12 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
             return ZeroStrategy()
         from pslab.parallelism.engine import AllReduceStrategy
         return AllReduceStrategy(lambda params: torch_optimizer(spec, params), overlap=cfg.parallel.overlap)
+    if s.periodic:                 # local-sgd:H, diloco:H (parallelism/local_sgd.py)
+        from pslab.parallelism.local_sgd import PeriodicAveragingStrategy, outer_optimizer
+        o = cfg.outer
+        return PeriodicAveragingStrategy(lambda params: torch_optimizer(spec, params), s.period, cfg.train.steps,
+                                         outer_optimizer(o.optimizer, o.lr, o.momentum) if s.kind == "diloco"
+                                         else None)
     from pslab.experiments.strategies.ps import PSSyncStrategy, slot_group
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")

@@ -108,7 +108,8 @@ class _Worker(ElasticMember):
         if self.group.rank == 0:
             path = self.rd.part_path("eval", 0)
             out = JsonlWriter(path) if (self.joining or not first) else _fresh_writer(path)
-        self.ev = _Evaluator(self.cfg, self.wl, self.replica, self.mesh, out)
+        self.ev = _Evaluator(self.cfg, self.wl, self.replica, self.mesh, out,
+                             getattr(self.strategy, "global_view", None))
 
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
@@ -210,6 +211,7 @@ class _Worker(ElasticMember):
                     # -- phase 4: one record per worker ----------------------------------------------------------------
                     now = time.time() - t0
                     if self.records is not None:
+                        stale = getattr(self.strategy, "staleness", stale)   # local-sgd / diloco: steps alone
                         for w, loss, digest in done:
                             rec = UpdateRecord(w, step, step + 1, now, loss, stale, sent, recv, wait, digest,
                                                dropped=bool(getattr(self.strategy, "dropped", False)))
@@ -324,9 +326,11 @@ def _fresh_writer(path: Any) -> JsonlWriter:
 class _Evaluator:
     """Test loss/accuracy of the full model; collective over worker 0's model-parallel group when it is split."""
 
-    def __init__(self, cfg: RunConfig, wl: Workload, replica: Any, mesh: Any, out: JsonlWriter | None) -> None:
+    def __init__(self, cfg: RunConfig, wl: Workload, replica: Any, mesh: Any, out: JsonlWriter | None,
+                 view: Any = None) -> None:
         self.every, self.wl, self.replica, self.mesh, self.out = cfg.train.eval_every, wl, replica, mesh, out
         self.split = cfg.parallel.model_parallel > 1 or cfg.parallel.zero == 3
+        self.view = view          # the strategy's global_view (local-sgd / diloco: the averaged model, not a copy)
         self.last = -1
 
     def maybe(self, before: int, after: int, now: float) -> None:
@@ -338,9 +342,11 @@ class _Evaluator:
         PS's final read after every worker finished)."""
         if updates == self.last and not changed:
             return
-        model = self._full_model()
-        if model is not None and self.out is not None:
-            self.out.write({"updates": updates, "time_s": now, **self.wl.evaluate(model)})
+        import contextlib
+        with self.view(self.replica) if self.view is not None else contextlib.nullcontext():
+            model = self._full_model()
+            if model is not None and self.out is not None:
+                self.out.write({"updates": updates, "time_s": now, **self.wl.evaluate(model)})
         self.last = updates
 
     def _full_model(self) -> torch.nn.Module | None:

@@ -10,6 +10,10 @@
     ps-ssp-agg:<s>     SSP with each clock's K gradients averaged into one step once all have arrived (ssp-agg:0
                        is BSP bitwise; the model advances only as the slowest worker completes a clock)
     ps-bsp-backup:<b>  BSP that proceeds on the first N of N+b gradients per clock (b >= 1 backup workers)
+    local-sgd:<H>      Local SGD (Lin et al. 2020): every worker steps on its own gradient, the parameters are
+                       averaged over the ring every H steps (parallelism/local_sgd.py)
+    diloco:<H>         DiLoCo (Douillard et al. 2023): H inner steps per worker, then an outer optimizer ([outer])
+                       steps on the averaged pseudo-gradient θ_outer − mean θ_i
 
 Learning rates (`train.lr_rule`, Goyal et al. 2017's linear scaling rule by default). `train.lr` is the learning
 rate PER GRADIENT. A strategy whose optimizer step averages G gradients (G = K for local, allreduce, ps-bsp and
@@ -39,8 +43,10 @@ if TYPE_CHECKING:
     from pslab.experiments.config import TrainConfig
     from pslab.ps.optim import OptimizerSpec
 
-KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup")
-_HELP = "local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>"
+KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup", "local-sgd", "diloco")
+RING_KINDS = ("allreduce", "local-sgd", "diloco")     # the strategies that talk over the dp ring, not the shards
+_HELP = ("local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>, local-sgd:<H>, "
+         "diloco:<H>")
 LR_RULES = ("linear", "sqrt", "none")
 
 
@@ -49,10 +55,21 @@ class Strategy:
     kind: str
     staleness: int | None = None  # ps-ssp, ps-ssp-agg
     backup: int | None = None     # ps-bsp-backup
+    period: int | None = None     # local-sgd, diloco: steps between averages (H)
 
     @property
     def uses_ps(self) -> bool:
         return self.kind.startswith("ps-")
+
+    @property
+    def ring(self) -> bool:
+        """Whether the workers synchronise over the dp ring (allreduce, local-sgd, diloco)."""
+        return self.kind in RING_KINDS
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the workers average every `period` steps instead of every step (local-sgd, diloco)."""
+        return self.kind in ("local-sgd", "diloco")
 
     @property
     def policy(self) -> str:
@@ -68,6 +85,8 @@ class Strategy:
             return f"{self.kind}:{self.staleness}"
         if self.kind == "ps-bsp-backup":
             return f"ps-bsp-backup:{self.backup}"
+        if self.periodic:
+            return f"{self.kind}:{self.period}"
         return self.kind
 
     def __str__(self) -> str:
@@ -75,7 +94,8 @@ class Strategy:
 
     def gradients_per_step(self, workers: int) -> int:
         """How many gradients one optimizer step averages: K for the averaging strategies, K - b with b backups
-        (the first K - b gradients of a clock), 1 for those that apply every gradient at once."""
+        (the first K - b gradients of a clock), 1 for those that apply every gradient at once. Local SGD and
+        DiLoCo: K — each worker's step moves its own copy, and the average divides every step's move by K."""
         if self.kind in ("ps-asp", "ps-ssp"):
             return 1
         if self.kind == "ps-bsp-backup":
@@ -85,8 +105,9 @@ class Strategy:
 
 # strategies that take an integer argument: kind -> (what it is, its minimum, an example)
 _ARGS = {"ps-ssp": ("a staleness bound", 0, "ps-ssp:2"), "ps-ssp-agg": ("a staleness bound", 0, "ps-ssp-agg:2"),
-         "ps-bsp-backup": ("a number of backup workers", 1,
-                                                                          "ps-bsp-backup:1")}
+         "ps-bsp-backup": ("a number of backup workers", 1, "ps-bsp-backup:1"),
+         "local-sgd": ("a period H (steps between averages)", 1, "local-sgd:4"),
+         "diloco": ("a period H (inner steps per outer step)", 1, "diloco:16")}
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -108,6 +129,8 @@ def parse_strategy(text: str) -> Strategy:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be an integer, got {arg!r}") from None
     if n < least:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be >= {least}, got {n}")
+    if kind in ("local-sgd", "diloco"):
+        return Strategy(kind, period=n)
     return Strategy(kind, backup=n) if kind == "ps-bsp-backup" else Strategy(kind, staleness=n)
 
 
