@@ -252,6 +252,7 @@ class Job:
         self.store_path = ""
         self.procs: dict[int, Any] = {}                  # rank (member) -> its current process
         self.spawned: dict[int, int] = {r: 0 for r in range(world_size)}   # processes started per rank
+        self.history: dict[int, list[str]] = {}   # per rank: why each of its processes ended (failures)
         self.all_procs: list[Any] = []
         self.results: dict[int, Any] = {}
         self.gone: set[int] = set()                      # ranks the supervisor let go (dead or hung)
@@ -306,7 +307,9 @@ class Job:
         """Start a replacement process for `rank` (its previous one must be gone or let go): fn(group, *args,
         *extra_args). Its result replaces the rank's failure."""
         if self.spawned[rank] >= MAX_PROCS:
-            raise LaunchError(f"rank {rank} was replaced {MAX_PROCS - 1} times already; not starting another")
+            why = "; ".join(f"#{n}: {e}" for n, e in enumerate(self.history.get(rank, [])))
+            raise LaunchError(f"rank {rank} was replaced {MAX_PROCS - 1} times already; not starting another "
+                              f"(its processes ended: {why})")
         self.gone.discard(rank)
         self.results.pop(rank, None)
         self._start(rank, self.args + tuple(extra_args))
@@ -344,6 +347,7 @@ class Job:
     def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
         """A rank died, hung or raised: the supervisor decides whether the job goes on."""
         sup = self.supervisor
+        self.history.setdefault(r, []).append(str(failure.error)[:160])    # (named if it is replaced too often)
         if sup is not None:
             self.gone.add(r)                 # let go (a replacement, if the supervisor spawns one, undoes this)
             self.results[r] = failure

@@ -4,7 +4,7 @@
     [train]       strategy, workers (the data-parallel degree), steps (per worker), shards, backend, optimizer, lr,
                   lr_rule, backup_abort, momentum, betas, staleness_lr, staleness_rule, dc_asgd, dc_lambda, dc_adaptive,
                   eval_every, base_step_s, timeout_s,
-                  target_acc
+                  target_acc, compress, error_feedback
     [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
     [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, stage_ms, zero,
                   activation_checkpointing, overlap  (ParallelConfig)
@@ -89,6 +89,8 @@ class TrainConfig:
     run_limit_s: float = 0.0    # the whole run's wall-clock limit; 0: none (progress is watched, not the clock)
     target_acc: float | None = None  # simulator: stop once an evaluation reaches this test accuracy (0..1]; every
                                      # run: time_to_target_s / updates_to_target in the summary
+    compress: str = "none"      # allreduce: none | topk:<fraction> | sign | powersgd:<rank> (parallelism/compress.py)
+    error_feedback: bool = True # keep what a compressor did not send and add it to the next gradient
 
 
 @dataclass
@@ -345,6 +347,31 @@ class RunConfig:
         self._validate_periodic(s)
         return self
 
+    def _validate_compress(self, s: Strategy) -> None:
+        """train.compress: a known compressor, on the one place it runs yet (allreduce, plain data parallelism)."""
+        from pslab.parallelism.compress import check_compress
+        t, p = self.train, self.parallel
+        try:
+            t.compress = check_compress(t.compress)
+        except ValueError as e:
+            raise ConfigError(f"train.{e}") from None
+        if not isinstance(t.error_feedback, bool):
+            raise ConfigError(f"train.error_feedback must be true or false, got {t.error_feedback!r}")
+        if t.compress == "none":
+            if not t.error_feedback:
+                raise ConfigError("train.error_feedback = false applies to a compressor: set train.compress too "
+                                  "(topk:<fraction>, sign or powersgd:<rank>)")
+            return
+        if s.kind != "allreduce":
+            raise ConfigError(f"train.compress = {t.compress!r} compresses the all-reduce of the gradients: it needs "
+                              f"train.strategy = allreduce, not {s.label} (the parameter server's push: not yet)")
+        if p.model_parallel > 1 or p.zero or p.overlap:
+            raise ConfigError(f"train.compress = {t.compress!r} runs on plain data parallelism for now: drop "
+                              f"[parallel] ({p.describe()})")
+        if self.simulate.enabled:
+            raise ConfigError(f"train.compress = {t.compress!r} runs for real only: the simulator does not model "
+                              "compression yet; drop --simulate")
+
     def _validate_periodic(self, s: Strategy) -> None:
         """[outer] and what local-sgd / diloco do not run with yet (one line each)."""
         from pslab.parallelism.local_sgd import OUTER_OPTIMIZERS
@@ -358,6 +385,7 @@ class RunConfig:
         if o.optimizer == "nesterov" and o.momentum == 0:
             raise ConfigError("outer.optimizer = nesterov needs outer.momentum > 0 (for plain SGD use "
                               "outer.optimizer = sgd with momentum 0)")
+        self._validate_compress(s)
         if not s.periodic:
             return
         if self.simulate.enabled:

@@ -97,11 +97,13 @@ def zero_grads(slots: Iterable[ParamSlot]) -> None:
 
 
 class AllReduceStrategy:
-    """Ring all-reduce BSP: average every slot's gradient over `replica.dp`, then a local optimizer step."""
+    """Ring all-reduce BSP: average every slot's gradient over `replica.dp`, then a local optimizer step (with a
+    `compress.Compressor`: its compressed mean, error feedback kept per worker)."""
 
-    def __init__(self, optimizer_factory: OptimizerFactory, overlap: bool = True) -> None:
+    def __init__(self, optimizer_factory: OptimizerFactory, overlap: bool = True, compressor: Any = None) -> None:
         self.optimizer_factory = optimizer_factory
-        self.overlap = overlap
+        self.overlap = overlap and compressor is None
+        self.compressor = compressor       # compress.Compressor: the gradients' compressed mean (error feedback)
         self.optimizer: torch.optim.Optimizer | None = None
         self._overlapped = False
 
@@ -116,7 +118,11 @@ class AllReduceStrategy:
         if self.optimizer is None:
             raise EngineError("AllReduceStrategy.step before attach(replica)")
         slots = replica.slots()
-        if not self._overlapped:
+        if self.compressor is not None:
+            grads = [(s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param)) for s in slots]
+            for s, g in zip(slots, self.compressor.mean(replica.dp, grads)):
+                s.param.grad = g
+        elif not self._overlapped:
             allreduce_grads(replica.dp, slots)
         self.optimizer.step()
         zero_grads(slots)

@@ -149,6 +149,8 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
                                 D, "D", "S_c", _gloo(cfg)) for chunks in rank_chunks(model, p.pp, p.virtual_stages) for ch in chunks]
             out["dp gradient sync"] = (D * sum(b for b, _ in parts),
                                        f"D · Σ_chunks {parts[0][1]} (a reducer per model chunk, S_c its bytes)")
+        elif cfg.train.compress != "none":
+            out["dp gradient sync"] = _compressed(cfg, wl, D)
         else:
             parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
             out["dp gradient sync"] = (sum(b for b, _ in parts), f"Σ_r {parts[0][1]}")
@@ -164,6 +166,39 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if p.pp > 1:
         out["pp boundaries"] = _pipeline(cfg, model, acts, steps or cfg.train.steps)
     return out
+
+
+def _compressed(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:
+    """train.compress (parallelism/compress.py), D ranks each sending: top-k's k values + k int32 indices and
+    sign's packed bits + a scale per tensor all-gathered ((D−1) copies of its own); PowerSGD's three all-reduces
+    (the tensors it leaves whole, the P factors, the Q factors)."""
+    from pslab.parallelism.compress import make_compressor
+    shapes = [q.shape for q in wl.make_model().parameters()]
+    sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+    c = make_compressor(cfg.train.compress)
+    kind = cfg.train.compress.split(":")[0]
+    if kind == "topk":
+        k = c.k(sum(sizes))
+        return D * (D - 1) * 8.0 * k, (f"D·(D−1)·k·(4 + 4) B, k = ⌈ρ·n⌉ = {k} of n = {sum(sizes)} (all-gathered "
+                                         "float32 values and int32 indices)")
+    if kind == "sign":
+        per = sum(-(-n // 8) + 4 for n in sizes)
+        return D * (D - 1) * float(per), (f"D·(D−1)·Σ_t (⌈n_t/8⌉ + 4) B = D·(D−1)·{per} B (all-gathered sign bits and a "
+                                          "float32 scale per tensor)")
+    whole = low_p = low_q = 0
+    for sh, n in zip(shapes, sizes):
+        t = torch.empty(sh, device="meta")
+        if c.compressible(t):
+            rows, cols = sh[0], n // sh[0]
+            r = min(c.rank, rows, cols)
+            low_p, low_q = low_p + 4 * rows * r, low_q + 4 * cols * r
+        else:
+            whole += 4 * n
+    parts = [_allreduce(b, D, "D", name, _gloo(cfg)) for b, name in ((whole, "W"), (low_p, "P"), (low_q, "Q"))
+             if b]
+    return D * sum(b for b, _ in parts), (f"D · ({' + '.join(f for _, f in parts)}): the tensors left whole "
+                                          f"(W = {whole} B), the P (Σ rows·r·4 = {low_p} B) and Q (Σ cols·r·4 = "
+                                          f"{low_q} B) factors")
 
 
 def _pipeline(cfg: RunConfig, model: torch.nn.Module, acts: list[int], steps: int) -> tuple[float, str]:

@@ -224,8 +224,11 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
         if cfg.parallel.zero:
             from pslab.parallelism.zero import ZeroStrategy
             return ZeroStrategy()
+        from pslab.parallelism.compress import make_compressor
         from pslab.parallelism.engine import AllReduceStrategy
-        return AllReduceStrategy(lambda params: torch_optimizer(spec, params), overlap=cfg.parallel.overlap)
+        return AllReduceStrategy(lambda params: torch_optimizer(spec, params), overlap=cfg.parallel.overlap,
+                                 compressor=make_compressor(cfg.train.compress, cfg.train.error_feedback,
+                                                            cfg.workload.seed))
     if s.periodic:                 # local-sgd:H, diloco:H (parallelism/local_sgd.py)
         from pslab.parallelism.local_sgd import PeriodicAveragingStrategy, outer_optimizer
         o = cfg.outer

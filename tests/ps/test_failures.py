@@ -6,8 +6,8 @@ versioned membership releases gates blocked by a dead worker and re-admits a rep
 
 from __future__ import annotations
 
-import contextlib
 import ast
+import contextlib
 import os
 import shutil
 import signal
