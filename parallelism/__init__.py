@@ -31,6 +31,7 @@ Files, one idea each:
     comm.py          per-engine bytes by kind and by site; the ordered communication thread
     data.py          bucketed, hook-driven, overlapped gradient all-reduce; no_sync()
     local_sgd.py     Local SGD and DiLoCo: local steps, the parameters (or the outer step) averaged every H steps
+    compress.py      top-k, sign and PowerSGD compression of the gradients' all-reduce, with error feedback
     tensor.py        Megatron f/g, column/row-parallel Linear, TP MLP and attention
     sequence.py      sequence parallelism on the tp group: LayerNorm on sequence shards, all-gather/reduce-scatter
     ring_attention.py  ring attention: K/V blocks around the cp ring, online softmax, zig-zag causal balance
