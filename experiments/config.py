@@ -371,6 +371,10 @@ class RunConfig:
         if self.simulate.enabled:
             raise ConfigError(f"train.compress = {t.compress!r} runs for real only: the simulator does not model "
                               "compression yet; drop --simulate")
+        f = self.faults
+        if f.events or f.checkpoint_every:
+            raise ConfigError(f"train.compress = {t.compress!r} keeps a residual per worker, which failures and "
+                              "engine checkpoints do not save yet: drop faults.events and faults.checkpoint_every")
 
     def _validate_periodic(self, s: Strategy) -> None:
         """[outer] and what local-sgd / diloco do not run with yet (one line each)."""

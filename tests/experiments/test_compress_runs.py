@@ -60,6 +60,7 @@ def test_lossy_compression_and_error_feedback_change_the_run(runs):
     (["train.compress=sign", "train.strategy=allreduce", "parallel.zero=1"], "runs on plain data parallelism"),
     (["train.compress=sign", "train.strategy=allreduce", "simulate.enabled=true"], "runs for real only"),
     (["train.error_feedback=false", "train.strategy=allreduce"], "applies to a compressor"),
+    (["train.compress=topk:0.1", "train.strategy=allreduce", "faults.checkpoint_every=4"], "do not save yet"),
 ])
 def test_what_compression_does_not_run_with_is_one_line(extra, fragment):
     with pytest.raises(ConfigError) as e:
