@@ -392,9 +392,6 @@ class RunConfig:
         self._validate_compress(s)
         if not s.periodic:
             return
-        if self.simulate.enabled:
-            raise ConfigError(f"{s.label} runs for real only: the simulator does not model periodic averaging yet; "
-                              "drop --simulate")
         f = self.faults
         if f.events or f.checkpoint_every or f.policy(s.kind) != "abort":
             raise ConfigError(f"{s.label} keeps per-worker parameters and optimizer state between averages, which "

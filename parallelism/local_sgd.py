@@ -24,7 +24,8 @@ with G = D (spec.py), and local-sgd:1 and allreduce then take the same steps.
 Staleness: at local step k after an average (k = 0 … H−1) a worker's gradient is computed on parameters that
 lack the other workers' last k steps each; the records' `staleness` is k (the local steps its parameters have
 taken alone). Evaluation reads the global model — the last average (Local SGD), θ_outer (DiLoCo) — through
-`global_view`, not one worker's drifted copy.
+`global_view`, not one worker's drifted copy. The simulator runs the same arithmetic on D copies in virtual time
+(experiments/sim/local_sgd.py).
 """
 
 from __future__ import annotations

@@ -328,9 +328,13 @@ def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | N
     if cfg.strategy.kind == "allreduce":
         from pslab.experiments.sim.allreduce import simulate_allreduce
         return simulate_allreduce(cfg, rundir, progress)
+    if cfg.strategy.periodic:
+        from pslab.experiments.sim.local_sgd import simulate_local_sgd
+        return simulate_local_sgd(cfg, rundir, progress)
     if not cfg.strategy.uses_ps:
-        raise ExperimentError(f"--simulate supports allreduce and the parameter-server strategies (ps-*), not "
-                              f"{cfg.strategy}: `local` is already a single process, run it without --simulate")
+        raise ExperimentError(f"--simulate supports allreduce, local-sgd, diloco and the parameter-server "
+                              f"strategies (ps-*), not {cfg.strategy}: `local` is already a single process, run it "
+                              "without --simulate")
     if cfg.faults.events:
         from pslab.experiments.sim.faults import check_supported
         check_supported(cfg)

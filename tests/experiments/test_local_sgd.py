@@ -91,6 +91,30 @@ def test_bytes_are_one_parameter_all_reduce_per_period(runs, name):
     assert k["measured_per_step"] == pytest.approx(ar * (-(-10 // H)) / 10, rel=1e-9)      # ⌈10/H⌉ of 10 steps
 
 
+def _simulated(root, strategy: str, *extra: str) -> tuple[list[dict], dict]:
+    rd = execute(small_config(f"train.strategy={strategy}", "train.steps=10", *extra), root, label=strategy + " sim",
+                 quiet=True, simulate=True)
+    return read_jsonl(rd.metrics_path), json.loads((rd.path / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["local-sgd:4", "diloco:4"])
+def test_the_simulator_takes_the_real_runs_steps(runs, tmp_path, name):
+    """--simulate: the same (worker, step, batch, staleness) records and losses as the real run (rel 1e-5: the
+    real ring's summation order), the same final test loss; timing-only gives the same times without losses."""
+    real, real_sum = runs[name]
+    sim, sim_sum = _simulated(tmp_path, name)
+    key = lambda r: (r["worker"], r["step"], r["batch"], r["staleness"])      # noqa: E731
+    assert sorted(map(key, sim)) == sorted(map(key, real))
+    _close(_losses(sim), _losses(real), rel=1e-5)
+    assert sim_sum["simulated"] and sim_sum["final_test_loss"] == pytest.approx(real_sum["final_test_loss"], rel=1e-5)
+    timing, _ = _simulated(tmp_path, name, "simulate.timing_only=true")
+    assert [(r["worker"], r["step"], r["time_s"], r["staleness"]) for r in timing] == \
+        [(r["worker"], r["step"], r["time_s"], r["staleness"]) for r in sim]
+    assert all(r["loss"] is None for r in timing)
+    averages = [r for r in sim if r["step"] in (3, 7, 9)]                    # the steps that end with an average
+    assert all(r["bytes_sent"] > 0 for r in averages) and all(r["bytes_sent"] == 0 for r in sim if r not in averages)
+
+
 # -- the strategy alone, in one process (dp of size 1: the averaging arithmetic without a ring) -----------------
 class _Dp:
     size = 1
@@ -156,7 +180,6 @@ def test_the_outer_nesterov_step_is_the_papers():
     (["train.strategy=diloco:4", "outer.optimizer=adam"], "outer.optimizer must be one of nesterov, sgd"),
     (["train.strategy=diloco:4", "outer.momentum=0.0"], "nesterov needs outer.momentum > 0"),
     (["train.strategy=diloco:4", "outer.lr=-1"], "outer.lr must be a finite number > 0"),
-    (["train.strategy=local-sgd:4", "simulate.enabled=true"], "runs for real only"),
     (["train.strategy=local-sgd:4", "faults.checkpoint_every=2"], "does not save yet"),
     (["train.strategy=local-sgd:4", "faults.on_failure=shrink"], "does not save yet"),
     (["train.strategy=local-sgd:4", "parallel.zero=1"], "use train.strategy = allreduce"),
