@@ -26,6 +26,9 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
 WATCHED = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
+SEND_TIMEOUT_MS = 30_000     # a request that cannot even be queued for this long fails (client.py: PSError)
+
+
 def open_sockets(ctx: zmq.Context, addresses: Sequence[str], user: str, secret: str,
                  curve_keys_dir: str | None) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
     """(DEALER per address, connected and authenticating as `user`; a handshake monitor per socket)."""
@@ -37,7 +40,8 @@ def open_sockets(ctx: zmq.Context, addresses: Sequence[str], user: str, secret: 
             sock = ctx.socket(zmq.DEALER)
             socks.append(sock)
             sock.setsockopt(zmq.LINGER, 0)
-            if keys is not None:
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)    # no pipe (a refused handshake redialling): the send
+            if keys is not None:                              # fails as a PSError instead of blocking for ever
                 curve_client(sock, keys, secret, user)
             else:
                 plain_client(sock, secret, user)
