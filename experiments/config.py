@@ -344,6 +344,7 @@ class RunConfig:
             raise ConfigError("train.target_acc needs trained weights to evaluate: a timing-only simulation "
                               "(simulate.timing_only) computes no gradients; drop one of them")
         validate_topology(self)
+        self._validate_compress(s)
         self._validate_periodic(s)
         return self
 
@@ -389,7 +390,6 @@ class RunConfig:
         if o.optimizer == "nesterov" and o.momentum == 0:
             raise ConfigError("outer.optimizer = nesterov needs outer.momentum > 0 (for plain SGD use "
                               "outer.optimizer = sgd with momentum 0)")
-        self._validate_compress(s)
         if not s.periodic:
             return
         f = self.faults

@@ -35,7 +35,6 @@ import torch
 from .comm import Comm
 from .engine import EngineError
 
-KINDS = ("none", "topk", "sign", "powersgd")
 _FORM = re.compile(r"^(none|sign|topk:(?P<rho>[0-9.eE+-]+)|powersgd:(?P<rank>\d+))$")
 
 
@@ -173,9 +172,9 @@ class PowerSGD(Compressor):
 
     def _mean(self, dp: Comm, m: list[torch.Tensor], site: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         D = dp.size
-        whole = [i for i, t in enumerate(m) if not self.compressible(t)]
         low = [i for i, t in enumerate(m) if self.compressible(t)]
-        out: list[torch.Tensor | None] = [None] * len(m)
+        whole = [i for i in range(len(m)) if i not in low]
+        out: list[torch.Tensor] = list(m)                  # every entry replaced below
         if whole:                                           # uncompressed: one flat all-reduce, kept exactly
             flat = _flat([m[i] for i in whole])
             dp.all_reduce(flat, "sum", site=site)
@@ -199,9 +198,8 @@ class PowerSGD(Compressor):
             for i, p, q in zip(low, ps, qs):
                 self.qs[i] = q                               # warm start: next step's Q
                 out[i] = (p @ q.T).view_as(m[i])
-        done = [o for o in out if o is not None]
-        kept = [m[k] if k in whole else done[k] for k in range(len(m))]   # a whole tensor leaves no residual
-        return done, kept
+        kept = [m[k] if k in whole else out[k] for k in range(len(m))]   # a whole tensor leaves no residual
+        return out, kept
 
 
 def orthonormal(p: torch.Tensor) -> torch.Tensor:

@@ -119,8 +119,7 @@ class AllReduceStrategy:
             raise EngineError("AllReduceStrategy.step before attach(replica)")
         slots = replica.slots()
         if self.compressor is not None:
-            grads = [(s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param)) for s in slots]
-            for s, g in zip(slots, self.compressor.mean(replica.dp, grads)):
+            for s, g in zip(slots, self.compressor.mean(replica.dp, dense_grads(slots))):
                 s.param.grad = g
         elif not self._overlapped:
             allreduce_grads(replica.dp, slots)
@@ -128,12 +127,16 @@ class AllReduceStrategy:
         zero_grads(slots)
 
 
+def dense_grads(slots: list[ParamSlot]) -> list[torch.Tensor]:
+    """Each slot's gradient as a dense tensor (a sparse one, an embedding's, densified; a missing one as zeros)."""
+    return [s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param) for s in slots]
+
+
 def allreduce_grads(dp: Comm, slots: list[ParamSlot], site: str = "grads") -> None:
     """Average the slots' gradients over `dp` with one flat all-reduce (missing grads count as zero)."""
     if dp.size == 1 or not slots:
         return
-    flat = torch.cat([(s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param)).reshape(-1)
-                      for s in slots])    # to_dense: a sparse gradient (an embedding's) is all-reduced densely
+    flat = torch.cat([g.reshape(-1) for g in dense_grads(slots)])
     dp.all_reduce(flat, "sum", site=site)
     flat.mul_(1.0 / dp.size)
     off = 0

@@ -235,8 +235,9 @@ class PipelineReplica:
                 raise EngineError(f"a worker batch of {x.shape[0]} samples cannot be split over ep = {n} ranks; "
                                   "use a batch size divisible by ep")
             x, y = torch.tensor_split(x, n)[self.ep.rank], torch.tensor_split(y, n)[self.ep.rank]
-        if batch_rows(x) < m:
-            raise EngineError(f"batch of {batch_rows(x)} cannot be split into {m} micro-batches")
+        n_rows = batch_rows(x)                             # (this ep rank's chunk under ep)
+        if n_rows < m:
+            raise EngineError(f"batch of {n_rows} cannot be split into {m} micro-batches")
         xs, ys = split_batch(x, m), split_batch(y, m)     # (a user's batch: a tuple or dict of tensors)
         rows = [batch_rows(b) for b in xs]
         sp = self.sp

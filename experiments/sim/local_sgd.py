@@ -92,8 +92,7 @@ def simulate_local_sgd(cfg: RunConfig, rundir: RunDir, progress: Callable[[int],
 def _average(glob: torch.nn.Module, copies: list[torch.nn.Module], outer: torch.optim.Optimizer | None) -> None:
     """Local SGD: glob = mean of the copies. DiLoCo: glob ← outer(glob, mean(glob − copy)). Then every copy = glob."""
     K = len(copies)
-    for name, g in glob.named_parameters():
-        mine = [dict(c.named_parameters())[name] for c in copies]
+    for g, *mine in zip(glob.parameters(), *(c.parameters() for c in copies)):    # (deep copies: same order)
         if outer is None:
             g.copy_(sum(p.detach() for p in mine) / K)
         else:

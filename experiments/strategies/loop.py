@@ -24,6 +24,7 @@ the shards' own staleness series and statistics.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -250,7 +251,6 @@ class _Worker(ElasticMember):
         """`parallelism.checkpointing.ActivationMeter` around the k-th step of this process (k < METERED_STEPS, or
         every step of an MoE model): the high-water mark of activations saved for backward, in
         self.peak_activations."""
-        import contextlib
         if k >= self.METERED_STEPS and not self.cfg.workload.name == "text-moe":
             return contextlib.nullcontext()
         from pslab.parallelism.checkpointing import ActivationMeter
@@ -342,7 +342,6 @@ class _Evaluator:
         PS's final read after every worker finished)."""
         if updates == self.last and not changed:
             return
-        import contextlib
         with self.view(self.replica) if self.view is not None else contextlib.nullcontext():
             model = self._full_model()
             if model is not None and self.out is not None:
