@@ -69,10 +69,10 @@ from .admission import ADMIN, secret_for, worker_user
 from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, ProtocolError, PSError,
                      RequestTimeoutError, ShardLostError, error_from_reply)
 from .futures import Fanout, reply_metas
-from .handshake import HANDSHAKE_FAILED, open_sockets, read_events, refused, stop_monitors
+from .handshake import HANDSHAKE_FAILED, SEND_TIMEOUT_MS, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
 from . import shm_arena, shm_path
-from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN
+from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN, POLLOUT
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
 from .lane import ClientLane, ClientLanes
@@ -303,6 +303,8 @@ class PSClient:
                 self._pending[(shard, seq)].lane = None
             else:
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, push=push)
+            if not self._await_pipe(shard, seq, min(deadline, time.monotonic() + SEND_TIMEOUT_MS / 1000)):
+                return                                        # refused or lost meanwhile: `fut` says which
             try:
                 self._socks[shard].send_multipart(frames, copy=False)
             except zmq.ZMQError as e:
@@ -312,6 +314,24 @@ class PSClient:
                 return
             self.clocks[shard] += push
             self._sent(shard, op, payload, path)
+
+    def _await_pipe(self, shard: int, seq: int, until: float) -> bool:
+        """(With the lock held, before a send.) A DEALER whose connection is down (a refused handshake redialling,
+        a shard restarting) has no pipe, and its send would block: wait for one while reading the monitors, so that
+        a refused handshake fails this request as AuthenticationError at once instead of after the send timeout.
+        False when the request was failed meanwhile; True when the socket takes messages (or `until` passed: the
+        send's own SNDTIMEO then ends it)."""
+        sock = self._socks[shard]
+        while not sock.getsockopt(EVENTS) & POLLOUT:
+            if (shard, seq) not in self._pending:
+                return False
+            if time.monotonic() >= until:
+                return True
+            self._watch()
+            if (shard, seq) not in self._pending:
+                return False
+            sock.poll(20, POLLOUT)
+        return True
 
     def _sent(self, shard: int, op: str, payload: int, path: str) -> None:
         """Count a request handed to the transport: its payload bytes (`wire`) and, for a push, its path. (A

@@ -88,4 +88,4 @@ def wire_safe(obj: Any) -> Any:
 
 
 # zmq constants as plain ints for the per-message paths: pyzmq's enums cost ~1 µs an operation (`&`, flags)
-EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+EVENTS, POLLIN, POLLOUT, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from pslab.ps import shm_path
 from pslab.ps.admin import connect_admin
@@ -265,3 +266,23 @@ def test_shm_links_are_capped_and_reply_segments_freed_when_idle(thread_servers)
         again = a.pull().result(10)
         np.testing.assert_array_equal(again.params["w"], first - W)
         assert a.shm == [True]
+
+
+def test_a_refused_register_fails_at_once_when_the_socket_has_no_pipe(thread_servers, monkeypatch):
+    """worker:1 is no user of a 1-worker shard, so its handshake is refused. When the refusal leaves the DEALER
+    without a pipe at the client's first send (seen in a clean-clone CI run: the register's send blocked until the
+    launch timed out), connect still fails at once with the AuthenticationError that names the user, read from the
+    socket's monitor while the send waits for a pipe. (ZMQ_IMMEDIATE makes "no pipe until a handshake succeeds"
+    certain here.)"""
+    from pslab.ps import handshake
+    servers = thread_servers(1, num_workers=1, policy="asp", optimizer="sgd:lr=1")
+    real = handshake.plain_client
+
+    def without_a_pipe_until_admitted(sock, *args, **kwargs):
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        return real(sock, *args, **kwargs)
+
+    monkeypatch.setattr(handshake, "plain_client", without_a_pipe_until_admitted)
+    with within(25, "connect as a worker the shard does not serve"):
+        with pytest.raises(AuthenticationError, match="worker:1"):
+            connect(servers.addresses, 1, PARAMS, timeout=60)
