@@ -51,6 +51,8 @@ Where is X? (paths from here)
         staleness_report.py         its tables, the four claims checked with a seed bootstrap, the plot
         momentum.py, coherence.py   `--preset momentum` (asynchrony begets momentum), `--preset coherence`
         ssp_straggler.py            `--preset ssp-straggler`: Ho's SSP, time to target vs s, persistent straggler
+        communication.py            `compare --preset communication`: Local SGD, DiLoCo, compression vs BSP/SSP/ASP
+        communication_report.py     its tables, verdicts with a seed bootstrap, loss vs bytes / time / samples
 
     results/                        what runs leave behind
         rundir.py                   run directories, JSON-lines writers, environment capture

@@ -7,6 +7,8 @@
     pslab compare --preset failure --simulate                  # each strategy without and with one failure
     pslab compare --preset failure --failure "stop=worker:1,at_step=20,for_s=5"
     pslab compare --preset failure --failure '[{kill = "worker:3", at_step = 50}, {kill = "shard:0", at_s = 1.0}]'
+    pslab compare --preset communication                       # Local SGD, DiLoCo, top-k, PowerSGD vs BSP/SSP/ASP
+    pslab compare --preset communication --seeds 5 --no-straggler --sim-workers 0
 
 Only the strategy (and, in the second half, one 4x straggler on the last worker) changes between runs: model, data,
 seed, batch schedule and [parallel] layout are the same (`local`, the single-process reference, trains the unsplit
@@ -22,6 +24,13 @@ per step by kind, and the plots.
 its last commit; --set faults.on_failure=replace: a replacement joins). The report adds the failure timeline (world
 size, throughput, loss across the failure) and a table: time to detect, time to recover, steps or updates lost,
 final accuracy next to the no-failure run; the summary table gains the same columns.
+
+--preset communication: bsp (allreduce), ssp:3, asp, local-sgd:4/16, diloco:16/64, top-k 1 % with and without error
+feedback and PowerSGD rank 2, every arm on --seeds seeds (default 3), without and with a straggler, each worker on
+an emulated host joined by a 2 ms / 2 MB/s link (train.steps 128, base_step_s 0.01 unless --set), then the simulator at
+--sim-workers workers (default 64; 0: none). report.md: bytes per sample, time to --target-acc, final test loss next
+to bsp's seed band, the verdicts with a seed bootstrap, loss against bytes / time / samples
+(experiments/studies/communication.py). About 8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from pathlib import Path
 
 from pslab.experiments.commands.common import add_config_args
 
-PRESETS = ("failure",)
+PRESETS = ("failure", "communication")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="failure: each strategy (default allreduce,ps-bsp,ps-ssp:3,ps-asp) without and with one "
                         "failure, and the failure report (timeline; time to detect, time to recover, lost, final "
-                        "accuracy vs the no-failure run)")
+                        "accuracy vs the no-failure run); communication: Local SGD, DiLoCo and compressed "
+                        "all-reduce next to BSP / SSP / ASP on a slow link, loss against bytes, time and samples, "
+                        "verdicts with a seed bootstrap (~8 min)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="--preset communication: seeds per arm (default 3; the verdicts' bootstrap resamples them)")
+    p.add_argument("--sim-workers", type=int, default=None,
+                   help="--preset communication: workers of its simulated part (default 64; 0: skip it)")
     p.add_argument("--failure", default=None, metavar="EVENT",
                    help="--preset failure: the failure, as key=value pairs (\"kill=worker:3,at_step=50\", "
                         "\"stop=worker:1,at_s=2.0,for_s=5\", \"kill=shard:0,at_s=1.5\") or TOML (one table or a "
@@ -74,8 +89,14 @@ def run(args: argparse.Namespace) -> int:
                           "A,B,... instead of --set train.strategy=...")
     if args.preset is None and args.failure is not None:
         raise ConfigError("--failure applies to --preset failure (each strategy without and with that failure)")
+    if args.preset != "communication":
+        for flag, given in (("--seeds", args.seeds is not None), ("--sim-workers", args.sim_workers is not None)):
+            if given:
+                raise ConfigError(f"{flag} applies to --preset communication")
     if args.preset == "failure":
         return _failure(args)
+    if args.preset == "communication":
+        return _communication(args)
     cfg = default_config(args.config, args.overrides)
     if args.strategies is None:
         strategies = DEFAULT_STRATEGIES
@@ -118,4 +139,28 @@ def _failure(args: argparse.Namespace) -> int:
                                        force=args.force, target_acc=args.target_acc)
     print(summary_table(runs, args.target_acc))
     print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def _communication(args: argparse.Namespace) -> int:
+    from pslab.experiments.errors import ConfigError
+    from pslab.experiments.studies.communication import PRESET_OVERRIDES, SEEDS, SIM_WORKERS, run_communication
+    from pslab.experiments.studies.compare import default_config
+    for flag, given in (("--strategies", args.strategies is not None), ("--tune-lr", args.tune_lr),
+                        ("--noise-seeds", args.noise_seeds is not None), ("--failure", args.failure is not None),
+                        ("--simulate", args.simulate)):
+        if given:
+            raise ConfigError(f"{flag} does not apply to --preset communication: its arms, seeds and simulated part "
+                              "are fixed (--seeds, --sim-workers, --no-straggler and --set change them)")
+    cfg = default_config(args.config, list(PRESET_OVERRIDES) + list(args.overrides))
+    out = Path(args.out or f"runs/compare-communication-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    report, data = run_communication(cfg, out, seeds=SEEDS if args.seeds is None else args.seeds,
+                                     straggler=not args.no_straggler,
+                                     sim_workers=SIM_WORKERS if args.sim_workers is None else args.sim_workers,
+                                     quiet=args.quiet, force=args.force, target_acc=args.target_acc)
+    from pslab.experiments.studies.communication_report import verdict_lines
+    for cond, vs in data["verdicts"].items():
+        print(f"\n{'without' if cond == 'none' else 'with'} a straggler:")
+        print("\n".join(verdict_lines(vs, args.target_acc)))
+    print(f"\nreport: {report}   ({data['elapsed_s']:.0f} s)")
     return 0
