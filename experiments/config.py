@@ -369,9 +369,9 @@ class RunConfig:
         if p.model_parallel > 1 or p.zero or p.overlap:
             raise ConfigError(f"train.compress = {t.compress!r} runs on plain data parallelism for now: drop "
                               f"[parallel] ({p.describe()})")
-        if self.simulate.enabled:
-            raise ConfigError(f"train.compress = {t.compress!r} runs for real only: the simulator does not model "
-                              "compression yet; drop --simulate")
+        if self.simulate.timing_only:
+            raise ConfigError(f"train.compress = {t.compress!r} compresses the gradients, which a timing-only "
+                              "simulation does not compute: drop --timing-only (a plain --simulate runs it)")
         f = self.faults
         if f.events or f.checkpoint_every:
             raise ConfigError(f"train.compress = {t.compress!r} keeps a residual per worker, which failures and "

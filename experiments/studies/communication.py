@@ -43,9 +43,10 @@ bytes-per-sample ratio; (2) time to the target accuracy is shorter. Each with a 
 BOOT replicates (seeds resampled with replacement, the same draw for every arm) in which the comparison of the
 medians holds; below SOLID it is called seed noise.
 
-The simulator part (`--sim-workers`, 64 by default; 0 skips it) runs the arms it supports (no compression there:
-`train.compress` is a real-run option) at 64 workers in virtual time, the link modelled by [simulate] with the same
-latency and bandwidth, one seed, at the real runs' step lr (`sim_lr`): how time and bytes scale when K grows.
+The simulator part (`--sim-workers`, 64 by default; 0 skips it) runs every arm at 64 workers in virtual time, the
+link modelled by [simulate] with the same latency and bandwidth (ring all-reduce and all-gather; a shard's requests
+queue on its link), one seed, at the real runs' step lr (`sim_lr`): how time and bytes scale when K grows — where
+the ring's 2(K − 1) latencies per all-reduce, not the bytes, become the cost (PowerSGD pays three of them a step).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def run_communication(cfg: RunConfig, out: Path, seeds: int = SEEDS, straggler: 
             f"{_kb(r['bytes_sent_per_worker'])} kB sent per worker")
     sim: list[dict[str, Any]] = []
     if sim_workers:
-        for n, a in enumerate([a for a in arms if a.compress == "none"], 1):
+        for n, a in enumerate(arms, 1):
             c = arm_config(base, a, 0, False)
             c.train.workers = sim_workers
             c.train.lr = sim_lr(base, sim_workers)

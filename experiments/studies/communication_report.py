@@ -148,9 +148,9 @@ def write(data: dict[str, Any], out: Path) -> Path:
         lines += verdict_lines(data["verdicts"][cond], target) + [""]
     if data["sim"]:
         lines += [f"## Simulated at {data['sim_workers']} workers", "",
-                  f"The arms the simulator runs (no compression: a real-run option), {data['sim_workers']} workers "
-                  "on one host each, the same link modelled (experiments/sim: ring all-reduce 2(N − 1)(latency + "
-                  "M/N/bandwidth); a shard's requests queue on its link), seed "
+                  f"Every arm at {data['sim_workers']} workers, one host each, the same link modelled "
+                  "(experiments/sim: ring all-reduce 2(N − 1)(latency + M/N/bandwidth), ring all-gather "
+                  "(N − 1)(latency + s/bandwidth); a shard's requests queue on its link), seed "
                   f"{data['seeds'][0]}, lr {data['sim_lr']:.3g} per gradient (the real runs' step lr under the "
                   f"{data['lr_rule']} rule), virtual time:", "", sim_table(data["sim"], target), ""]
     paths = plots(data, out)

@@ -80,7 +80,7 @@ def test_a_small_study_end_to_end(tmp_path):
         assert (tmp_path / p).stat().st_size > 10_000
     saved = json.loads((tmp_path / "communication.json").read_text())
     assert {a: len(r) for a, r in saved["results"]["none"].items()} == {"bsp": 2, "local-sgd:4": 2, "topk 1%": 2}
-    assert [r["label"] for r in saved["sim"]] == ["bsp", "local-sgd:4"]      # no compression in the simulator
+    assert [r["label"] for r in saved["sim"]] == ["bsp", "local-sgd:4", "topk 1%"]
     assert saved["sim"][0]["bytes_sent_per_worker"] > 0 and all(r["final_test_loss"] < 2.3 for r in saved["sim"])
 
 

@@ -9,64 +9,29 @@ machinery, so the test checks against the paper instead); bad strings are one li
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 from pslab.parallelism.compress import PowerSGD, Sign, TopK, check_compress, make_compressor
-
-
-class _Group:
-    """A dp group of D threads: each collective waits for all D, then every thread reads the combined result."""
-
-    def __init__(self, D: int) -> None:
-        self.D, self.bar, self.slots = D, threading.Barrier(D), [None] * D
-
-
-class _Comm:
-    def __init__(self, g: _Group, rank: int) -> None:
-        self.g, self.rank, self.size = g, rank, g.D
-        self.sent = 0
-
-    def _exchange(self, t):
-        self.g.slots[self.rank] = t.clone()
-        self.g.bar.wait()
-        got = list(self.g.slots)
-        self.g.bar.wait()
-        return got
-
-    def all_reduce(self, t, op="sum", site=""):
-        got = self._exchange(t)
-        t.copy_(sum(got[1:], got[0].clone()))
-        self.sent += t.numel() * t.element_size()
-        return t
-
-    def all_gather(self, out, inp, site=""):
-        got = self._exchange(inp)
-        out.copy_(torch.cat([x.reshape(-1) for x in got]))
-        self.sent += inp.numel() * inp.element_size() * (self.size - 1)
-        return out
+from pslab.parallelism.thread_comm import ThreadGroup
 
 
 def _run(make, grads_per_worker, steps=1):
-    """Each worker's compressor over `steps` steps of its gradients; returns (per worker: the means, the
-    compressor)."""
+    """Each worker's compressor over `steps` steps of its gradients, the D workers in lockstep on a thread group
+    (parallelism/thread_comm.py); returns (per worker: the means, the compressor, its comm)."""
     D = len(grads_per_worker)
-    g = _Group(D)
-    out = [None] * D
-
-    def work(r):
-        c, comm = make(), _Comm(g, r)
-        means = [c.mean(comm, grads_per_worker[r][t]) for t in range(steps)]
-        out[r] = (means, c, comm)
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(D)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(30)
-    assert all(o is not None for o in out)
-    return out
+    g = ThreadGroup(D)
+    comps = [make() for _ in range(D)]
+    means = [[] for _ in range(D)]
+    try:
+        for t in range(steps):
+            outs = g.lockstep([lambda comm, r=r: comps[r].mean(comm, grads_per_worker[r][t]) for r in range(D)])
+            for r in range(D):
+                means[r].append(outs[r])
+    finally:
+        g.close()
+    return [(means[r], comps[r], g.comms[r]) for r in range(D)]
 
 
 def _grads(D, steps, shapes=((6, 5), (5,), (4, 3, 2)), dtype=torch.float32, seed=0):
