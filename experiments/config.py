@@ -390,13 +390,17 @@ class RunConfig:
         if o.optimizer == "nesterov" and o.momentum == 0:
             raise ConfigError("outer.optimizer = nesterov needs outer.momentum > 0 (for plain SGD use "
                               "outer.optimizer = sgd with momentum 0)")
-        if not s.periodic:
+        if not (s.periodic or s.ps_periodic):
             return
         f = self.faults
-        if f.events or f.checkpoint_every or f.policy(s.kind) != "abort":
+        if f.events or f.checkpoint_every or f.shard_checkpoint_every or f.policy(s.kind) != "abort":
             raise ConfigError(f"{s.label} keeps per-worker parameters and optimizer state between averages, which "
                               "the failure and checkpoint machinery does not save yet: drop faults.events and "
                               "faults.checkpoint_every, use faults.on_failure = abort (or auto), or use allreduce")
+        p = self.parallel
+        if s.ps_periodic and (p.model_parallel > 1 or p.zero or p.overlap):
+            raise ConfigError(f"{s.label} runs on plain data parallelism for now: drop [parallel] ({p.describe()}); "
+                              "local-sgd / diloco run on split models")
 
 
 def _worker_key(k: Any) -> int:

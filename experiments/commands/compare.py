@@ -25,8 +25,8 @@ its last commit; --set faults.on_failure=replace: a replacement joins). The repo
 size, throughput, loss across the failure) and a table: time to detect, time to recover, steps or updates lost,
 final accuracy next to the no-failure run; the summary table gains the same columns.
 
---preset communication: bsp (allreduce), ssp:3, asp, local-sgd:4/16, diloco:16/64, top-k 1 % with and without error
-feedback and PowerSGD rank 2, every arm on --seeds seeds (default 3), without and with a straggler, each worker on
+--preset communication: bsp (allreduce), ssp:3, asp, local-sgd:4/16, diloco:16/64, ps-local:16, top-k 1 % with and
+without error feedback and PowerSGD rank 2, every arm on --seeds seeds (default 3), without and with a straggler, each worker on
 an emulated host joined by a 2 ms / 2 MB/s link (train.steps 128, base_step_s 0.01 unless --set), then the simulator at
 --sim-workers workers (default 64; 0: none). report.md: bytes per sample, time to --target-acc, final test loss next
 to bsp's seed band, the verdicts with a seed bootstrap, loss against bytes / time / samples

@@ -95,7 +95,7 @@ class FaultsConfig:
         model is split over ranks (tp, pp or ZeRO), which only an engine checkpoint can re-cut: auto aborts."""
         if self.on_failure != "auto":
             return self.on_failure
-        if strategy_kind in ("local", "local-sgd", "diloco") or split:   # (periodic averaging: not survived yet)
+        if strategy_kind in ("local", "local-sgd", "diloco", "ps-local", "ps-diloco") or split:   # (periodic averaging: not survived yet)
             return "abort"
         return "shrink" if strategy_kind == "allreduce" else "continue"
 
@@ -117,7 +117,7 @@ class FaultsConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"faults.{key} must be an integer >= 0 (0: no checkpoints), got {v!r}")
-        if self.checkpoint_every and strategy_kind.startswith("ps"):
+        if self.checkpoint_every and strategy_kind.startswith("ps") and strategy_kind not in ("ps-local", "ps-diloco"):
             raise ConfigError(f"faults.checkpoint_every writes engine checkpoints (allreduce, local); {strategy_kind} "
                               "checkpoints its shards: use faults.shard_checkpoint_every")
         if self.shard_checkpoint_every and not strategy_kind.startswith("ps"):

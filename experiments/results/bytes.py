@@ -121,7 +121,14 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread."""
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
-    if cfg.strategy.uses_ps:
+    if cfg.strategy.ps_periodic:               # ps-local / ps-diloco: Δ pushed and θ read every H steps
+        n = steps or cfg.train.steps
+        H = cfg.strategy.period
+        syncs = -(-n // H)
+        out["ps push + pull"] = (syncs / n * 2.0 * sum(slot_bytes),
+                                 f"⌈n/H⌉/n · Σ_r 2·S_r (the pseudo-gradient pushed and θ read per H = {H} steps, and "
+                                 f"after the last: {syncs} over n = {n} steps)")
+    elif cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
     elif cfg.strategy.periodic and D > 1:      # local-sgd / diloco: the parameters (or θ_outer − θ_i) every H steps
         n = steps or cfg.train.steps

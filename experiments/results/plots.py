@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 STRATEGY_ORDER = ["local", "allreduce", "local-sgd", "diloco", "ps-bsp", "ps-ssp", "ps-bsp-backup", "ps-asp",
-                  "ps-ssp-agg"]
+                  "ps-ssp-agg", "ps-local", "ps-diloco"]
 
 
 def run_label(run: dict[str, Any]) -> str:

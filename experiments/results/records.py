@@ -48,8 +48,10 @@ class UpdateRecord:
 FIELDS = tuple(f.name for f in dataclasses.fields(UpdateRecord))
 
 
-def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[Any]]) -> None:
-    """Fill `staleness` of the records in place from a shard's series [[now, worker, tau, version], ...]."""
+def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[Any]], period: int = 1) -> None:
+    """Fill `staleness` of the records in place from a shard's series [[now, worker, tau, version], ...]. With
+    `period` H (ps-local / ps-diloco: one push per H local steps), the k-th applied τ of worker w goes to w's
+    records kH … kH + H − 1: each local step carries its period's staleness in outer steps."""
     per_worker: dict[int, list[int]] = {}
     for _, w, tau, _ in sorted(series, key=lambda e: e[3]):
         per_worker.setdefault(int(w), []).append(int(tau))
@@ -58,7 +60,7 @@ def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[An
         w = r["worker"]
         i = pos.get(w, 0)
         taus = per_worker.get(w, [])
-        r["staleness"] = taus[i] if i < len(taus) else None
+        r["staleness"] = taus[i // period] if i // period < len(taus) else None
         pos[w] = i + 1
 
 

@@ -331,6 +331,9 @@ def simulate(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], None] | N
     if cfg.strategy.periodic:
         from pslab.experiments.sim.local_sgd import simulate_local_sgd
         return simulate_local_sgd(cfg, rundir, progress)
+    if cfg.strategy.ps_periodic:
+        from pslab.experiments.sim.ps_local import simulate_ps_local
+        return simulate_ps_local(cfg, rundir, progress)
     if not cfg.strategy.uses_ps:
         raise ExperimentError(f"--simulate supports allreduce, local-sgd, diloco and the parameter-server "
                               f"strategies (ps-*), not {cfg.strategy}: `local` is already a single process, run it "

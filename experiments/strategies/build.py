@@ -26,6 +26,8 @@ Strategies:
     local-sgd:H, diloco:H  PeriodicAveragingStrategy: local torch.optim steps, the parameters (DiLoCo: the outer
                step on the pseudo-gradient) averaged over replica.dp every H steps
     ps-*       PSSyncStrategy on this rank's slot group: one shard set per (pp, tp) coordinate, D workers each
+    ps-local:H, ps-diloco:H  PSPeriodicStrategy: local torch.optim steps, every H steps the pseudo-gradient pushed
+               (the shards run the outer step, asynchronously) and θ read back
 
 `check_layout` adds the rules that need the model (divisibility of heads and width by tp, layers for pp) to the
 ones `config.py` checks, so every impossible combination is one line before any process starts.
@@ -238,6 +240,11 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     from pslab.experiments.strategies.ps import PSSyncStrategy, slot_group
     if addresses is None:
         raise ConfigError(f"{s} needs shard addresses (start the shards with ps.start_servers)")
+    if s.ps_periodic:              # ps-local:H, ps-diloco:H (strategies/ps_local.py)
+        from pslab.experiments.strategies.ps_local import PSPeriodicStrategy
+        return PSPeriodicStrategy(addresses[slot_group(mesh)], lambda params: torch_optimizer(spec, params),
+                                  s.period, cfg.train.steps, timeout=cfg.train.timeout_s,
+                                  curve_keys_dir=curve_keys_dir, secret=secret, link=ps_link(cfg, mesh.rank))
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
                           shared_group=_shared_group(mesh), abort=cfg.train.backup_abort,
                           mirror_group=mesh.group("cp") if mesh.size("cp") > 1 else None,

@@ -31,9 +31,9 @@ def start_shards(cfg: RunConfig, bind_host: str = "127.0.0.1", curve_keys_dir: s
     faults.shard_checkpoint_every = k they checkpoint every k updates into RUN_DIR/shards (a restarted shard
     resumes there)."""
     from pslab import ps
-    from pslab.experiments.strategies.spec import optimizer_spec
+    from pslab.experiments.strategies.spec import shard_optimizer_spec
     every = cfg.faults.shard_checkpoint_every
-    return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, optimizer_spec(cfg.train),
+    return ps.start_servers(cfg.train.shards, cfg.train.workers, cfg.strategy.policy, shard_optimizer_spec(cfg),
                             groups=cfg.parallel.slot_groups, start_method=START_METHOD, bind_host=bind_host,
                             curve_keys_dir=curve_keys_dir, request_timeout=cfg.train.timeout_s,
                             idle_timeout=cfg.train.timeout_s,
@@ -77,7 +77,8 @@ def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:
     rd.merge_parts("eval")
     if results and cfg.strategy.uses_ps:
         ups = read_jsonl(rd.metrics_path)
-        assign_staleness(ups, _first(results, "series") or [])
+        assign_staleness(ups, _first(results, "series") or [],
+                         period=cfg.strategy.period if cfg.strategy.ps_periodic else 1)
         write_jsonl(rd.metrics_path, ups)
 
 

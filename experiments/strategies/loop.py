@@ -342,6 +342,9 @@ class _Evaluator:
         PS's final read after every worker finished)."""
         if updates == self.last and not changed:
             return
+        if not self.split and self.out is None:     # nothing for this rank to evaluate: not even the view (ps-local
+            self.last = updates                     # would read the shards for nothing)
+            return
         with self.view(self.replica) if self.view is not None else contextlib.nullcontext():
             model = self._full_model()
             if model is not None and self.out is not None:

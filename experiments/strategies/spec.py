@@ -14,6 +14,10 @@
                        averaged over the ring every H steps (parallelism/local_sgd.py)
     diloco:<H>         DiLoCo (Douillard et al. 2023): H inner steps per worker, then an outer optimizer ([outer])
                        steps on the averaged pseudo-gradient θ_outer − mean θ_i
+    ps-local:<H>       Local SGD through the shards, asynchronous: every H local steps a worker pushes its
+                       pseudo-gradient θ_read − θ_i, the shard applies 1/K of it at once (SGD), the worker reads
+                       the result and goes on (strategies/ps_local.py)
+    ps-diloco:<H>      the same with the shard's optimizer DiLoCo's outer one ([outer]: Nesterov, lr, momentum)
 
 Learning rates (`train.lr_rule`, Goyal et al. 2017's linear scaling rule by default). `train.lr` is the learning
 rate PER GRADIENT. A strategy whose optimizer step averages G gradients (G = K for local, allreduce, ps-bsp and
@@ -40,13 +44,14 @@ import torch
 from pslab.experiments.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pslab.experiments.config import TrainConfig
+    from pslab.experiments.config import RunConfig, TrainConfig
     from pslab.ps.optim import OptimizerSpec
 
-KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup", "local-sgd", "diloco")
+KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup", "local-sgd", "diloco",
+         "ps-local", "ps-diloco")
 RING_KINDS = ("allreduce", "local-sgd", "diloco")     # the strategies that talk over the dp ring, not the shards
 _HELP = ("local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>, local-sgd:<H>, "
-         "diloco:<H>")
+         "diloco:<H>, ps-local:<H>, ps-diloco:<H>")
 LR_RULES = ("linear", "sqrt", "none")
 
 
@@ -55,7 +60,7 @@ class Strategy:
     kind: str
     staleness: int | None = None  # ps-ssp, ps-ssp-agg
     backup: int | None = None     # ps-bsp-backup
-    period: int | None = None     # local-sgd, diloco: steps between averages (H)
+    period: int | None = None     # local-sgd, diloco, ps-local, ps-diloco: local steps between syncs (H)
 
     @property
     def uses_ps(self) -> bool:
@@ -72,12 +77,17 @@ class Strategy:
         return self.kind in ("local-sgd", "diloco")
 
     @property
+    def ps_periodic(self) -> bool:
+        """Whether the workers push a pseudo-gradient every `period` local steps (ps-local, ps-diloco)."""
+        return self.kind in ("ps-local", "ps-diloco")
+
+    @property
     def policy(self) -> str:
         """The shards' consistency policy in `ps.policy_from_string` syntax: 'ps-ssp:3' -> 'ssp:3',
-        'ps-ssp-agg:3' -> 'ssp-agg:3'."""
+        'ps-ssp-agg:3' -> 'ssp-agg:3'; ps-local / ps-diloco: 'asp' (each pseudo-gradient applied on arrival)."""
         if not self.uses_ps:
             raise ConfigError(f"{self.label} is not a parameter-server strategy")
-        return self.label[3:]
+        return "asp" if self.ps_periodic else self.label[3:]
 
     @property
     def label(self) -> str:
@@ -85,7 +95,7 @@ class Strategy:
             return f"{self.kind}:{self.staleness}"
         if self.kind == "ps-bsp-backup":
             return f"ps-bsp-backup:{self.backup}"
-        if self.periodic:
+        if self.period is not None:
             return f"{self.kind}:{self.period}"
         return self.kind
 
@@ -95,7 +105,8 @@ class Strategy:
     def gradients_per_step(self, workers: int) -> int:
         """How many gradients one optimizer step averages: K for the averaging strategies, K - b with b backups
         (the first K - b gradients of a clock), 1 for those that apply every gradient at once. Local SGD and
-        DiLoCo: K — each worker's step moves its own copy, and the average divides every step's move by K."""
+        DiLoCo: K — each worker's step moves its own copy, and the average divides every step's move by K; so do
+        ps-local / ps-diloco, whose shard applies 1/K of each pseudo-gradient."""
         if self.kind in ("ps-asp", "ps-ssp"):
             return 1
         if self.kind == "ps-bsp-backup":
@@ -107,7 +118,9 @@ class Strategy:
 _ARGS = {"ps-ssp": ("a staleness bound", 0, "ps-ssp:2"), "ps-ssp-agg": ("a staleness bound", 0, "ps-ssp-agg:2"),
          "ps-bsp-backup": ("a number of backup workers", 1, "ps-bsp-backup:1"),
          "local-sgd": ("a period H (steps between averages)", 1, "local-sgd:4"),
-         "diloco": ("a period H (inner steps per outer step)", 1, "diloco:16")}
+         "diloco": ("a period H (inner steps per outer step)", 1, "diloco:16"),
+         "ps-local": ("a period H (local steps per push)", 1, "ps-local:4"),
+         "ps-diloco": ("a period H (inner steps per push)", 1, "ps-diloco:16")}
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -129,7 +142,7 @@ def parse_strategy(text: str) -> Strategy:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be an integer, got {arg!r}") from None
     if n < least:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be >= {least}, got {n}")
-    if kind in ("local-sgd", "diloco"):
+    if kind in ("local-sgd", "diloco", "ps-local", "ps-diloco"):
         return Strategy(kind, period=n)
     return Strategy(kind, backup=n) if kind == "ps-bsp-backup" else Strategy(kind, staleness=n)
 
@@ -158,6 +171,23 @@ def optimizer_spec(t: "TrainConfig") -> "OptimizerSpec":
                          staleness_lr=t.staleness_lr, staleness_rule=t.staleness_rule,
                          dc_lambda=t.dc_lambda if t.dc_asgd else None,
                          dc_adaptive=t.dc_adaptive)
+
+
+def shard_optimizer_spec(cfg: "RunConfig") -> "OptimizerSpec":
+    """What the shards run: the run's optimizer (`optimizer_spec`) for ps-*; for ps-local / ps-diloco the outer
+    step on each pushed pseudo-gradient, at 1/K of the outer lr so that one push from each of the K workers moves θ
+    as one average would (strategies/ps_local.py): ps-local SGD at lr 1/K; ps-diloco [outer] at outer.lr / K
+    (nesterov: SGD with Nesterov momentum; sgd: heavy-ball momentum, plain SGD at momentum 0)."""
+    from pslab.ps.optim import OptimizerSpec
+    s, K = cfg.strategy, cfg.train.workers
+    if not s.ps_periodic:
+        return optimizer_spec(cfg.train)
+    if s.kind == "ps-local":
+        return OptimizerSpec(name="sgd", lr=1.0 / K)
+    o = cfg.outer
+    if o.optimizer == "sgd" and o.momentum == 0:
+        return OptimizerSpec(name="sgd", lr=o.lr / K)
+    return OptimizerSpec(name="momentum", lr=o.lr / K, momentum=o.momentum, nesterov=o.optimizer == "nesterov")
 
 
 def torch_optimizer(spec: "OptimizerSpec", params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:

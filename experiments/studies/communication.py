@@ -15,6 +15,8 @@ Arms (ARMS; label: strategy, + train.compress / train.error_feedback):
     ssp:3, asp       ps-ssp:3, ps-asp                 push / pull through the shards; staleness <= 3 / unbounded
     local-sgd:H      H = 4, 16                        each worker steps alone; parameters averaged every H steps
     diloco:H         H = 16, 64                       the same H inner steps, then an outer Nesterov step ([outer])
+    ps-local:16      ps-local:16                      Local SGD through the shards, asynchronous: each worker pushes
+                                                      its pseudo-gradient every 16 steps and nobody waits
     topk 1%          allreduce + topk:0.01            the largest 1 % of each gradient (value, index); residual kept
     topk 1% no EF    the same, error_feedback = false the dropped 99 % lost for ever
     powersgd:2       allreduce + powersgd:2           rank-2 factors of each weight matrix, with error feedback
@@ -24,7 +26,7 @@ next to the count in every run's bytes table):
 
     bsp           the all-reduce's: 2 (K − 1)/K · S (ring), (K − 1) · S (direct exchange, tensors <= 32 KiB)
     local-sgd:H, diloco:H   ⌈T/H⌉/T of that (one all-reduce of the parameters per H steps)
-    ssp, asp      S pushed (and S pulled), every byte through the shard host's link
+    ssp, asp      S pushed (and S pulled), every byte through the shard host's link; ps-local:H ⌈T/H⌉/T of that
     topk ρ        (K − 1) · ⌈ρ n⌉ · (4 + 4)            (values and int32 indices all-gathered)
     powersgd:r    the all-reduce's formula over Σ r (rows + cols) · 4 + the vectors left whole
 
@@ -78,7 +80,7 @@ class Arm:
 
 ARMS = (Arm("bsp", "allreduce"), Arm("ssp:3", "ps-ssp:3"), Arm("asp", "ps-asp"),
         Arm("local-sgd:4", "local-sgd:4"), Arm("local-sgd:16", "local-sgd:16"),
-        Arm("diloco:16", "diloco:16"), Arm("diloco:64", "diloco:64"),
+        Arm("diloco:16", "diloco:16"), Arm("diloco:64", "diloco:64"), Arm("ps-local:16", "ps-local:16"),
         Arm("topk 1%", "allreduce", "topk:0.01"), Arm("topk 1% no EF", "allreduce", "topk:0.01", False),
         Arm("powersgd:2", "allreduce", "powersgd:2"))
 REFERENCE = "bsp"
