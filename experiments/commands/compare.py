@@ -26,11 +26,13 @@ size, throughput, loss across the failure) and a table: time to detect, time to 
 final accuracy next to the no-failure run; the summary table gains the same columns.
 
 --preset communication: bsp (allreduce), ssp:3, asp, local-sgd:4/16, diloco:16/64, ps-local:16, top-k 1 % with and
-without error feedback and PowerSGD rank 2, every arm on --seeds seeds (default 3), without and with a straggler, each worker on
-an emulated host joined by a 2 ms / 2 MB/s link (train.steps 128, base_step_s 0.01 unless --set), then the simulator at
---sim-workers workers (default 64; 0: none). report.md: bytes per sample, time to --target-acc, final test loss next
-to bsp's seed band, the verdicts with a seed bootstrap, loss against bytes / time / samples
-(experiments/studies/communication.py). About 8 minutes on 2 cores.
+without error feedback and PowerSGD rank 2, every arm on --seeds N seeds (a count, >= 2: workload.seed, +1, ...;
+default 3), without and with a 4x straggler, each worker on an emulated host joined by a 2 ms / 2 MB/s link (fixed
+by the study: a --set topology.* is overwritten; train.steps 128 and train.base_step_s 0.01 unless --set), then
+every arm in the simulator at --sim-workers workers (default 64; 0: none). report.md: bytes per sample, time to
+--target-acc, final test loss next to bsp's seed band, the verdicts with a seed bootstrap, loss against bytes / time
+/ samples (experiments/studies/communication.py). --strategies, --tune-lr, --noise-seeds and --simulate do not
+apply to it. On the text transformer: --config experiments/configs/communication_lm.toml.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "failure, and the failure report (timeline; time to detect, time to recover, lost, final "
                         "accuracy vs the no-failure run); communication: Local SGD, DiLoCo and compressed "
                         "all-reduce next to BSP / SSP / ASP on a slow link, loss against bytes, time and samples, "
-                        "verdicts with a seed bootstrap (~8 min)")
+                        "verdicts with a seed bootstrap (minutes: docs/tutorial.md §4)")
     p.add_argument("--seeds", type=int, default=None,
-                   help="--preset communication: seeds per arm (default 3; the verdicts' bootstrap resamples them)")
+                   help="--preset communication: how many seeds per arm, >= 2 (workload.seed, +1, ...; default 3; "
+                        "the verdicts' bootstrap resamples them)")
     p.add_argument("--sim-workers", type=int, default=None,
                    help="--preset communication: workers of its simulated part (default 64; 0: skip it)")
     p.add_argument("--failure", default=None, metavar="EVENT",

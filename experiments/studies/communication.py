@@ -11,8 +11,11 @@ shown at a disadvantage rather than flattered).
 
 Arms (ARMS; label: strategy, + train.compress / train.error_feedback):
 
-    bsp              allreduce                       one ring all-reduce of the gradient per step
-    ssp:3, asp       ps-ssp:3, ps-asp                 push / pull through the shards; staleness <= 3 / unbounded
+    bsp              allreduce                       one all-reduce of the gradient per step (real runs: the
+                                                      direct exchange of tensors <= 32 KiB; simulated: a ring)
+    ssp:3, asp       ps-ssp:3, ps-asp                 push / pull through the shards; a worker's clock may lead the
+                                                      slowest by <= 3 / any number of clocks (the updates a gradient
+                                                      misses, its staleness, can exceed 3 under ssp:3)
     local-sgd:H      H = 4, 16                        each worker steps alone; parameters averaged every H steps
     diloco:H         H = 16, 64                       the same H inner steps, then an outer Nesterov step ([outer])
     ps-local:16      ps-local:16                      Local SGD through the shards, asynchronous: each worker pushes
@@ -26,7 +29,8 @@ next to the count in every run's bytes table):
 
     bsp           the all-reduce's: 2 (K − 1)/K · S (ring), (K − 1) · S (direct exchange, tensors <= 32 KiB)
     local-sgd:H, diloco:H   ⌈T/H⌉/T of that (one all-reduce of the parameters per H steps)
-    ssp, asp      S pushed (and S pulled), every byte through the shard host's link; ps-local:H ⌈T/H⌉/T of that
+    ssp, asp      S pushed (and S read back), every byte through the shard host's link
+    ps-local:H    S pushed (and S read back) per H steps: ⌈T/H⌉/T of ssp's
     topk ρ        (K − 1) · ⌈ρ n⌉ · (4 + 4)            (values and int32 indices all-gathered)
     powersgd:r    the all-reduce's formula over Σ r (rows + cols) · 4 + the vectors left whole
 
@@ -39,9 +43,10 @@ Outputs (in --out): report.md (the tables, the verdicts, the simulated 64-worker
 communication.json (every run's numbers), loss_vs_bytes / loss_vs_time / loss_vs_samples PNGs, and runs/ (each
 run's directory, readable by `pslab report`).
 
-Verdicts (`verdicts`): per arm and condition, against bsp on the same seeds: (1) the final test loss of the global
-model lies inside bsp's seed band (bsp's mean ± 2 sd over the seeds, as `pslab compare`'s band) — quoted with the
-bytes-per-sample ratio; (2) time to the target accuracy is shorter. Each with a paired seed bootstrap: the share of
+Verdicts (`verdicts`): per arm and condition, against bsp on the same seeds: (1) the arm's median final test loss
+of the global model lies within bsp's seed band, bsp's median ± 2 sd over the seeds (the sd as `pslab compare`'s
+band; medians are lower medians) — quoted with the bytes-per-sample ratio, which is deterministic; (2) its median
+time to the target accuracy is shorter than bsp's. Each with a paired seed bootstrap: the share of
 BOOT replicates (seeds resampled with replacement, the same draw for every arm) in which the comparison of the
 medians holds; below SOLID it is called seed noise.
 
@@ -85,8 +90,9 @@ ARMS = (Arm("bsp", "allreduce"), Arm("ssp:3", "ps-ssp:3"), Arm("asp", "ps-asp"),
         Arm("powersgd:2", "allreduce", "powersgd:2"))
 REFERENCE = "bsp"
 LATENCY_S = 0.002            # the slow inter-host link: 2 ms ...
-BANDWIDTH_BPS = 2e6          # ... and 2 MB/s: the digits MLP's gradient (~58 kB) takes ~29 ms on it, as long as
-                             # a step's compute (20 ms): a link slow for the model, as a WAN is for an LLM's
+BANDWIDTH_BPS = 2e6          # ... and 2 MB/s: bsp's exchange of the digits MLP's gradient (3 x 19.2 kB per worker)
+                             # takes ~29 ms on it, 3x a step's padded compute: a link slow for the model, as a WAN
+                             # is for an LLM's. Fixed by the study (a --set topology.* is overwritten)
 STEPS = 128                  # = 2 x 64: diloco:64 averages twice
 COMPUTE_S = 0.01             # each step's compute padded to 10 ms (a 4x straggler: 40 ms): the link dominates
 PRESET_OVERRIDES = (f"train.steps={STEPS}", f"train.base_step_s={COMPUTE_S}")   # before the user's --set

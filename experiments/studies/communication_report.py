@@ -43,7 +43,7 @@ def table(res: dict[str, list[dict[str, Any]]], verdicts: list[dict[str, Any]], 
             f"{_f(_lower([r['time_s'] for r in runs]), '.2f')} | {_f(_lower([r['wait_s_per_worker'] for r in runs]), '.2f')} | "
             f"{_f(t_med if math.isfinite(t_med) else None, '.2f')} | {_f(_lower(losses), '.3f')} "
             f"[{_f(min(losses), '.3f')}, {_f(max(losses), '.3f')}] | {band} | "
-            f"{_f(_lower([r['staleness_mean'] for r in runs]), '.2g')} / "
+            f"{_f(_lower([r['staleness_mean'] for r in runs]), '.1f')} / "
             f"{_f(_lower([r['staleness_max'] for r in runs]), '.0f')} |")
     return "\n".join(lines)
 
@@ -55,14 +55,13 @@ def verdict_lines(verdicts: list[dict[str, Any]], target: float) -> list[str]:
         x = f"{v['fewer_bytes']:.1f}× fewer" if v["fewer_bytes"] and v["fewer_bytes"] >= 1 else (
             f"{1 / v['fewer_bytes']:.1f}× more" if v["fewer_bytes"] else "unknown")
         noise = lambda s: "" if s >= SOLID else " — within seed noise"     # noqa: E731
+        share = f"bootstrap {100 * v['within_share']:.0f} %{noise(v['within_share'])}"
         if v["within_band"]:
             loss = (f"reaches bsp's final test loss within the seed band ({v['loss']:.3f} vs {v['ref_loss']:.3f} ± "
-                    f"{v['band']:.3f}) at {x} bytes per sample (bootstrap {100 * v['within_share']:.0f} %"
-                    f"{noise(v['within_share'])})")
+                    f"{v['band']:.3f}; {share}), at {x} bytes per sample")
         else:
             loss = (f"ends outside bsp's band: final test loss {v['loss']:.3f} vs {v['ref_loss']:.3f} ± "
-                    f"{v['band']:.3f} ({'higher' if v['d_loss'] > 0 else 'lower'}), at {x} bytes per sample "
-                    f"(bootstrap {100 * v['within_share']:.0f} %{noise(v['within_share'])})")
+                    f"{v['band']:.3f}, {'higher' if v['d_loss'] > 0 else 'lower'} ({share}), at {x} bytes per sample")
         t, tr = v["t_target"], v["ref_t_target"]
         if t is None and tr is None:
             out.append(f"- **{v['arm']}** {loss}; neither it nor bsp reaches {100 * target:g} % on the median seed.")
@@ -81,7 +80,7 @@ def sim_table(sim: list[dict[str, Any]], target: float) -> str:
     for r in sim:
         lines.append(f"| {r['label']} | {_f(r['time_s'], '.2f')} | "
                      f"{_f((r['bytes_sent_per_worker'] or 0) / 1e6, '.3g')} MB | {_f(r['time_to_target_s'], '.2f')} | "
-                     f"{_f(r['final_test_loss'], '.3f')} | {_f(r['staleness_mean'], '.2g')} / "
+                     f"{_f(r['final_test_loss'], '.3f')} | {_f(r['staleness_mean'], '.1f')} / "
                      f"{_f(r['staleness_max'], '.0f')} |")
     return "\n".join(lines)
 
@@ -137,7 +136,9 @@ def write(data: dict[str, Any], out: Path) -> Path:
              "delays injected by the transport). **Held fixed**: model, initial weights, data, batch sequences, "
              "steps per worker, compute per step, lr; only the synchronisation (and, in the second table, one "
              "worker's speed) changes. Loss is the test loss of the global model (for Local SGD / DiLoCo the last "
-             "average). Medians over seeds are lower medians; bsp's band is its mean ± 2 sd over the seeds. "
+             "average, for ps-local the shards' θ). Medians over seeds are lower medians; bsp's band is its median "
+             "± 2 sd over the seeds. Staleness: updates missed (ssp, asp), local steps since the average "
+             "(local-sgd, diloco), pushes missed, in outer steps (ps-local). "
              f"Total time {data['elapsed_s']:.0f} s.", ""]
     for cond, res in data["results"].items():
         if not res:
@@ -151,8 +152,9 @@ def write(data: dict[str, Any], out: Path) -> Path:
                   f"Every arm at {data['sim_workers']} workers, one host each, the same link modelled "
                   "(experiments/sim: ring all-reduce 2(N − 1)(latency + M/N/bandwidth), ring all-gather "
                   "(N − 1)(latency + s/bandwidth); a shard's requests queue on its link), seed "
-                  f"{data['seeds'][0]}, lr {data['sim_lr']:.3g} per gradient (the real runs' step lr under the "
-                  f"{data['lr_rule']} rule), virtual time:", "", sim_table(data["sim"], target), ""]
+                  f"{data['seeds'][0]}, lr {data['sim_lr']:.3g} per gradient (so that the averaging arms step with "
+                  f"the real runs' step lr under the {data['lr_rule']} rule; ssp and asp apply each gradient at "
+                  f"{data['sim_lr']:.3g}), virtual time:", "", sim_table(data["sim"], target), ""]
     paths = plots(data, out)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in paths] + [
         "", "Each run's own directory (runs/, sim/) has its bytes table (formula next to count), staleness "
