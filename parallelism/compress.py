@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Generator, Sequence
 
 import torch
 
 from .comm import Comm
 from .engine import EngineError
 
+Request = tuple[str, torch.Tensor]              # ("all_reduce" | "all_gather", tensor): one collective
+Steps = Generator[Request, torch.Tensor, list[torch.Tensor]]
 _FORM = re.compile(r"^(none|sign|topk:(?P<rho>[0-9.eE+-]+)|powersgd:(?P<rank>\d+))$")
 
 
@@ -65,16 +68,37 @@ class Compressor:
 
     def mean(self, dp: Comm, grads: list[torch.Tensor], site: str = "grads") -> list[torch.Tensor]:
         """The compressed mean of `grads` (this worker's) over dp; updates the residual."""
+        run = self.steps(grads, dp.size)
+        request = next(run)
+        while True:
+            kind, t = request
+            if kind == "all_reduce":
+                dp.all_reduce(t, "sum", site=site)
+                got = t
+            else:
+                got = torch.empty(dp.size * t.numel(), dtype=t.dtype)
+                dp.all_gather(got, t, site=site)
+            try:
+                request = run.send(got)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, grads: list[torch.Tensor], size: int) -> Steps:
+        """The compressed mean as a generator over a group of `size` (sans-IO): it yields each collective it needs,
+        ("all_reduce", t) for the sum of t over the group or ("all_gather", t) for the members' t concatenated in
+        rank order, is sent the result, and returns the mean; it updates the residual. `mean` drives it over a real
+        group; `lockstep` drives D of them in one thread (the simulator)."""
         if self.residual is None:
             self.residual = [torch.zeros_like(g) for g in grads]
         m = [g + e for g, e in zip(grads, self.residual)] if self.error_feedback else [g.clone() for g in grads]
-        out, kept = self._mean(dp, m, site)
+        out, kept = yield from self._mean(m, size)
         if self.error_feedback:
             self.residual = [a - b for a, b in zip(m, kept)]
         return out
 
-    def _mean(self, dp: Comm, m: list[torch.Tensor], site: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the mean over dp, what of this worker's m counts as sent: m minus its new residual)."""
+    def _mean(self, m: list[torch.Tensor], size: int) -> Generator[Request, torch.Tensor,
+                                                                   tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """(the mean over the group, what of this worker's m counts as sent: m minus its new residual)."""
         raise NotImplementedError
 
 
@@ -100,7 +124,8 @@ class TopK(Compressor):
     def k(self, n: int) -> int:
         return max(1, min(n, math.ceil(self.rho * n)))
 
-    def _mean(self, dp: Comm, m: list[torch.Tensor], site: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _mean(self, m: list[torch.Tensor], size: int) -> Generator[Request, torch.Tensor,
+                                                                   tuple[list[torch.Tensor], list[torch.Tensor]]]:
         flat = _flat(m)
         n, dt = flat.numel(), flat.dtype
         k = self.k(n)
@@ -110,19 +135,19 @@ class TopK(Compressor):
         bits = flat[idx].contiguous().view(torch.int32)   # one message: the values' bits, then the indices
         w = bits.numel()                                  # (k float32 values: k words; float64: 2k)
         buf = torch.cat([bits, idx.to(torch.int32)])
-        everyone = torch.empty(dp.size * buf.numel(), dtype=torch.int32)
-        dp.all_gather(everyone, buf, site=site)
+        everyone = yield ("all_gather", buf)
         total = torch.zeros(n, dtype=dt)
-        for part in everyone.view(dp.size, -1):
+        for part in everyone.view(size, -1):
             total.index_add_(0, part[w:].to(torch.int64), part[:w].view(dt))
-        total.mul_(1.0 / dp.size)
+        total.mul_(1.0 / size)
         return _unflat(total, m), _unflat(sent, m)
 
 
 class Sign(Compressor):
     """EF-signSGD: per tensor, the mean |M| as its scale and one bit per coordinate, all-gathered."""
 
-    def _mean(self, dp: Comm, m: list[torch.Tensor], site: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _mean(self, m: list[torch.Tensor], size: int) -> Generator[Request, torch.Tensor,
+                                                                   tuple[list[torch.Tensor], list[torch.Tensor]]]:
         sizes = [t.numel() for t in m]
         packed = [math.ceil(n / 8) for n in sizes]
         per = sum(packed) + 4 * len(m)
@@ -137,15 +162,14 @@ class Sign(Compressor):
             buf[off:off + 4] = torch.tensor([float(scale)], dtype=torch.float32).view(torch.uint8)
             off += 4
             sent.append(_decode_sign(buf[off - 4 - nb:off], n, t))
-        everyone = torch.empty(dp.size * per, dtype=torch.uint8)
-        dp.all_gather(everyone, buf, site=site)
+        everyone = yield ("all_gather", buf)
         out = [torch.zeros_like(t) for t in m]
-        for j in range(dp.size):
+        for j in range(size):
             off = j * per
             for i, (t, n, nb) in enumerate(zip(m, sizes, packed)):
                 out[i] += _decode_sign(everyone[off:off + nb + 4], n, t)
                 off += nb + 4
-        return [o / dp.size for o in out], sent
+        return [o / size for o in out], sent
 
 
 def _decode_sign(chunk: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -170,14 +194,15 @@ class PowerSGD(Compressor):
         r = min(self.rank, rows, cols)
         return t.dim() >= 2 and r * (rows + cols) < rows * cols
 
-    def _mean(self, dp: Comm, m: list[torch.Tensor], site: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        D = dp.size
+    def _mean(self, m: list[torch.Tensor], size: int) -> Generator[Request, torch.Tensor,
+                                                                   tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        D = size
         low = [i for i, t in enumerate(m) if self.compressible(t)]
         whole = [i for i in range(len(m)) if i not in low]
         out: list[torch.Tensor] = list(m)                  # every entry replaced below
         if whole:                                           # uncompressed: one flat all-reduce, kept exactly
             flat = _flat([m[i] for i in whole])
-            dp.all_reduce(flat, "sum", site=site)
+            flat = yield ("all_reduce", flat)
             for i, t in zip(whole, _unflat(flat / D, [m[i] for i in whole])):
                 out[i] = t
         mats = {i: m[i].reshape(m[i].shape[0], -1) for i in low}
@@ -189,11 +214,11 @@ class PowerSGD(Compressor):
                     self.qs[i] = torch.randn(cols, min(self.rank, rows, cols), generator=g, dtype=m[i].dtype)
             ps = [mats[i] @ self.qs[i] for i in low]
             flat = _flat(ps)
-            dp.all_reduce(flat, "sum", site=site)
+            flat = yield ("all_reduce", flat)
             ps = [orthonormal(p) for p in _unflat(flat / D, ps)]
             qs = [mats[i].T @ p for i, p in zip(low, ps)]
             flat = _flat(qs)
-            dp.all_reduce(flat, "sum", site=site)
+            flat = yield ("all_reduce", flat)
             qs = _unflat(flat / D, qs)
             for i, p, q in zip(low, ps, qs):
                 self.qs[i] = q                               # warm start: next step's Q
@@ -221,3 +246,47 @@ def make_compressor(text: str, error_feedback: bool = True, seed: int = 0) -> Co
     if kind == "powersgd":
         return PowerSGD(int(arg), error_feedback, seed)
     raise EngineError(f"unknown compressor {text!r}")      # (check_compress admits no other)
+
+
+def lockstep(runs: Sequence[Steps], latency: float = 0.0, bandwidth: float = math.inf
+             ) -> tuple[list[list[torch.Tensor]], int, float]:
+    """Drive the `Compressor.steps` generators of D workers together, in one thread (the simulator's dp group):
+    each collective combines the D requests in rank order — all_reduce: their sum; all_gather: their
+    concatenation — and costs a rank the textbook ring on a link of `latency` s and `bandwidth` B/s:
+
+        all_reduce of S bytes    2 (D − 1)/D · S bytes     2 (D − 1) · (latency + S/D / bandwidth) s
+        all_gather of s bytes    (D − 1) · s bytes         (D − 1) · (latency + s / bandwidth) s
+
+    Returns (each worker's mean, bytes per rank, seconds). The results are shared, read-only, among the workers."""
+    D = len(runs)
+    requests = [next(r) for r in runs]
+    sent, seconds = 0, 0.0
+    while True:
+        kinds = {k for k, _ in requests}
+        if len(kinds) != 1:
+            raise EngineError(f"the workers' compressors disagree on the collective: {sorted(kinds)}")
+        kind, ts = kinds.pop(), [t for _, t in requests]
+        size = ts[0].numel() * ts[0].element_size()
+        if kind == "all_reduce":
+            got = ts[0].clone()
+            for t in ts[1:]:
+                got += t
+            if D > 1:
+                sent += int(round(2 * (D - 1) / D * size))
+                seconds += 2 * (D - 1) * (latency + size / D / bandwidth)
+        else:
+            got = torch.cat([t.reshape(-1) for t in ts])
+            if D > 1:
+                sent += (D - 1) * size
+                seconds += (D - 1) * (latency + size / bandwidth)
+        outs, nxt = [], []
+        for r in runs:
+            try:
+                nxt.append(r.send(got))
+            except StopIteration as done:
+                outs.append(done.value)
+        if outs:
+            if len(outs) != D:
+                raise EngineError("the workers' compressors ended after different collectives")
+            return outs, sent, seconds
+        requests = nxt

@@ -21,9 +21,9 @@ step boundary after t_detect + T_join. Faults triggered at_s while a recovery is
 Events go to RUN_DIR/events.jsonl; timing_only simulates them too.
 
 `train.compress` (parallelism/compress.py): every worker runs its own compressor (its own residual, error feedback)
-on its own gradient, the K of them in lockstep on a thread group (parallelism/thread_comm.py), and the step applies
-their compressed mean — the arithmetic of the real run. The step's communication is what that group counts for the
-compressed payload: the ring all-reduce above for PowerSGD's factors (and the tensors it leaves whole), a ring
+on its own gradient, the K of them in lockstep, and the step applies
+their compressed mean — the arithmetic of the real run (`compress.lockstep` drives the K compressors' collectives in
+one thread). The step's communication is the compressed payload's: the ring all-reduce above for PowerSGD's factors (and the tensors it leaves whole), a ring
 all-gather (K − 1)·(latency + s/bandwidth) for top-k's and sign's s bytes per worker; bytes per rank likewise.
 Compression needs the gradients: not with timing_only, nor with faults (config.py says so).
 """
@@ -86,13 +86,10 @@ class _Ring:
         self.log: EventLog | None = None
         self.committed: tuple[int, int, Any, Any] | None = None
         self.compressors: list[Any] = []                     # train.compress: one per worker, with its residual
-        self.group: Any = None
         if t.compress != "none":
             from pslab.parallelism.compress import make_compressor
-            from pslab.parallelism.thread_comm import ThreadGroup
             self.compressors = [make_compressor(t.compress, t.error_feedback, cfg.workload.seed)
                                 for _ in range(self.K)]
-            self.group = ThreadGroup(self.K, self.lat, self.bw)
 
     # -- membership ----------------------------------------------------------------------------------------------
     def _resize(self) -> None:
@@ -215,15 +212,13 @@ class _Ring:
         return resume
 
     def _compressed(self, results: dict[int, Any]) -> list[torch.Tensor]:
-        """Every worker's compressor on its own gradient, the K in lockstep on a thread group (the collectives of
-        parallelism/compress.py, summed in rank order); this step's ring time and bytes per rank are what the group
-        counted for rank 0 (the textbook ring all-reduce / all-gather of the compressed payload)."""
-        c0 = self.group.comms[0]
-        sent, seconds = c0.sent, c0.seconds
+        """Every worker's compressor on its own gradient, the K driven together (compress.lockstep: the collectives
+        of parallelism/compress.py, summed in rank order); this step's ring time and bytes per rank are the
+        textbook ring all-reduce / all-gather of the compressed payload."""
+        from pslab.parallelism.compress import lockstep
         grads = {w: [torch.from_numpy(results[w][1][n]).view_as(p) for n, p in self.params] for w in self.members}
-        means = self.group.lockstep([lambda comm, w=w: self.compressors[w].mean(comm, grads[w])
-                                     for w in self.members])
-        self.t_ring, self.per_rank = c0.seconds - seconds, c0.sent - sent
+        means, self.per_rank, self.t_ring = lockstep([self.compressors[w].steps(grads[w], len(self.members))
+                                                      for w in self.members], self.lat, self.bw)
         return means[0]
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -237,8 +232,6 @@ class _Ring:
         finally:
             if self.log:
                 self.log.close()
-            if self.group is not None:
-                self.group.close()
 
     def _result(self, now: float, reached: bool) -> dict[str, Any]:
         out = {"virtual_time_s": now, "ring_time_s": self.t_ring, "stopped_at_target": reached,

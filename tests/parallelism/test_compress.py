@@ -9,29 +9,72 @@ machinery, so the test checks against the paper instead); bad strings are one li
 
 from __future__ import annotations
 
+import threading
 
 import pytest
 import torch
 
-from pslab.parallelism.compress import PowerSGD, Sign, TopK, check_compress, make_compressor
-from pslab.parallelism.thread_comm import ThreadGroup
+from pslab.parallelism.compress import PowerSGD, Sign, TopK, check_compress, lockstep, make_compressor
+
 
 
 def _run(make, grads_per_worker, steps=1):
-    """Each worker's compressor over `steps` steps of its gradients, the D workers in lockstep on a thread group
-    (parallelism/thread_comm.py); returns (per worker: the means, the compressor, its comm)."""
+    """Each worker's compressor over `steps` steps of its gradients, the D workers driven together
+    (compress.lockstep); returns (per worker: the means, the compressor), and the bytes per rank of the last step."""
     D = len(grads_per_worker)
-    g = ThreadGroup(D)
     comps = [make() for _ in range(D)]
     means = [[] for _ in range(D)]
-    try:
-        for t in range(steps):
-            outs = g.lockstep([lambda comm, r=r: comps[r].mean(comm, grads_per_worker[r][t]) for r in range(D)])
-            for r in range(D):
-                means[r].append(outs[r])
-    finally:
-        g.close()
-    return [(means[r], comps[r], g.comms[r]) for r in range(D)]
+    sent = 0
+    for t in range(steps):
+        outs, sent, _ = lockstep([comps[r].steps(grads_per_worker[r][t], D) for r in range(D)])
+        for r in range(D):
+            means[r].append(outs[r])
+    return [(means[r], comps[r], sent) for r in range(D)]
+
+
+class _ThreadComm:
+    """Rank `rank` of D threads meeting at a barrier: the Comm calls `Compressor.mean` makes on a real group."""
+
+    def __init__(self, bar, slots, rank):
+        self.bar, self.slots, self.rank, self.size = bar, slots, rank, len(slots)
+
+    def _exchange(self, t):
+        self.slots[self.rank] = t.clone()
+        self.bar.wait()
+        got = list(self.slots)
+        self.bar.wait()
+        return got
+
+    def all_reduce(self, t, op="sum", site=""):
+        got = self._exchange(t)
+        t.copy_(sum(got[1:], got[0].clone()))
+
+    def all_gather(self, out, inp, site=""):
+        out.copy_(torch.cat([x.reshape(-1) for x in self._exchange(inp)]))
+
+
+@pytest.mark.parametrize("kind", ["topk:0.2", "sign", "powersgd:2"])
+def test_mean_over_a_group_equals_the_lockstep_driver(kind):
+    """`mean(dp, g)` — what a real run calls, here on 3 threads meeting at a barrier — and `lockstep` — what the
+    simulator calls — run the same generator: the same means and residuals, bit for bit, over 3 steps."""
+    D, T = 3, 3
+    grads = _grads(D, T)
+    comps = [make_compressor(kind) for _ in range(D)]
+    bar, slots, out = threading.Barrier(D, timeout=30), [None] * D, [None] * D
+
+    def work(r):
+        comm = _ThreadComm(bar, slots, r)
+        out[r] = [comps[r].mean(comm, grads[r][t]) for t in range(T)]
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(D)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    ref = _run(lambda: make_compressor(kind), grads, steps=T)
+    for r in range(D):
+        for t in range(T):
+            assert all(torch.equal(a, b) for a, b in zip(out[r][t], ref[r][0][t])), (r, t)
+        assert all(torch.equal(a, b) for a, b in zip(comps[r].residual, ref[r][1].residual))
 
 
 def _grads(D, steps, shapes=((6, 5), (5,), (4, 3, 2)), dtype=torch.float32, seed=0):
@@ -94,11 +137,11 @@ def test_without_error_feedback_topk_keeps_dropping_the_same_coordinates():
 
 def test_sign_sends_the_mean_magnitude_times_the_signs():
     grads = [[[torch.tensor([3.0, -1.0, 2.0, -2.0, 0.5, 0.0, -0.5, 1.0, 4.0])]]]
-    (means, c, comm), = _run(lambda: Sign(error_feedback=False), grads)
+    (means, c, sent), = _run(lambda: Sign(error_feedback=False), grads)
     x = grads[0][0][0]
     want = x.abs().mean() * torch.where(x >= 0, 1.0, -1.0)
     assert torch.allclose(means[0][0], want)
-    assert comm.sent == 0                          # one worker: the all-gather sends to nobody
+    assert sent == 0                               # one worker: the all-gather sends to nobody
 
 
 def _reference_powersgd(mats, qs):
