@@ -16,10 +16,12 @@ class _TimingOnly(argparse.Action):
 
 def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
     if config_required:
-        p.add_argument("config", help="TOML config file (examples: experiments/configs/*.toml)")
+        p.add_argument("config", help="TOML config file, or a shipped example by name (compare_default, 3d, "
+                                      "communication_lm, ...: experiments/configs/*.toml)")
     else:
         p.add_argument("--config", default=None,
-                       help="TOML config file (default: experiments/configs/compare_default.toml)")
+                       help="TOML config file, or a shipped example by name (e.g. communication_lm); default: "
+                            "experiments/configs/compare_default.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set train.workers=8 or --set parallel.tp=2 (repeatable)")
     p.add_argument("--simulate", action="store_true", help="run in the discrete-event simulator (virtual time)")
