@@ -93,13 +93,15 @@ class FaultsConfig:
     def policy(self, strategy_kind: str, split: bool = False) -> str:
         """on_failure with `auto` resolved for this strategy: abort | continue | shrink | replace. `split`: the
         model is split over ranks (tp, pp or ZeRO), which only an engine checkpoint can re-cut: auto aborts."""
+        from pslab.experiments.strategies.spec import PERIODIC_KINDS, PS_PERIODIC_KINDS
         if self.on_failure != "auto":
             return self.on_failure
-        if strategy_kind in ("local", "local-sgd", "diloco", "ps-local", "ps-diloco") or split:   # (periodic averaging: not survived yet)
+        if strategy_kind in ("local",) + PERIODIC_KINDS + PS_PERIODIC_KINDS or split:   # periodic: not survived yet
             return "abort"
         return "shrink" if strategy_kind == "allreduce" else "continue"
 
     def validate(self, workers: int, shards: int, strategy_kind: str, steps: int | None = None) -> None:
+        from pslab.experiments.strategies.spec import PS_PERIODIC_KINDS
         if self.on_failure not in ON_FAILURE:
             raise ConfigError(f"faults.on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
         for key in ("detect_s", "heartbeat_s"):
@@ -117,7 +119,7 @@ class FaultsConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"faults.{key} must be an integer >= 0 (0: no checkpoints), got {v!r}")
-        if self.checkpoint_every and strategy_kind.startswith("ps") and strategy_kind not in ("ps-local", "ps-diloco"):
+        if self.checkpoint_every and strategy_kind.startswith("ps") and strategy_kind not in PS_PERIODIC_KINDS:
             raise ConfigError(f"faults.checkpoint_every writes engine checkpoints (allreduce, local); {strategy_kind} "
                               "checkpoints its shards: use faults.shard_checkpoint_every")
         if self.shard_checkpoint_every and not strategy_kind.startswith("ps"):

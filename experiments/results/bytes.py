@@ -115,6 +115,13 @@ def _replicated_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in split)
 
 
+def _periodic(cfg: RunConfig, steps: int | None) -> tuple[int, int, int]:
+    """(n steps, period H, syncs ⌈n/H⌉) of a periodic strategy: it syncs after every H-th step and after the last."""
+    n = steps or cfg.train.steps
+    H = int(cfg.strategy.period)
+    return n, H, -(-n // H)
+
+
 def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | None = None
              ) -> dict[str, tuple[float, str]]:
     """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout; `steps` (default
@@ -122,18 +129,14 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.ps_periodic:               # ps-local / ps-diloco: Δ pushed and θ read every H steps
-        n = steps or cfg.train.steps
-        H = cfg.strategy.period
-        syncs = -(-n // H)
+        n, H, syncs = _periodic(cfg, steps)
         out["ps push + pull"] = (syncs / n * 2.0 * sum(slot_bytes),
                                  f"⌈n/H⌉/n · Σ_r 2·S_r (the pseudo-gradient pushed and θ read per H = {H} steps, and "
                                  f"after the last: {syncs} over n = {n} steps)")
     elif cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
     elif cfg.strategy.periodic and D > 1:      # local-sgd / diloco: the parameters (or θ_outer − θ_i) every H steps
-        n = steps or cfg.train.steps
-        H = cfg.strategy.period
-        syncs = -(-n // H)                      # after every H-th step, and after the last
+        n, H, syncs = _periodic(cfg, steps)
         parts = [_allreduce(s, D, "D", "S_r", _gloo(cfg)) for s in slot_bytes]
         out["dp parameter average"] = (syncs / n * sum(b for b, _ in parts),
                                        f"⌈n/H⌉/n · Σ_r {parts[0][1]} (one all-reduce of the parameters per H = {H} "

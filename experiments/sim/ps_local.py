@@ -50,6 +50,7 @@ def simulate_ps_local(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], 
     pending: list[tuple[float, int]] = []                    # (push arrival at the shard, worker)
     periods: dict[int, tuple[list[tuple], float]] = {}       # worker -> (its period's records, push send time)
     deltas: dict[int, list[torch.Tensor]] = {}
+    read = {w: [p.detach().clone() for p in glob.parameters()] for w in range(K)}     # θ each worker last read
 
     def run_period(w: int, start: float) -> None:
         """Worker w's next local steps from `start` (its copy holds θ as read); queue its push."""
@@ -72,7 +73,6 @@ def simulate_ps_local(cfg: RunConfig, rundir: RunDir, progress: Callable[[int], 
         periods[w] = (recs, clock)
         heapq.heappush(pending, (net.to_shard(clock, w, 0, nbytes), w))
 
-    read: dict[int, list[torch.Tensor]] = {w: [p.detach().clone() for p in glob.parameters()] for w in range(K)}
     with JsonlWriter(rundir.metrics_path) as mw, JsonlWriter(rundir.eval_path) as ew:
         if not timing:
             ew.write({"updates": 0, "time_s": 0.0, **wl.evaluate(glob)})

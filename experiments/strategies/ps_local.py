@@ -79,11 +79,7 @@ class PSPeriodicStrategy:
 
     def _adopt(self, replica: Replica, read: Any) -> None:
         """θ read from the shards becomes this worker's parameters (its own memory) and the next anchor."""
-        with torch.no_grad():
-            for s in replica.slots():
-                v = torch.from_numpy(np.array(read.params[s.name], copy=True)).view_as(s.param)
-                s.param.copy_(v)
-                self.read[s.name] = v
+        self.read = _load(replica, read)
 
     def _wire(self) -> tuple[int, int]:
         ops = self.client.wire.snapshot()["by_op"]
@@ -118,9 +114,7 @@ class PSPeriodicStrategy:
         versions = list(self.client.versions)           # a side read: the next push still reports the version
         read = self.client.pull().result(self.timeout)  # its Δ started from, so the shard's τ stays right
         self.client.versions[:] = versions
-        with torch.no_grad():
-            for s in replica.slots():
-                s.param.copy_(torch.from_numpy(np.array(read.params[s.name], copy=True)).view_as(s.param))
+        _load(replica, read)
         try:
             yield
         finally:
@@ -142,3 +136,13 @@ class PSPeriodicStrategy:
             self.client.close()
             self.client = None
 
+
+def _load(replica: Replica, read: Any) -> dict[str, torch.Tensor]:
+    """Copy a read's values into the replica's parameters (their own memory); returns them by slot name."""
+    values = {}
+    with torch.no_grad():
+        for s in replica.slots():
+            v = torch.from_numpy(np.array(read.params[s.name], copy=True)).view_as(s.param)
+            s.param.copy_(v)
+            values[s.name] = v
+    return values

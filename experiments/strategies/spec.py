@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 KINDS = ("local", "allreduce", "ps-bsp", "ps-asp", "ps-ssp", "ps-ssp-agg", "ps-bsp-backup", "local-sgd", "diloco",
          "ps-local", "ps-diloco")
 RING_KINDS = ("allreduce", "local-sgd", "diloco")     # the strategies that talk over the dp ring, not the shards
+PERIODIC_KINDS = ("local-sgd", "diloco")              # average every H steps over the dp group
+PS_PERIODIC_KINDS = ("ps-local", "ps-diloco")         # push a pseudo-gradient every H steps to the shards
 _HELP = ("local, allreduce, ps-bsp, ps-asp, ps-ssp:<s>, ps-ssp-agg:<s>, ps-bsp-backup:<b>, local-sgd:<H>, "
          "diloco:<H>, ps-local:<H>, ps-diloco:<H>")
 LR_RULES = ("linear", "sqrt", "none")
@@ -74,12 +76,12 @@ class Strategy:
     @property
     def periodic(self) -> bool:
         """Whether the workers average every `period` steps instead of every step (local-sgd, diloco)."""
-        return self.kind in ("local-sgd", "diloco")
+        return self.kind in PERIODIC_KINDS
 
     @property
     def ps_periodic(self) -> bool:
         """Whether the workers push a pseudo-gradient every `period` local steps (ps-local, ps-diloco)."""
-        return self.kind in ("ps-local", "ps-diloco")
+        return self.kind in PS_PERIODIC_KINDS
 
     @property
     def policy(self) -> str:
@@ -142,7 +144,7 @@ def parse_strategy(text: str) -> Strategy:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be an integer, got {arg!r}") from None
     if n < least:
         raise ConfigError(f"strategy {text!r}: {what[2:]} must be >= {least}, got {n}")
-    if kind in ("local-sgd", "diloco", "ps-local", "ps-diloco"):
+    if kind in PERIODIC_KINDS + PS_PERIODIC_KINDS:
         return Strategy(kind, period=n)
     return Strategy(kind, backup=n) if kind == "ps-bsp-backup" else Strategy(kind, staleness=n)
 

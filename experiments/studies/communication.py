@@ -61,7 +61,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,21 +239,18 @@ def _kb(b: float | None) -> str:
     return "?" if b is None else f"{b / 1e3:.1f}"
 
 
-def _median(v: list[float]) -> float:
-    return float(statistics.median(v)) if v else math.nan
-
-
 def verdicts(res: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per arm against REFERENCE on the same seeds (paired): final test loss inside the reference's band (mean ±
-    2 sd over seeds), and time to target shorter; each with the bootstrap share of seed-resampled replicates in which
-    the comparison of medians holds. Runs that never reached the target count as infinitely slow."""
+    """Per arm against REFERENCE on the same seeds (paired): final test loss inside the reference's band (its
+    lower median ± 2 sd over seeds), and time to target shorter; each with the bootstrap share of seed-resampled
+    replicates in which the comparison of medians holds. Runs that never reached the target count as infinitely
+    slow."""
     ref = res[REFERENCE]
     n = len(ref)
     idx = np.random.default_rng(0).integers(0, n, (BOOT, n))
     ref_loss = np.array([r["final_test_loss"] for r in ref], float)
     band = 2 * float(np.std(ref_loss, ddof=1)) if n > 1 else 0.0
     ref_t = np.array([_inf(r["time_to_target_s"]) for r in ref], float)
-    ref_b = _median([r["bytes_per_sample"] for r in ref if r["bytes_per_sample"] is not None])
+    ref_b = lower_median([r["bytes_per_sample"] for r in ref])
     boot_ref_loss, boot_ref_t = _boot_median(ref_loss, idx), _boot_median(ref_t, idx)
     out = []
     for label, runs in res.items():
@@ -262,19 +258,26 @@ def verdicts(res: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             continue
         loss = np.array([r["final_test_loss"] for r in runs], float)
         t = np.array([_inf(r["time_to_target_s"]) for r in runs], float)
-        bps = _median([r["bytes_per_sample"] for r in runs if r["bytes_per_sample"] is not None])
-        d_loss = float(_lower(loss) - _lower(ref_loss))
+        bps = lower_median([r["bytes_per_sample"] for r in runs])
+        d_loss = lower_median(loss) - lower_median(ref_loss)
         within = abs(d_loss) <= band
         boot_within = np.abs(_boot_median(loss, idx) - boot_ref_loss) <= band
-        faster = bool(_lower(t) < _lower(ref_t))
+        faster = bool(lower_median(t) < lower_median(ref_t))
         boot_faster = _boot_median(t, idx) < boot_ref_t
-        out.append({"arm": label, "loss": _lower(loss), "ref_loss": _lower(ref_loss),
+        out.append({"arm": label, "loss": lower_median(loss), "ref_loss": lower_median(ref_loss),
                     "band": band, "d_loss": d_loss, "within_band": within,
                     "within_share": float(np.mean(boot_within == within)),
-                    "fewer_bytes": (ref_b / bps) if bps and not math.isnan(ref_b) else None,
-                    "t_target": _finite(_lower(t)), "ref_t_target": _finite(_lower(ref_t)),
+                    "fewer_bytes": ref_b / bps if bps and ref_b else None,
+                    "t_target": _finite(lower_median(t)), "ref_t_target": _finite(lower_median(ref_t)),
                     "faster": faster, "faster_share": float(np.mean(boot_faster == faster))})
     return out
+
+
+def lower_median(values: Any) -> float | None:
+    """The lower median (the middle seed for an odd count; inf-safe; None values left out; None if none is left):
+    the one median of the study's tables and verdicts, as each bootstrap replicate uses."""
+    xs = sorted(float(x) for x in values if x is not None)
+    return xs[(len(xs) - 1) // 2] if xs else None
 
 
 def _inf(v: float | None) -> float:
@@ -283,11 +286,6 @@ def _inf(v: float | None) -> float:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
-
-
-def _lower(v: np.ndarray) -> float:
-    """The lower median (the middle seed for an odd count; inf-safe), as each bootstrap replicate uses."""
-    return float(np.sort(v)[(len(v) - 1) // 2])
 
 
 def _boot_median(v: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -9,18 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pslab.experiments.studies.communication import SOLID
+from pslab.experiments.studies.communication import SOLID, lower_median as _lower
 
 COND = {"none": "no straggler", "straggler": "one 4x straggler (the last worker)"}
 
 
 def _f(v: float | None, fmt: str = ".3g") -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
-
-
-def _lower(v: list[float]) -> float | None:
-    v = sorted(x for x in v if x is not None)
-    return v[(len(v) - 1) // 2] if v else None
 
 
 def table(res: dict[str, list[dict[str, Any]]], verdicts: list[dict[str, Any]], target: float) -> str:
@@ -34,13 +29,13 @@ def table(res: dict[str, list[dict[str, Any]]], verdicts: list[dict[str, Any]], 
     for arm, runs in res.items():
         b = _lower([r["bytes_per_sample"] for r in runs])
         losses = [r["final_test_loss"] for r in runs]
-        tt = sorted((math.inf if r["time_to_target_s"] is None else r["time_to_target_s"]) for r in runs)
-        t_med = tt[(len(tt) - 1) // 2]
+        t_med = _lower([math.inf if r["time_to_target_s"] is None else r["time_to_target_s"] for r in runs])
         v = by.get(arm)
         band = "(reference)" if v is None else ("yes" if v["within_band"] else "**no**")
         lines.append(
             f"| {arm} | {_f(b, '.1f')} B | {_f(ref_b / b if b and ref_b else None, '.1f')} | "
-            f"{_f(_lower([r['time_s'] for r in runs]), '.2f')} | {_f(_lower([r['wait_s_per_worker'] for r in runs]), '.2f')} | "
+            f"{_f(_lower([r['time_s'] for r in runs]), '.2f')} | "
+            f"{_f(_lower([r['wait_s_per_worker'] for r in runs]), '.2f')} | "
             f"{_f(t_med if math.isfinite(t_med) else None, '.2f')} | {_f(_lower(losses), '.3f')} "
             f"[{_f(min(losses), '.3f')}, {_f(max(losses), '.3f')}] | {band} | "
             f"{_f(_lower([r['staleness_mean'] for r in runs]), '.1f')} / "
