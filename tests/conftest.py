@@ -10,14 +10,26 @@ runs with `HOG_PROCS` busy processes beside it (pure-Python spin loops at nice 0
 machine: the test's own processes then get about half of each core), started before the test and killed after it.
 Each hog also ends by itself after `HOG_LIMIT_S` seconds or as soon as this pytest process is gone, so none
 outlives the run. PSLAB_TEST_LOAD=0 turns the hog off (e.g. to time a test alone); PSLAB_TEST_LOAD=N runs N hogs.
+
+Parallel runs (`pytest -n 2`, pytest-xdist, as the README and CI run the suite): two workers share the 2 cores,
+and most tests do not mind the other worker's test beside them -- their results are exact, never timed. Two kinds
+do mind, and run alone: a test marked under_load (its bound is promised beside *its* hog, not beside the hog plus
+another test) and a test marked `exclusive` (it checks machine-wide state -- every pslab-* entry in /dev/shm or
+the temp dir, every process -- that another worker's run would change). Each test takes a readers-writer lock
+(flock on two files in the run's base temp folder) around its whole protocol: shared for most tests, exclusive
+for those two kinds; a turnstile lets a waiting exclusive test in before the next shared one, so it never starves.
+Without xdist the lock is not taken at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +56,8 @@ def hog_count() -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "under_load: runs beside a CPU hog (tests/conftest.py); PSLAB_TEST_LOAD=0 "
                                        "turns it off")
+    config.addinivalue_line("markers", "exclusive: checks machine-wide state, so under pytest -n it runs while no "
+                                       "other test does (tests/conftest.py)")
     hog_count()                   # a bad PSLAB_TEST_LOAD is one line at start-up, not an error in every test
 
 
@@ -87,3 +101,44 @@ def _cpu_hog(request: pytest.FixtureRequest) -> Iterator[CpuHog | None]:
         yield hog
     finally:
         hog.stop()
+
+
+# ---- parallel runs: shared or exclusive turns (see the module docstring) --------------------------------------------
+
+def _lock_dir(config: pytest.Config) -> Path | None:
+    """The folder of this xdist run's lock files (None when not running under xdist): the run's base temp folder,
+    which the workers' own (popen-gw0, popen-gw1, ...) sit in and which pytest removes with its old runs."""
+    if getattr(config, "workerinput", None) is None:
+        return None
+    return config._tmp_path_factory.getbasetemp().parent      # (pytest's own tmp_path_factory; stable since 3.9)
+
+
+def runs_alone(item: pytest.Item) -> bool:
+    """Whether `item` must run while no other test does (under_load or exclusive)."""
+    return any(item.get_closest_marker(m) is not None for m in ("under_load", "exclusive"))
+
+
+@contextlib.contextmanager
+def _turn(folder: Path, alone: bool) -> Iterator[None]:
+    """Hold the room shared (or exclusively when `alone`) for the duration; the turnstile orders arrivals."""
+    with open(folder / "turnstile", "a") as gate, open(folder / "room", "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist, each test's setup, call and teardown run inside its turn (outside pytest-timeout's clock)."""
+    folder = _lock_dir(item.config)
+    if folder is None:
+        yield
+        return
+    with _turn(folder, runs_alone(item)):
+        yield

@@ -14,6 +14,8 @@ import torch
 from pslab import collectives
 from pslab.collectives import cleanup
 
+pytestmark = pytest.mark.exclusive         # checks every pslab-* entry on the machine: alone under pytest -n (tests/conftest.py)
+
 
 def _traces() -> set[str]:
     tmp = Path(tempfile.gettempdir())

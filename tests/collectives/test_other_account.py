@@ -18,7 +18,8 @@ from pslab.collectives import shm
 
 from .hostile import endpoints
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a probe as another account")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a probe as another account"),
+              pytest.mark.exclusive]    # lists /dev/shm: alone under pytest -n (tests/conftest.py)
 
 
 def _as_nobody(probes: dict[str, tuple]) -> dict[str, str]:

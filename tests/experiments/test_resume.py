@@ -52,6 +52,7 @@ def _params(run: Path, step: int) -> dict[str, torch.Tensor]:
     return {p["name"]: tensors[f"{k}/param"] for k, p in enumerate(meta["pieces"])}
 
 
+@pytest.mark.exclusive               # every pslab-* segment on the machine: alone under pytest -n
 def test_resume_through_the_cli_continues_bitwise(tmp_path, capsys, private_tmp):
     """2-worker allreduce: 6 steps straight == 3 steps, then `pslab run --resume RUN_DIR --set train.steps=6`:
     the step-6 checkpoints hold the same parameters bitwise, the final test loss is the same, and the resumed

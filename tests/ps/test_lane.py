@@ -158,6 +158,7 @@ def test_a_lane_offered_for_another_worker_or_a_wrong_file_is_refused(thread_ser
         good.close()
 
 
+@pytest.mark.exclusive               # every pslab-* segment on the machine: alone under pytest -n
 def test_nothing_is_left_in_dev_shm(thread_servers):
     before = shm_path.segments()
     s = thread_servers(2, num_workers=1)

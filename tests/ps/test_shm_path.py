@@ -151,6 +151,7 @@ def test_bad_shared_memory_requests_get_errors_and_change_nothing(thread_servers
         assert not np.array_equal(good.pull().result(30).params["w"], before["w"])
 
 
+@pytest.mark.exclusive               # every pslab-* segment on the machine: alone under pytest -n
 def test_no_segment_outlives_client_and_shard(thread_servers):
     """Every /dev/shm segment the path created is gone once the client is closed and the shard stopped."""
     before = shm_path.segments()
