@@ -89,7 +89,8 @@ class TrainConfig:
     run_limit_s: float = 0.0    # the whole run's wall-clock limit; 0: none (progress is watched, not the clock)
     target_acc: float | None = None  # simulator: stop once an evaluation reaches this test accuracy (0..1]; every
                                      # run: time_to_target_s / updates_to_target in the summary
-    compress: str = "none"      # allreduce: none | topk:<fraction> | sign | powersgd:<rank> (parallelism/compress.py)
+    compress: str = "none"      # none | topk:<fraction> | sign | powersgd:<rank> (allreduce: parallelism/compress.py;
+                                # ps-*: the push, topk or sign: ps/compression.py)
     error_feedback: bool = True # keep what a compressor did not send and add it to the next gradient
 
 
@@ -349,7 +350,8 @@ class RunConfig:
         return self
 
     def _validate_compress(self, s: Strategy) -> None:
-        """train.compress: a known compressor, on the one place it runs yet (allreduce, plain data parallelism)."""
+        """train.compress: a known compressor, where it runs (allreduce's gradient sync or a ps-* push, plain data
+        parallelism)."""
         from pslab.parallelism.compress import check_compress
         t, p = self.train, self.parallel
         try:
@@ -363,9 +365,16 @@ class RunConfig:
                 raise ConfigError("train.error_feedback = false applies to a compressor: set train.compress too "
                                   "(topk:<fraction>, sign or powersgd:<rank>)")
             return
-        if s.kind != "allreduce":
-            raise ConfigError(f"train.compress = {t.compress!r} compresses the all-reduce of the gradients: it needs "
-                              f"train.strategy = allreduce, not {s.label} (the parameter server's push: not yet)")
+        if s.uses_ps and not s.ps_periodic:        # the push to the shards (ps/compression.py)
+            from pslab.ps.compression import parse
+            try:
+                parse(t.compress)
+            except ValueError as e:
+                raise ConfigError(f"train.{e}") from None
+        elif s.kind != "allreduce":
+            raise ConfigError(f"train.compress = {t.compress!r} compresses each step's gradients: it needs "
+                              f"train.strategy = allreduce or a per-step parameter-server strategy (ps-asp, ps-bsp, "
+                              f"ps-ssp:<s>, ...), not {s.label}")
         if p.model_parallel > 1 or p.zero or p.overlap:
             raise ConfigError(f"train.compress = {t.compress!r} runs on plain data parallelism for now: drop "
                               f"[parallel] ({p.describe()})")
@@ -373,9 +382,10 @@ class RunConfig:
             raise ConfigError(f"train.compress = {t.compress!r} compresses the gradients, which a timing-only "
                               "simulation does not compute: drop --timing-only (a plain --simulate runs it)")
         f = self.faults
-        if f.events or f.checkpoint_every:
-            raise ConfigError(f"train.compress = {t.compress!r} keeps a residual per worker, which failures and "
-                              "engine checkpoints do not save yet: drop faults.events and faults.checkpoint_every")
+        if f.events:
+            raise ConfigError(f"train.compress = {t.compress!r} keeps a residual per worker, which the failure "
+                              "recovery does not carry yet: drop faults.events (faults.checkpoint_every and "
+                              "--resume keep it)")
 
     def _validate_periodic(self, s: Strategy) -> None:
         """[outer] and what local-sgd / diloco do not run with yet (one line each)."""

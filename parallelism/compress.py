@@ -83,6 +83,29 @@ class Compressor:
             except StopIteration as done:
                 return done.value
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """This worker's own state for a checkpoint: the residual ("residual/<i>", per gradient) and what the
+        compressor warm-starts from (PowerSGD: "q/<i>"); empty before the first step."""
+        return {f"residual/{i}": e for i, e in enumerate(self.residual or [])} if self.error_feedback else {}
+
+    def load_state(self, state: dict[str, torch.Tensor], like: list[torch.Tensor]) -> None:
+        """Put a `state()` back for gradients shaped like `like` (EngineError, one line, if it does not fit)."""
+        res = {k: v for k, v in state.items() if k.startswith("residual/")}
+        if not res:
+            self.residual = None
+            return
+        if sorted(res) != sorted(f"residual/{i}" for i in range(len(like))):
+            raise EngineError(f"the checkpoint holds {len(res)} residuals for {len(like)} gradients: written by "
+                              "another model")
+        out = []
+        for i, t in enumerate(like):
+            e = res[f"residual/{i}"]
+            if tuple(e.shape) != tuple(t.shape) or e.dtype != t.dtype:
+                raise EngineError(f"residual {i} is {tuple(e.shape)} {e.dtype} in the checkpoint, the gradient "
+                                  f"{tuple(t.shape)} {t.dtype}: written by another model")
+            out.append(e.clone())
+        self.residual = out
+
     def steps(self, grads: list[torch.Tensor], size: int) -> Steps:
         """The compressed mean as a generator over a group of `size` (sans-IO): it yields each collective it needs,
         ("all_reduce", t) for the sum of t over the group or ("all_gather", t) for the members' t concatenated in
@@ -188,6 +211,21 @@ class PowerSGD(Compressor):
         super().__init__(error_feedback)
         self.rank, self.seed = rank, seed
         self.qs: dict[int, torch.Tensor] = {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The residual and, shared by every worker but needed to continue bitwise, the warm-start Qs."""
+        return {**super().state(), **{f"q/{i}": q for i, q in self.qs.items()}}
+
+    def load_state(self, state: dict[str, torch.Tensor], like: list[torch.Tensor]) -> None:
+        super().load_state(state, like)
+        qs = {}
+        for k, q in state.items():
+            if k.startswith("q/"):
+                i = int(k[2:]) if k[2:].isdigit() else -1
+                if not 0 <= i < len(like) or q.dim() != 2 or q.shape[0] != like[i].numel() // like[i].shape[0]:
+                    raise EngineError(f"PowerSGD factor {k} of shape {tuple(q.shape)} does not fit this model")
+                qs[i] = q.clone()
+        self.qs = qs
 
     def compressible(self, t: torch.Tensor) -> bool:
         rows, cols = (t.shape[0], t.numel() // t.shape[0]) if t.dim() >= 2 else (1, t.numel())

@@ -114,6 +114,15 @@ class AllReduceStrategy:
             enable()
         self.optimizer = self.optimizer_factory([s.param for s in replica.slots()])
 
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state beyond its parameters and optimizer (snapshot.py stores it per rank): the
+        compressor's residual (error feedback) and warm start; empty without a compressor."""
+        return self.compressor.state() if self.compressor is not None else {}
+
+    def load_local_state(self, state: dict[str, torch.Tensor], replica: Replica) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state(state, [s.param for s in replica.slots()])
+
     def step(self, replica: Replica) -> None:
         if self.optimizer is None:
             raise EngineError("AllReduceStrategy.step before attach(replica)")

@@ -169,23 +169,53 @@ def capture(replica: Replica, strategy: Any, mesh: Any = None) -> Snapshot:
                                     "tensors and numbers only")
         pieces.append({"name": t.name, "shape": list(t.shape), "sel": dict(t.sel), "sliced": sliced,
                        "scalar": scalar})
+    own = getattr(strategy, "local_state", None)          # this rank's own state (a compressor's residual)
+    local = own() if own is not None else {}
+    for name, v in local.items():
+        tensors[f"local/{name}"] = v.detach().clone()
     rng = _capture_rng(tensors)
-    return tensors, {"format": FORMAT, "engine": engine_kind(replica), "pieces": pieces, "rng": rng}
+    return tensors, {"format": FORMAT, "engine": engine_kind(replica), "pieces": pieces, "rng": rng,
+                     "local": sorted(local)}
+
+
+def local_of(sources: list[Snapshot], rank: int | None, where: str = "snapshot") -> dict[str, torch.Tensor]:
+    """The per-rank state ("local/<name>") to restore on `rank`: its own when the sources are one snapshot per
+    rank of the same world (`rank` given), otherwise the element-wise mean over every source. (A residual of error
+    feedback is what a worker still owes the mean of the D workers' updates, (1/D)·Σ_i e_i; giving each of D' new
+    workers the mean residual keeps exactly that owed: (1/D')·Σ_j ē = (1/D)·Σ_i e_i.)"""
+    per = []
+    for i, (tensors, meta) in enumerate(sources):
+        names = meta.get("local", [])
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise _fail(f"{where} {i}", "local must list names")
+        missing = [n for n in names if not isinstance(tensors.get(f"local/{n}"), torch.Tensor)]
+        if missing:
+            raise _fail(f"{where} {i}", f"local state {missing[0]!r} is listed but missing")
+        per.append({n: tensors[f"local/{n}"] for n in names})
+    if not per:
+        return {}
+    if rank is not None and 0 <= rank < len(per):
+        return dict(per[rank])
+    if any(p.keys() != per[0].keys() or any(p[n].shape != per[0][n].shape for n in p) for p in per):
+        raise _fail(where, "the ranks' local states differ in names or shapes: they cannot be merged")
+    return {n: torch.stack([p[n] for p in per]).mean(0) if per[0][n].is_floating_point() else per[0][n]
+            for n in per[0]}
 
 
 def restore_into(replica: Replica, strategy: Any, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
                  ) -> None:
     """Put a `capture` of this rank back (same layout: bitwise), RNG states included. Local, no communication."""
-    load_pieces(replica, strategy, [(dict(tensors), dict(meta))], rng_from=0)
+    load_pieces(replica, strategy, [(dict(tensors), dict(meta))], rng_from=0, local_from=0)
 
 
 # ---- restoring from pieces -------------------------------------------------------------------------------------
 
 def load_pieces(replica: Replica, strategy: Any, sources: list[Snapshot], rng_from: int | None = None,
-                where: str = "snapshot") -> None:
+                where: str = "snapshot", local_from: int | None = None) -> None:
     """Fill this rank's targets from the pieces of `sources` (one snapshot per old rank), re-cutting where the
-    layouts differ (module docstring); restore the RNG states of sources[rng_from] if given. SnapshotError if the
-    sources do not fit."""
+    layouts differ (module docstring); restore the RNG states of sources[rng_from] if given, and the strategy's
+    per-rank state (`local_of`: sources[local_from]'s, or the mean over the sources when None). SnapshotError if
+    the sources do not fit."""
     checked = [check_snapshot(t, m, f"{where} {i}") for i, (t, m) in enumerate(sources)]
     by_name: dict[str, list[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = {}
     for pieces in checked:
@@ -228,6 +258,12 @@ def load_pieces(replica: Replica, strategy: Any, sources: list[Snapshot], rng_fr
     if opt is not None:
         for param, state in states:
             opt.state[param] = state
+    put = getattr(strategy, "load_local_state", None)
+    if put is not None:
+        try:
+            put(local_of(sources, local_from, where), replica)
+        except EngineError as e:
+            raise SnapshotError(f"{where}: {e}") from None
     if rng_from is not None:
         _restore_rng(sources[rng_from][0], sources[rng_from][1].get("rng"), where)
 

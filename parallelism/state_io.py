@@ -197,7 +197,8 @@ def load(root: str | os.PathLike, replica: Replica, strategy: Any, mesh: Any, co
             sources = read_step(d, manifest)
             old_world = len(sources)
             rank = mesh.world.rank
-            load_pieces(replica, strategy, sources, rng_from=rank if rank < old_world else 0, where=f"checkpoint {d}")
+            load_pieces(replica, strategy, sources, rng_from=rank if rank < old_world else 0, where=f"checkpoint {d}",
+                        local_from=rank if old_world == mesh.world.world_size else None)
         except SnapshotError as e:
             log.warning("rejected checkpoint %s: %s", d, e)
             rejected.append((str(d), str(e)))

@@ -21,6 +21,8 @@ Where each mechanism lives:
     processes.py    start_servers / ServerGroup: the one way to start shard processes (slot groups, fork/spawn);
                     heartbeats, check(): dead/hung shard detection and restart on the same address
     client.py       PSClient / connect: DEALER per shard, push / pull / push_pull futures, grad_buffers
+    compression.py  compressed pushes (connect(..., compress="topk:0.01" | "sign")): a worker's encoder with its
+                    error-feedback residual per shard, the shard's validating decoder
     admin.py        AdminClient / connect_admin: the job controller's connection (init, checkpoint, shutdown)
     handshake.py    a client's authenticated sockets; a refused handshake is an AuthenticationError at once
     futures.py      the futures the client returns (driven by the waiting thread)
@@ -103,7 +105,9 @@ Server and client::
                        sweep_interval=1.0, shm_idle_timeout=30.0),
           ready=lambda address: ...)                                      # blocking loop (`pslab server ...`)
     client = connect(servers.addresses, worker=0, params=model_state,     # params: {name: tensor or shape}
-                     secret=None)           # the job secret; None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE
+                     secret=None,           # the job secret; None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE
+                     compress=None)         # "topk:<fraction>" | "sign": pushes compressed, error feedback on
+                                            # (error_feedback=False: off); one push in flight at a time
     client.init(model_state).result()       # only the owner (worker 0 or admin), once; the others' pulls wait
     fut = client.pull()                     # Future[PullResult(.params {name: np.ndarray}, .versions, .clocks)]
     # futures are driven by the waiting thread (no background I/O thread): call .result() to make progress

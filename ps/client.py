@@ -71,7 +71,7 @@ from .errors import (CheckpointWarning, ConfigError, NonFiniteGradientError, Pro
 from .futures import Fanout, reply_metas
 from .handshake import HANDSHAKE_FAILED, SEND_TIMEOUT_MS, open_sockets, read_events, refused, stop_monitors
 from .partition import Partition, make_partition
-from . import shm_arena, shm_path
+from . import compression, shm_arena, shm_path
 from .protocol import CLIENT_LIMITS, EVENTS, NOBLOCK, POLLIN, POLLOUT
 from .shm_arena import PullArena, PushArena
 from .shm_path import ClientLink
@@ -109,7 +109,8 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
                  timeout: float = 60.0, context: zmq.Context | None = None, shm: bool | None = None,
                  curve_keys_dir: str | None = None, secret: str | None = None, user: str | None = None,
-                 lane: bool | None = None, link: tuple[float, float] | None = None) -> None:
+                 lane: bool | None = None, link: tuple[float, float] | None = None,
+                 compress: str | None = None, error_feedback: bool = True) -> None:
         if not addresses:
             raise ConfigError("connect needs at least one shard address")
         from .link_delay import EmulatedLink       # link = (latency s, bandwidth B/s): an emulated network
@@ -123,6 +124,9 @@ class PSClient:
             raise ConfigError("no job secret to authenticate with: pass secret= (ServerGroup.secret) or set "
                               "PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE")
         self._token = secrets.token_hex(16)       # proves "the same client" when re-registering elsewhere
+        form = compression.parse(compress)        # (ps.compression: validated before anything is opened)
+        self._compressor = compression.PushCompressor(form, error_feedback) if form is not None else None
+        self._encoded: dict[int, dict[str, np.ndarray]] | None = None   # residuals of the compressed push in flight
         self.timeout = float(timeout)
         self.partition: Partition = make_partition(params, len(self.addresses))
         self.shapes = {n: tuple(_shape(v)) for n, v in params.items()}
@@ -278,7 +282,7 @@ class PSClient:
                 meta = dict(meta, clock=self.clocks[shard])
             payload, path = 0, "frames"                       # tensor bytes this request carries, by any path
             try:
-                if op == "push" and tensors:
+                if op == "push" and tensors and "compress" not in meta:
                     entries = link.take_push(seq, tensors)    # one memcpy instead of frames, if the path is free
                     if entries is not None:
                         payload = sum(int(t.nbytes) for t in tensors.values())    # through the shared segment
@@ -379,14 +383,40 @@ class PSClient:
         The gradient tensors are sent zero-copy: do not modify them until the future is done. A push the shards
         refused (NonFiniteGradientError, ShapeError, ...) moved no clock: go on as before. One whose fate is
         unknown (RequestTimeoutError, ShardLostError): call `resync()` to adopt the shards' clocks again."""
-        return self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout, finish=reply_metas)
+        return self._pushing(lambda: self._all("push", per_shard=self._stamp(grads, {}), timeout=timeout,
+                                               finish=lambda replies: self._acked(reply_metas(replies))))
 
     def push_pull(self, grads: Mapping[str, Any], timeout: float | None = None, copy: bool = True) -> Future:
         """Push, then read at the new clock, in one round trip per shard (the shard answers once its gate lets
         the read through): Future[(acks, PullResult)]. Equal to `push(grads)` followed by `pull(copy=copy)`."""
-        return self._all("push", per_shard=self._stamp(grads, {"pull": True, "_copy": copy}), timeout=timeout,
-                         finish=lambda replies: ([m for m, _ in replies],
-                                                 self._adopt_read([m["read"] for m, _ in replies], replies, copy)))
+        return self._pushing(lambda: self._all(
+            "push", per_shard=self._stamp(grads, {"pull": True, "_copy": copy}), timeout=timeout,
+            finish=lambda replies: (self._acked([m for m, _ in replies]),
+                                    self._adopt_read([m["read"] for m, _ in replies], replies, copy))))
+
+    def _pushing(self, send: Any) -> Future:
+        """`send()`'s future; a compressed push that fails (refused, lost, timed out, or before it went) leaves
+        the residuals as they were (ps.compression)."""
+        if self._compressor is not None and self._encoded is not None:
+            raise PSError("a compressed push is still in flight: wait for its future before the next push (the "
+                          "residual of error feedback moves when the shards acknowledge it)")
+        try:
+            fut = send()
+        except BaseException:
+            self._encoded = None
+            raise
+        if self._compressor is not None:
+            fut.add_done_callback(lambda f: setattr(self, "_encoded", None)
+                                  if f.cancelled() or f.exception() is not None else None)
+        return fut
+
+    def _acked(self, acks: list[Any]) -> list[Any]:
+        """Every shard acknowledged the push: a compressed one's residuals move now (ps.compression)."""
+        encoded, self._encoded = self._encoded, None
+        if encoded is not None and self._compressor is not None:
+            for shard, residual in encoded.items():
+                self._compressor.commit(shard, residual)
+        return acks
 
     def _stamp(self, grads: Mapping[str, Any], extra: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         """Per-shard push requests with this worker's read version (`_request` stamps the clock and moves it,
@@ -400,6 +430,22 @@ class PSClient:
             if limit is not None and size > limit:
                 raise ProtocolError(f"a push of {size} bytes to shard {i} exceeds its max_message_bytes ({limit}); "
                                     "start the shards with a larger limit; the push is refused whole, no clock moves")
+        comp = self._compressor
+        finite = True
+        if comp is not None:      # a NaN the compressor did not select would hide in the residual: look at all
+            finite = all(np.isfinite(a).all() for piece in pieces for a in piece.values() if a.dtype.kind in "fc")
+            if not finite and self._rejects_nonfinite:
+                raise NonFiniteGradientError(
+                    f"a gradient of worker {self.worker} holds NaN or Inf: the compressed push is refused whole, "
+                    "no clock or residual moves: lower the learning rate or look for the divergence")
+        if comp is not None and finite:                # (a non-finite push to skipping shards goes dense)
+            out, encoded = [], {}
+            for i, piece in enumerate(pieces):
+                meta, tensors, residual = comp.encode(i, piece)
+                out.append((dict(extra, version=self.versions[i], **meta), tensors))
+                encoded[i] = residual
+            self._encoded = encoded
+            return out
         if len(pieces) > 1 and self._rejects_nonfinite:
             for i, piece in enumerate(pieces):
                 for name, a in piece.items():
@@ -426,6 +472,8 @@ class PSClient:
         with a copy), and so does everything if the segment cannot be allocated."""
         out: dict[str, np.ndarray] = {}
         arena = self._arena
+        if self._compressor is not None:                     # compressed pushes are encoded, never mapped
+            arena = None
         if arena is not None and any(link.push_ok for link in self._links):
             try:
                 arena.reserve_all()
@@ -722,7 +770,8 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *, timeout: float = 60.0,
             shm: bool | None = None, curve_keys_dir: str | None = None, secret: str | None = None,
-            lane: bool | None = None, link: tuple[float, float] | None = None) -> PSClient:
+            lane: bool | None = None, link: tuple[float, float] | None = None, compress: str | None = None,
+            error_feedback: bool = True) -> PSClient:
     """Connect worker `worker` to the shards at `addresses` (in shard order) and register with each.
 
     `shm`: carry push/pull payloads through shared memory with shards on this host (None: wherever the address is
@@ -732,6 +781,8 @@ def connect(addresses: Sequence[str], worker: int, params: Mapping[str, Any], *,
     False: always ZeroMQ). `secret`: the
     job secret (ServerGroup.secret); None: PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE. Admin operations (checkpoint,
     shutdown) need `ps.connect_admin` instead. `link` = (latency s, bandwidth B/s): every request and reply to a
-    shard crosses an emulated link (`ps.link_delay`; the shards on one machine, as `pslab run` with [topology])."""
+    shard crosses an emulated link (`ps.link_delay`; the shards on one machine, as `pslab run` with [topology]).
+    `compress`: "topk:<fraction>" or "sign" sends each push compressed, with error feedback unless
+    `error_feedback=False` (ps.compression; reads stay whole); None or "none": whole gradients."""
     return PSClient(addresses, worker, params, timeout=timeout, shm=shm, curve_keys_dir=curve_keys_dir,
-                    secret=secret, lane=lane, link=link)
+                    secret=secret, lane=lane, link=link, compress=compress, error_feedback=error_feedback)

@@ -28,6 +28,8 @@ import secrets
 import time
 from typing import Any, Callable
 
+import numpy as np
+import torch
 import zmq
 
 from pslab.collectives.curve import load_keys
@@ -35,6 +37,7 @@ from pslab.collectives.errors import WireError
 from pslab.collectives.shm_channel import Waiter
 from pslab.collectives.wire import decode, encode
 
+from . import compression
 from .admission import Admission, curve_server, plain_server, shard_users
 from .checkpoint import save_checkpoint
 from .config import ServerConfig
@@ -444,6 +447,10 @@ class ShardServer(Parking):
         if self.state is None:
             raise NotInitializedError(f"shard {self.config.shard_id} has no parameters yet: the owner must call "
                                       "init before anyone pushes")
+        if "compress" in msg.meta:                         # topk / sign: decoded (and validated) to whole gradients
+            if "shm" in msg.meta:
+                raise ProtocolError("a compressed push travels as frames, not through shared memory")
+            grads = {k: torch.from_numpy(g) for k, g in compression.decode(msg.meta, grads, self._layout()).items()}
         self._before_update()
         res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now,
                               skip_nonfinite=self.config.nonfinite == "skip")
@@ -468,6 +475,10 @@ class ShardServer(Parking):
             self._send(identity, "ok", msg.seq, ack)
         if self.parked:
             self._retry_parked(now)
+
+    def _layout(self) -> dict[str, tuple[int, np.dtype]]:
+        """{key: (numel, numpy dtype)} of this shard's parameters: what a compressed push must decode to."""
+        return {k: (p.numel(), torch.empty(0, dtype=p.dtype).numpy().dtype) for k, p in self.state.params.items()}
 
     def _on_stats(self, identity: bytes, msg: Any, now: float) -> None:
         st = self.state

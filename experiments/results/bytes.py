@@ -133,6 +133,8 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
         out["ps push + pull"] = (syncs / n * 2.0 * sum(slot_bytes),
                                  f"⌈n/H⌉/n · Σ_r 2·S_r (the pseudo-gradient pushed and θ read per H = {H} steps, and "
                                  f"after the last: {syncs} over n = {n} steps)")
+    elif cfg.strategy.uses_ps and cfg.train.compress != "none":
+        out["ps push + pull"] = _ps_compressed(cfg, wl, slot_bytes)
     elif cfg.strategy.uses_ps:
         out["ps push + pull"] = (2.0 * sum(slot_bytes), "Σ_r 2·S_r")
     elif cfg.strategy.periodic and D > 1:      # local-sgd / diloco: the parameters (or θ_outer − θ_i) every H steps
@@ -176,6 +178,20 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
     if p.pp > 1:
         out["pp boundaries"] = _pipeline(cfg, model, acts, steps or cfg.train.steps)
     return out
+
+
+def _ps_compressed(cfg: RunConfig, wl: Workload, slot_bytes: list[int]) -> tuple[float, str]:
+    """train.compress on a ps-* push (ps/compression.py): each rank pushes, per shard, top-k's k = ⌈ρ·n_s⌉ values
+    and int32 indices of the shard's n_s elements (or sign's packed bits and a scale per key) and reads S_r whole."""
+    from pslab.ps import compression, make_partition
+    form = compression.parse(cfg.train.compress)
+    params = {n: q.detach().numpy() for n, q in wl.make_model().named_parameters()}
+    part = make_partition(params, cfg.train.shards)
+    sizes = [[k.numel for k in part.keys_of(i)] for i in range(cfg.train.shards)]
+    push = sum(form.payload_bytes(z) for z in sizes)
+    what = (f"Σ_s ⌈ρ·n_s⌉·(4 + 4) B over the {cfg.train.shards} shard(s)" if form.kind == "topk" else
+            "Σ_s Σ_keys (⌈n/8⌉ + 4) B (packed signs, a float32 scale per key)")
+    return len(slot_bytes) * push + float(sum(slot_bytes)), f"Σ_r (P + S_r), P = {what} = {push} B"
 
 
 def _compressed(cfg: RunConfig, wl: Workload, D: int) -> tuple[float, str]:

@@ -22,6 +22,9 @@ stops at the first evaluation whose test accuracy reaches it (gradients still in
 so time to accuracy is resolved to eval_every updates. `[simulate] timing_only` runs `experiments.sim.timing`
 instead: this loop without tensors, giving the same records but for loss.
 
+`train.compress` (topk:ρ, sign): each worker's push goes through its own `ps.compression.PushCompressor` (its
+residual, error feedback) and the shard's decoder, as in a real run; the network carries the compressed bytes.
+
 `[faults] events` (kill / stop of workers, kill of a shard) are injected, detected and recovered from in virtual
 time by `experiments.sim.ps_faults` (the model: `experiments.sim.faults`), which writes RUN_DIR/events.jsonl and
 changes the shards' membership (ShardState.set_members) as real runs do. Without events nothing changes.
@@ -84,6 +87,12 @@ class Simulator:
         self.shards = [ShardState({k: v.copy() for k, v in piece.items()}, optimizer=spec, policy=policy,
                                   num_workers=self.K) for piece in self.partition_split(init)]
         self.net = Network(cfg.simulate, t.shards)
+        self.compressors: list[Any] = []              # train.compress: each worker's push encoder (ps.compression)
+        if t.compress != "none":
+            from pslab.ps import compression
+            form = compression.parse(t.compress)
+            self.compressors = [compression.PushCompressor(form, t.error_feedback) for _ in range(self.K)]
+            self.layouts = [{k: (v.numel(), v.numpy().dtype) for k, v in st.params.items()} for st in self.shards]
         self.straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
         self.heap: list[tuple[float, int, int, int, int, Any]] = []
         self.seq = itertools.count()
@@ -156,7 +165,10 @@ class Simulator:
         pieces = self.partition_split(grads)
         sent = 0
         for s, piece in enumerate(pieces):
-            nbytes = sum(a.nbytes for a in piece.values())
+            if self.compressors:                      # encoded, decoded as the shard would: the bytes are the code's
+                piece, nbytes = self._compress(w, s, piece)
+            else:
+                nbytes = sum(a.nbytes for a in piece.values())
             sent += nbytes
             version = int(ws.replies[s].version)
             epoch = self.fx.shard_epoch[s] if self.fx else 0
@@ -170,6 +182,15 @@ class Simulator:
             self._begin_step(w)
         else:
             ws.done = True
+
+    def _compress(self, w: int, s: int, piece: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """Worker w's push to shard s through its encoder (residual kept: no push is refused here) and the
+        shard's decoder: (the gradient the shard applies, the bytes on the wire)."""
+        from pslab.ps import compression
+        comp = self.compressors[w]
+        meta, tensors, residual = comp.encode(s, piece)
+        comp.commit(s, residual)
+        return compression.decode(meta, tensors, self.layouts[s]), sum(a.nbytes for a in tensors.values())
 
     def _on_push(self, w: int, s: int, payload: Any) -> None:
         clock, version, piece, epoch = payload

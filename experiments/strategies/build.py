@@ -248,5 +248,6 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     return PSSyncStrategy(addresses[slot_group(mesh)], timeout=cfg.train.timeout_s, curve_keys_dir=curve_keys_dir,
                           shared_group=_shared_group(mesh), abort=cfg.train.backup_abort,
                           mirror_group=mesh.group("cp") if mesh.size("cp") > 1 else None,
-                          link=ps_link(cfg, mesh.rank),
-                          secret=secret)
+                          link=ps_link(cfg, mesh.rank), secret=secret,
+                          compress=None if cfg.train.compress == "none" else cfg.train.compress,
+                          error_feedback=cfg.train.error_feedback)

@@ -128,6 +128,8 @@ class PSSyncStrategy:
     abort: bool = False           # backup-BSP: give up a gradient whose clock is committed (module docstring)
     link: tuple[str, float, float] | None = None   # [topology]: (link class, latency s, bandwidth B/s) between this
                                                    # rank's emulated host and the shards' (ps.link_delay)
+    compress: str | None = None   # train.compress: each push compressed (topk / sign, ps.compression), reads whole
+    error_feedback: bool = True   # with compress: keep what was not sent and add it to the next gradient
     client: Any = field(default=None, init=False, repr=False)     # ps.PSClient once attached
     history: list[PSStep] = field(default_factory=list, init=False)
     last_bytes: tuple[int, int] = field(default=(0, 0), init=False)  # (pushed, pulled) payload of the last step,
@@ -173,7 +175,8 @@ class PSSyncStrategy:
         try:
             self.client = ps.connect(self.addresses, worker=worker, params=params, timeout=self.timeout,
                                      curve_keys_dir=self.curve_keys_dir, secret=self.secret,
-                                     link=self.link[1:] if self.link is not None else None)
+                                     link=self.link[1:] if self.link is not None else None,
+                                     compress=self.compress, error_feedback=self.error_feedback)
         except (ProtocolError, AuthenticationError) as e:   # e.g. this dp rank is no worker id the shards serve
             raise PSStrategyError(f"dp rank {worker} of {workers} cannot register with {list(self.addresses)}: {e}; "
                                   f"{fix}") from e

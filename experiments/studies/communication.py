@@ -23,16 +23,21 @@ Arms (ARMS; label: strategy, + train.compress / train.error_feedback):
     topk 1%          allreduce + topk:0.01            the largest 1 % of each gradient (value, index); residual kept
     topk 1% no EF    the same, error_feedback = false the dropped 99 % lost for ever
     powersgd:2       allreduce + powersgd:2           rank-2 factors of each weight matrix, with error feedback
+    asp topk 1%      ps-asp + topk:0.01               asynchrony and compression: each push the largest 1 % (with
+                                                      error feedback), the read whole
 
-Bytes sent per worker per step, S = 4n gradient bytes, K workers, T steps (experiments/results/bytes.py prints each
-next to the count in every run's bytes table):
+Bytes a worker's link carries per step, sent + received (the tables' "bytes per sample" divide them by the samples
+a worker computed), S = 4n gradient bytes, K workers, T steps (experiments/results/bytes.py prints each sent count
+next to its formula in every run's bytes table):
 
-    bsp           the all-reduce's: 2 (K − 1)/K · S (ring), (K − 1) · S (direct exchange, tensors <= 32 KiB)
+    bsp           twice the all-reduce's sends: 2 · 2 (K − 1)/K · S (ring), 2 (K − 1) · S (direct exchange, tensors
+                  <= 32 KiB): a worker receives what it sends
     local-sgd:H, diloco:H   ⌈T/H⌉/T of that (one all-reduce of the parameters per H steps)
-    ssp, asp      S pushed (and S read back), every byte through the shard host's link
-    ps-local:H    S pushed (and S read back) per H steps: ⌈T/H⌉/T of ssp's
-    topk ρ        (K − 1) · ⌈ρ n⌉ · (4 + 4)            (values and int32 indices all-gathered)
-    powersgd:r    the all-reduce's formula over Σ r (rows + cols) · 4 + the vectors left whole
+    ssp, asp      S pushed + S read back, every byte through the shard host's link
+    ps-local:H    S pushed + S read back per H steps: ⌈T/H⌉/T of ssp's
+    topk ρ        2 (K − 1) · ⌈ρ n⌉ · (4 + 4)          (values and int32 indices all-gathered)
+    asp topk ρ    ⌈ρ n⌉ · (4 + 4) pushed + S read back (the read is not compressed: it is nearly all of it)
+    powersgd:r    twice the all-reduce's sends of Σ r (rows + cols) · 4 + the vectors left whole
 
 What is stale, by how much (the records' `staleness`): asp / ssp count the shard's updates a gradient missed; Local
 SGD / DiLoCo count the local steps since the last average (0 … H − 1, every worker equally behind); compression is
@@ -86,7 +91,7 @@ ARMS = (Arm("bsp", "allreduce"), Arm("ssp:3", "ps-ssp:3"), Arm("asp", "ps-asp"),
         Arm("local-sgd:4", "local-sgd:4"), Arm("local-sgd:16", "local-sgd:16"),
         Arm("diloco:16", "diloco:16"), Arm("diloco:64", "diloco:64"), Arm("ps-local:16", "ps-local:16"),
         Arm("topk 1%", "allreduce", "topk:0.01"), Arm("topk 1% no EF", "allreduce", "topk:0.01", False),
-        Arm("powersgd:2", "allreduce", "powersgd:2"))
+        Arm("powersgd:2", "allreduce", "powersgd:2"), Arm("asp topk 1%", "ps-asp", "topk:0.01"))
 REFERENCE = "bsp"
 LATENCY_S = 0.002            # the slow inter-host link: 2 ms ...
 BANDWIDTH_BPS = 2e6          # ... and 2 MB/s: bsp's exchange of the digits MLP's gradient (3 x 19.2 kB per worker)
@@ -125,7 +130,8 @@ def arm_config(base: RunConfig, arm: Arm, seed: int, straggler: bool) -> RunConf
 
 
 def curve(run: dict[str, Any], batch_size: int) -> dict[str, list[float]]:
-    """At each evaluation of the global model: bytes sent per worker so far, time, samples, test loss."""
+    """At each evaluation of the global model: bytes moved (sent + received) per worker so far, time, samples, test
+    loss."""
     ups = sorted(run["updates"], key=lambda u: u["time_s"])
     K = max(1, int((run.get("summary") or {}).get("workers") or 1))
     out: dict[str, list[float]] = {"bytes": [], "time_s": [], "samples": [], "loss": []}
@@ -134,13 +140,19 @@ def curve(run: dict[str, Any], batch_size: int) -> dict[str, list[float]]:
         if e.get("test_loss") is None:
             continue
         while i < len(ups) and ups[i]["time_s"] <= e["time_s"]:
-            sent += ups[i].get("bytes_sent") or 0
+            sent += _moved(ups[i])
             i += 1
         out["bytes"].append(sent / K)
         out["time_s"].append(float(e["time_s"]))
         out["samples"].append(float(e["updates"]) * batch_size)
         out["loss"].append(float(e["test_loss"]))
     return out
+
+
+def _moved(u: dict[str, Any]) -> float:
+    """Bytes one update moved on its worker's link: sent + received (a PS worker receives the read, an all-reduce
+    worker as much as it sends)."""
+    return (u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0)
 
 
 def row(run: dict[str, Any], batch_size: int, target_acc: float) -> dict[str, Any]:
@@ -150,11 +162,11 @@ def row(run: dict[str, Any], batch_size: int, target_acc: float) -> dict[str, An
     hit = time_to_accuracy(run["evals"], target_acc)
     ups = [u for u in run["updates"] if not u.get("dropped")]
     K = max(1, int(s.get("workers") or 1))
-    sent = None if any(u.get("bytes_sent") is None for u in ups) else sum(u["bytes_sent"] for u in ups) / K
+    sent = None if any(u.get("bytes_sent") is None for u in ups) else sum(_moved(u) for u in ups) / K
     samples = s.get("samples") or len(ups) * batch_size
     return {"time_s": s.get("time_s"), "time_to_target_s": None if hit is None else hit[0],
             "final_test_loss": s.get("final_test_loss"), "final_test_acc": s.get("final_test_acc"),
-            "bytes_sent_per_worker": sent, "bytes_per_sample": None if sent is None else sent / (samples / K),
+            "bytes_moved_per_worker": sent, "bytes_per_sample": None if sent is None else sent / (samples / K),
             "staleness_mean": s.get("staleness_mean"), "staleness_max": s.get("staleness_max"),
             "wait_s_per_worker": (s.get("wait_s_total") or 0.0) / K, "path": run["path"],
             "curve": curve(run, batch_size)}
@@ -198,7 +210,7 @@ def run_communication(cfg: RunConfig, out: Path, seeds: int = SEEDS, straggler: 
         r = row(RunDir(rd.path).load(), bs, target_acc)
         results[cond].setdefault(a.label, []).append(r)
         say(f"[{n}/{len(plan)}] {label}: {r['time_s']:.2f} s, test loss {r['final_test_loss']:.3f}, "
-            f"{_kb(r['bytes_sent_per_worker'])} kB sent per worker")
+            f"{_kb(r['bytes_moved_per_worker'])} kB moved per worker")
     sim: list[dict[str, Any]] = []
     if sim_workers:
         for n, a in enumerate(arms, 1):

@@ -1,6 +1,6 @@
 """The report of `pslab compare --preset communication` (studies/communication.py): the tables per condition, the
 verdicts in words with their bootstrap support, the simulated table at many workers, and three figures — test loss
-of the global model against bytes sent per worker, against wall-clock time and against samples (one row per
+of the global model against bytes moved (sent + received) per worker, against wall-clock time and against samples (one row per
 condition; each arm's curve is its first seed's run, the tables give medians over all seeds)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def table(res: dict[str, list[dict[str, Any]]], verdicts: list[dict[str, Any]], 
     than any that did, '—' if the median seed did not)."""
     by = {v["arm"]: v for v in verdicts}
     ref_b = _lower([r["bytes_per_sample"] for r in res["bsp"]])
-    lines = [f"| arm | bytes sent per sample | × fewer than bsp | time (s) | wait per worker (s) | time to "
+    lines = [f"| arm | bytes per sample (sent + received) | × fewer than bsp | time (s) | wait per worker (s) | time to "
              f"{100 * target:g} % (s) | final test loss: median [min, max] | in bsp's band | staleness mean / max |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, runs in res.items():
@@ -70,11 +70,11 @@ def verdict_lines(verdicts: list[dict[str, Any]], target: float) -> list[str]:
 
 
 def sim_table(sim: list[dict[str, Any]], target: float) -> str:
-    lines = [f"| arm | virtual time (s) | bytes sent per worker | time to {100 * target:g} % (s) | final test loss | "
+    lines = [f"| arm | virtual time (s) | bytes per worker (sent + received) | time to {100 * target:g} % (s) | final test loss | "
              "staleness mean / max |", "|---|---|---|---|---|---|"]
     for r in sim:
         lines.append(f"| {r['label']} | {_f(r['time_s'], '.2f')} | "
-                     f"{_f((r['bytes_sent_per_worker'] or 0) / 1e6, '.3g')} MB | {_f(r['time_to_target_s'], '.2f')} | "
+                     f"{_f((r['bytes_moved_per_worker'] or 0) / 1e6, '.3g')} MB | {_f(r['time_to_target_s'], '.2f')} | "
                      f"{_f(r['final_test_loss'], '.3f')} | {_f(r['staleness_mean'], '.1f')} / "
                      f"{_f(r['staleness_max'], '.0f')} |")
     return "\n".join(lines)
@@ -90,7 +90,7 @@ def plots(data: dict[str, Any], out: Path) -> list[Path]:
     arms = [a["label"] for a in data["arms"]]
     cmap = plt.get_cmap("tab10")
     paths = []
-    for key, xlabel, name in (("bytes", "bytes sent per worker (log scale)", "loss_vs_bytes.png"),
+    for key, xlabel, name in (("bytes", "bytes per worker, sent + received (log scale)", "loss_vs_bytes.png"),
                               ("time_s", "wall-clock time (s)", "loss_vs_time.png"),
                               ("samples", "samples (all workers)", "loss_vs_samples.png")):
         fig, axes = plt.subplots(1, len(conds), figsize=(6.2 * len(conds), 4.4), squeeze=False)

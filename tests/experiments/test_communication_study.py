@@ -37,14 +37,14 @@ def test_verdicts_band_bootstrap_and_a_target_never_reached():
     assert REFERENCE not in v
 
 
-def test_the_curve_counts_bytes_sent_per_worker_up_to_each_evaluation():
+def test_the_curve_counts_bytes_moved_per_worker_up_to_each_evaluation():
     run = {"summary": {"workers": 2},
-           "updates": [{"time_s": 0.1, "bytes_sent": 100}, {"time_s": 0.2, "bytes_sent": 300},
-                       {"time_s": 0.5, "bytes_sent": 600}],
+           "updates": [{"time_s": 0.1, "bytes_sent": 100, "bytes_recv": 10}, {"time_s": 0.2, "bytes_sent": 300},
+                       {"time_s": 0.5, "bytes_sent": 600, "bytes_recv": 400}],
            "evals": [{"updates": 0, "time_s": 0.0, "test_loss": 2.0}, {"updates": 2, "time_s": 0.2, "test_loss": 1.5},
                      {"updates": 3, "time_s": 0.6, "test_loss": 1.0}]}
     c = curve(run, batch_size=8)
-    assert c == {"bytes": [0.0, 200.0, 500.0], "time_s": [0.0, 0.2, 0.6], "samples": [0.0, 16.0, 24.0],
+    assert c == {"bytes": [0.0, 205.0, 705.0], "time_s": [0.0, 0.2, 0.6], "samples": [0.0, 16.0, 24.0],
                  "loss": [2.0, 1.5, 1.0]}
 
 
@@ -81,7 +81,7 @@ def test_a_small_study_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "communication.json").read_text())
     assert {a: len(r) for a, r in saved["results"]["none"].items()} == {"bsp": 2, "local-sgd:4": 2, "topk 1%": 2}
     assert [r["label"] for r in saved["sim"]] == ["bsp", "local-sgd:4", "topk 1%"]
-    assert saved["sim"][0]["bytes_sent_per_worker"] > 0 and all(r["final_test_loss"] < 2.3 for r in saved["sim"])
+    assert saved["sim"][0]["bytes_moved_per_worker"] > 0 and all(r["final_test_loss"] < 2.3 for r in saved["sim"])
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -141,9 +141,10 @@ def test_resume_at_another_layout_tp2_to_tp1(tmp_path):
     assert json.loads((first.path / "summary.json").read_text())["parallel"] == "data"
 
 
-def _resumes_continue(tmp_path, base: list[str], changes: dict[str, list[str]], name: str) -> None:
+def _resumes_continue(tmp_path, base: list[str], changes: dict[str, list[str]], name: str) -> RunDir:
     """Run `base` 4 steps straight; then, per label in `changes`, 2 steps resumed to 4 with those overrides: the
-    (worker, step) rows equal the straight run's, its losses bitwise for "same" (no change), else to rel 1e-5."""
+    (worker, step) rows equal the straight run's, its losses bitwise for "same" (no change), else to rel 1e-5.
+    Returns the straight run."""
     straight = execute(small_config(*base, "train.steps=4"), tmp_path, label=name, quiet=True)
     ref = {(u["worker"], u["step"]): u["loss"] for u in read_jsonl(straight.metrics_path)}
     for label, change in changes.items():
@@ -153,6 +154,7 @@ def _resumes_continue(tmp_path, base: list[str], changes: dict[str, list[str]], 
         assert sorted(got) == sorted(ref), label
         for k, v in ref.items():
             assert got[k] == (v if label == "same" else pytest.approx(v, rel=1e-5)), (label, k, got[k], v)
+    return straight
 
 
 def test_3d_zero1_resumed_at_another_layout(tmp_path):
@@ -236,3 +238,15 @@ def test_zero1_on_a_cp_or_ep_replica_resumed(tmp_path, layout):
     base = ([*TF, "train.workers=2", "parallel.cp=2", "parallel.zero=1"] if layout == "cp" else
             [*TF, "workload.name=text-moe", "train.workers=2", "parallel.ep=2", "parallel.zero=1"])
     _resumes_continue(tmp_path, base, {"same": [], "no zero": ["parallel.zero=0"]}, f"{layout}-zero1")
+
+
+@pytest.mark.parametrize("compress", ["topk:0.05", "powersgd:2"])
+def test_a_compressed_run_resumes_bitwise_with_each_workers_residual(tmp_path, compress):
+    """train.compress keeps a residual per worker (and PowerSGD its warm-start Q): each rank's own goes into its
+    checkpoint file and comes back on resume, so the resumed run's losses equal the straight run's bitwise (without
+    the residuals the step after the resume differs: tests/parallelism/test_compress.py checks it matters)."""
+    straight = _resumes_continue(tmp_path, [*DP, "faults.checkpoint_every=2", f"train.compress={compress}"],
+                                 {"same": []}, compress)
+    ck = committed_steps(straight.path / "checkpoints")
+    _, meta = read_tensor_file(ck[0][1] / "rank-00001.pslab")
+    assert "residual/0" in meta["local"], meta["local"]

@@ -182,3 +182,47 @@ def test_bad_strings_are_one_line(text, fragment):
         check_compress(text)
     assert fragment in str(e.value) and "\n" not in str(e.value)
     assert make_compressor("none") is None
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.1), lambda: Sign(), lambda: PowerSGD(2, seed=3)],
+                         ids=["topk", "sign", "powersgd"])
+def test_state_put_back_continues_bitwise_and_is_needed(make):
+    """What a checkpoint keeps per worker (`state`: the residual, PowerSGD's warm-start Q) put into a fresh
+    compressor (`load_state`) continues exactly as the original; a fresh one without it does not."""
+    torch.manual_seed(0)
+    D, shapes = 2, [(6, 5), (5,)]
+    grads = [[[torch.randn(s, dtype=torch.float64) for s in shapes] for _ in range(4)] for _ in range(D)]
+    comps = [make() for _ in range(D)]
+    for t in range(2):
+        lockstep([comps[r].steps(grads[r][t], D) for r in range(D)])
+    like = [torch.empty(s, dtype=torch.float64) for s in shapes]
+    restored, fresh = [make() for _ in range(D)], [make() for _ in range(D)]
+    for r in range(D):
+        restored[r].load_state({k: v.clone() for k, v in comps[r].state().items()}, like)
+    a, _, _ = lockstep([comps[r].steps(grads[r][2], D) for r in range(D)])
+    b, _, _ = lockstep([restored[r].steps(grads[r][2], D) for r in range(D)])
+    c, _, _ = lockstep([fresh[r].steps(grads[r][2], D) for r in range(D)])
+    assert all(torch.equal(x, y) for r in range(D) for x, y in zip(a[r], b[r]))
+    assert not all(torch.equal(x, y) for r in range(D) for x, y in zip(a[r], c[r]))
+
+
+def test_a_state_of_another_model_is_one_error():
+    from pslab.parallelism.engine import EngineError
+    c = TopK(0.5)
+    lockstep([c.steps([torch.ones(4), torch.ones(3)], 1)])
+    with pytest.raises(EngineError, match="another model"):
+        TopK(0.5).load_state(c.state(), [torch.ones(4)])
+    with pytest.raises(EngineError, match="another model"):
+        TopK(0.5).load_state(c.state(), [torch.ones(4), torch.ones(2)])
+
+
+def test_at_another_world_size_each_rank_gets_the_mean_residual():
+    """snapshot.local_of: the same world gives each rank its own; another gives every rank the mean, which keeps
+    what the D workers still owe the average, (1/D)·Σ e_i, for any new D'."""
+    from pslab.parallelism.snapshot import local_of
+    src = [({"local/residual/0": torch.tensor([float(i), 2.0 * i])}, {"local": ["residual/0"]}) for i in range(4)]
+    assert torch.equal(local_of(src, 2)["residual/0"], torch.tensor([2.0, 4.0]))
+    mean = local_of(src, None)["residual/0"]
+    assert torch.equal(mean, torch.tensor([1.5, 3.0]))
+    owed_before = sum(t["local/residual/0"] for t, _ in src) / 4
+    assert torch.equal(sum([mean, mean]) / 2, owed_before)

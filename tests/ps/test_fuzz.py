@@ -1,6 +1,6 @@
 """Fuzz: 12,000 hostile messages from authenticated raw pyzmq sockets against a shard server process -- random
 frames, and one-field mutations of valid messages (every op, every header field, every meta field, descriptors,
-tensor frames, shared-memory descriptors). The server never dies, the parameters stay bitwise unchanged, and the
+tensor frames, shared-memory descriptors, compressed-push fields). The server never dies, the parameters stay bitwise unchanged, and the
 job's own client is served correctly throughout."""
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ def mutate(rng: random.Random, header: dict, frames: list[bytes]) -> list[bytes]
                 h["meta"][key] = rng.choice(ODD)
         elif kind == 2:                             # a meta field that does not belong there
             h["meta"][rng.choice(["shm", "pull", "clock", "version", "worker", "series", "zz"])] = rng.choice(ODD)
+            if rng.random() < 0.3:                  # ... or a compressed push (ps.compression) whose frames are not
+                h["meta"]["compress"] = rng.choice(ODD + ["topk", "sign"])     # what it says
+                h["meta"]["keys"] = rng.choice(ODD + [["w", "b"], ["b", "w"], ["w"], ["w", "w", "b"]])
         elif kind == 3 and h["t"]:                  # a descriptor field
             d = h["t"][rng.randrange(len(h["t"]))]
             d[rng.randrange(3)] = rng.choice(ODD + ["float64", "int8", [8, 8], [1 << 47], [-1]])
