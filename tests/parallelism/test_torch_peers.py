@@ -5,6 +5,10 @@ and batches: the per-step losses and the parameters after several SGD and Adam s
                       Linear its own unit, reshard_after_forward True (ZeRO-3) / False (ZeRO-2's kept parameters)
     TP                DTensor tensor parallelism (`parallelize_module` with ColwiseParallel / RowwiseParallel) on
                       a model that declares the same plan (`tp_plan`, the user-model path of tensor.py)
+    TP + SP           DTensor with SequenceParallel on the LayerNorms, the residual stream Shard(1) between the
+                      blocks (PrepareModuleInput all-gathers it into each MLP, RowwiseParallel reduce-scatters back),
+                      on pslab's blocks (Embed, LayerNorm + MLP, Head; no attention: DTensor would need its heads
+                      split per tp rank, which pslab's Attention computes from its full width)
 
 (DDP, ZeroRedundancyOptimizer and torch.distributed.pipelining: tests/parallelism/test_data_parallel.py,
 test_zero.py and test_pipeline_parallel.py.)"""
@@ -21,7 +25,7 @@ from pslab import collectives
 from pslab.parallelism.engine import AllReduceStrategy
 from pslab.parallelism.export import gather_full_state
 from pslab.parallelism.mesh import DeviceMesh
-from pslab.parallelism.models import mlp
+from pslab.parallelism.models import MLP, Embed, Head, lm_loss, mlp
 from pslab.parallelism.tensor import TensorParallelEngine
 from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
 
@@ -146,3 +150,88 @@ def test_tensor_parallel_equals_dtensor(opt):
     assert ours is not None and ours.keys() == theirs.keys()
     for n, w in theirs.items():
         assert_close(ours[n], w, f"TP vs DTensor {n} ({opt})")
+
+
+class FFBlock(nn.Module):
+    """A pre-norm residual block of pslab's MLP: x + MLP(LayerNorm(x))."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.ln(x))
+
+
+def ff_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(16, 16, 8), FFBlock(16), FFBlock(16), Head(16, 16))
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
+            for _ in range(STEPS)]
+
+
+def _dtensor_sp_worker(group, opt: str):
+    """pslab's TP + SP on ff_model, then DTensor's: SequenceParallel LayerNorms, Shard(1) between blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    torch.set_num_threads(1)
+    world = group.world_size
+    mesh = DeviceMesh(group, tp=world)
+    rep = TensorParallelEngine(sequence_parallel=True).build(ff_model, mesh)
+    strategy = AllReduceStrategy(OPTS[opt])
+    strategy.attach(rep)
+    ours = []
+    for x, y in token_batches():
+        ours.append(float(rep.forward_backward(x, y)))
+        strategy.step(rep)
+    our_params = gather_full_state(rep, mesh)
+
+    model = ff_model()
+    dmesh = init_device_mesh("cpu", (world,))
+    distribute_module(model[0], dmesh)          # the embedding replicated (a DTensor, so its gradient is whole)
+    plan = {"1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                    use_local_output=False)}
+    for b in ("1", "2"):
+        plan.update({f"{b}.ln": SequenceParallel(),
+                     f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     f"{b}.mlp.fc1": ColwiseParallel(),
+                     f"{b}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    plan.update({"3.ln": SequenceParallel(),
+                 "3.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    parallelize_module(model, dmesh, plan)
+    o = OPTS[opt](list(model.parameters()))
+    theirs = []
+    for x, y in token_batches():
+        o.zero_grad()
+        with implicit_replication():            # (the positions, torch.arange, meet the replicated embedding)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+        o.step()
+        theirs.append(float(loss.detach()))
+    their_params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                    for n, p in model.named_parameters()}
+    return plain({"ours": ours, "theirs": theirs, "our_params": our_params, "their_params": their_params})
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_tensor_and_sequence_parallel_equal_dtensor_sequence_parallel(opt):
+    """tp = 2 with sequence parallelism: the same loss every step and the same full parameters after 4 steps, and
+    the parameters moved (the comparison is not between two untouched copies)."""
+    out = collectives.launch(_dtensor_sp_worker, 2, backend="torch", args=(opt,), timeout=120)
+    for r in out:
+        assert_close(r["ours"], r["theirs"], f"TP+SP vs DTensor SP losses ({opt})")
+    ours, theirs = out[0]["our_params"], out[0]["their_params"]
+    assert ours is not None and ours.keys() == theirs.keys()
+    init = {n: p.detach() for n, p in ff_model().named_parameters()}
+    moved = [n for n in theirs if not torch.equal(torch.as_tensor(theirs[n]), init[n])]
+    assert len(moved) == len(theirs), sorted(set(theirs) - set(moved))
+    for n, w in theirs.items():
+        assert_close(ours[n], w, f"TP+SP vs DTensor SP {n} ({opt})")
