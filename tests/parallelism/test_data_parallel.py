@@ -43,14 +43,17 @@ def test_dp_matches_single_process(backend):
     assert len([s for s in out[0]["by_site"] if s.startswith("bucket")]) > 1  # really bucketed
 
 
-def _ddp_worker(group):
+def _ddp_worker(group, opt_name="sgd"):
     """Our DP and torch DDP side by side in the same gloo processes."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from tests.parallelism.par_helpers import adam
     assert dist.is_initialized(), "torch backend should initialise torch.distributed"
-    ours = train_engine(group, DataParallelEngine(bucket_bytes=1024), MLP_FACTORY, mlp_batches(), {"dp": 2})
+    make_opt = {"sgd": sgd, "adam": adam}[opt_name]
+    ours = train_engine(group, DataParallelEngine(bucket_bytes=1024), MLP_FACTORY, mlp_batches(), {"dp": 2},
+                        opt=make_opt)
     model = DDP(MLP_FACTORY(), bucket_cap_mb=0.001)
-    opt = sgd(list(model.parameters()))
+    opt = make_opt(list(model.parameters()))
     losses = []
     for x, y in mlp_batches():
         loss = torch.nn.functional.cross_entropy(model(dp_shard(x, group.rank, 2)), dp_shard(y, group.rank, 2))
@@ -61,9 +64,10 @@ def _ddp_worker(group):
     return plain((ours, losses, {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}))
 
 
-def test_dp_matches_torch_ddp():
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_dp_matches_torch_ddp(opt_name):
     """Our DP equals torch DistributedDataParallel on gloo: same local losses per rank and same final weights."""
-    out = collectives.launch(_ddp_worker, 2, backend="torch", timeout=90)
+    out = collectives.launch(_ddp_worker, 2, backend="torch", args=(opt_name,), timeout=90)
     for rank, (ours, ddp_losses, ddp_w) in enumerate(out):
         for n, w in ddp_w.items():
             assert_close(ours["slots"][n], w, n)

@@ -149,18 +149,20 @@ def test_interleaved_bubble_and_in_flight(p):
         assert peaks == [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
 
 
-def _torch_pipelining_worker(group, schedule):
-    """Our pipeline engine and torch.distributed.pipelining, same stages, batches and SGD, in the same processes."""
+def _torch_pipelining_worker(group, schedule, opt_name="sgd"):
+    """Our pipeline engine and torch.distributed.pipelining, same stages, batches and optimizer, in the same
+    processes."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from pslab.parallelism.pipeline import split_stages, stage_module
-    from tests.parallelism.par_helpers import sgd
-    ours = train_engine(group, PipelineEngine(schedule, 4), MLP_FACTORY, mlp_batches(), {"pp": 2})
+    from tests.parallelism.par_helpers import adam, sgd
+    make_opt = {"sgd": sgd, "adam": adam}[opt_name]
+    ours = train_engine(group, PipelineEngine(schedule, 4), MLP_FACTORY, mlp_batches(), {"pp": 2}, opt=make_opt)
     model = MLP_FACTORY()
     mod = stage_module(model, split_stages(model, 2)[group.rank])
     stage = PipelineStage(mod, group.rank, 2, torch.device("cpu"))
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     sched = cls(stage, n_microbatches=4, loss_fn=torch.nn.functional.cross_entropy)
-    opt = sgd(list(mod.parameters()))
+    opt = make_opt(list(mod.parameters()))
     losses = []
     for x, y in mlp_batches():
         opt.zero_grad()
@@ -174,11 +176,13 @@ def _torch_pipelining_worker(group, schedule):
     return ours, plain((losses, {n: p.detach() for n, p in mod.named_parameters()}))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_pp_matches_torch_pipelining(schedule):
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_matches_torch_pipelining(schedule, opt_name):
     """torch.distributed.pipelining runs on CPU/gloo here: our 2-stage pipeline gives the same per-step losses and
-    final stage weights as its Schedule1F1B on the same stages, micro-batches and SGD (rtol 1e-5)."""
-    out = collectives.launch(_torch_pipelining_worker, 2, backend="torch", args=(schedule,), timeout=120)
+    final stage weights as its ScheduleGPipe / Schedule1F1B on the same stages, micro-batches and optimizer (SGD
+    with momentum, Adam; rtol 1e-5)."""
+    out = collectives.launch(_torch_pipelining_worker, 2, backend="torch", args=(schedule, opt_name), timeout=120)
     for rank, (ours, (losses, weights)) in enumerate(out):
         for n, w in weights.items():
             assert_close(ours["slots"][n], w, n)
