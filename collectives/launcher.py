@@ -30,7 +30,10 @@ the rank that actually died.
 A hang is judged against the load: the parent measures how late its own 50 ms polls wake up (`Job.lag_s`: the
 largest lateness over the last LAG_WINDOW_S seconds), and a silent heartbeat means a hang only when it is older than
 `detect_s + LAG_FACTOR * lag_s` -- on a machine so loaded that the parent itself wakes seconds late, the ranks' beat
-threads do too, and that is not a hang. A stopped process (SIGSTOP: state T in /proc) is hung after `detect_s`
+threads do too, and that is not a hang. Nor is a silent child whose CPU time still grows (procstate.cpu_ticks
+advanced within the last `detect_s`): a beat thread needs the GIL, and a busy rank on a loaded machine (a long
+garbage collection or C call, time-sliced with everything else) can hold it for seconds while it works; such a child
+is hung only past BUSY_FACTOR x the bound. A stopped process (SIGSTOP: state T in /proc) is hung after `detect_s`
 whatever the load (collectives/procstate.py reads what the kernel says of a child).
 The supervisor can signal a rank's process (`Job.pid`: stop and resume it), start a replacement for a member
 (`Job.spawn`; each generation then names every member's process, `Job.incarnation`) and hear what children
@@ -53,7 +56,8 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from . import cleanup
-from .procstate import exit_code_after, is_stopped as _stopped_state, pidfd, zombie_exit_code
+from .procstate import (BUSY_FACTOR, CpuProgress, exit_code_after, is_stopped as _stopped_state, pidfd,
+                        zombie_exit_code)
 from .auth import ENV_SECRET, job_secret, new_job_secret
 from .errors import LaunchError
 
@@ -259,6 +263,7 @@ class Job:
         self._inbox: list[tuple] = []
         self._store: Any = None
         self._lags: list[tuple[float, float]] = []      # (monotonic time, how late a poll woke), last LAG_WINDOW_S
+        self._cpu = CpuProgress()                          # when each child's CPU time last grew (procstate)
 
     # ------------------------------------------------------------------ what a supervisor may do
     @property
@@ -530,6 +535,9 @@ class Job:
             elif self.supervisor is not None and not died:
                 age = self.heartbeat_age(r)
                 detect_s = self.supervisor.detect_s
-                if age > detect_s and (age > self.hang_bound_s(detect_s) or _stopped_state(p.pid)):
+                bound = self.hang_bound_s(detect_s)
+                busy = self._cpu.busy(p.pid, detect_s)   # (sampled every watch: it must see the ticks move)
+                if age > detect_s and (_stopped_state(p.pid) or
+                                       age > (BUSY_FACTOR * bound if busy else bound)):
                     self._fail(r, RankFailure(r, f"hung: no heartbeat for {age:.1f} s"), True, return_exceptions)
 

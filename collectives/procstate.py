@@ -6,6 +6,9 @@
     zombie_exit_code(pid)      its exit code while it is a zombie (exited, not yet reaped by its parent, the
                                forkserver): /proc/PID/stat field 52, the wait status
     is_stopped(pid)            stopped (SIGSTOP, a debugger): state T or t -- hung, whatever the machine's load
+    cpu_ticks(pid)             CPU time it has used (utime + stime, clock ticks): a child whose beat is late but
+                               whose CPU time still grows is busy (starved of its GIL under load), not hung
+    CpuProgress.busy(pid, s)   whether it used CPU within the last s seconds (sampled at each call)
     exit_code_after(p, t)      multiprocessing's exit code of `p`, waited for a bounded time after its death
 
 /proc/PID/stat is "pid (comm) state ppid ...": comm may hold spaces and parentheses, so the fields are read after
@@ -34,6 +37,38 @@ def is_stopped(pid: int | None) -> bool:
     """Whether process `pid` is stopped (SIGSTOP, a debugger: state T or t)."""
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] in (b"T", b"t")
+
+
+def cpu_ticks(pid: int | None) -> int | None:
+    """Clock ticks of CPU time process `pid` has used so far (/proc/PID/stat fields 14 and 15, utime + stime, all
+    its threads), or None (no such process, no /proc)."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[14 - 3]) + int(fields[15 - 3]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+BUSY_FACTOR = 10.0      # a child whose beat is late but whose CPU time grows is hung only past this x the bound
+
+
+class CpuProgress:
+    """When each watched process's CPU time last grew, as seen by the calls to `busy` (a watch loop's polls)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, float]] = {}       # pid -> (CPU ticks, when they last grew)
+
+    def busy(self, pid: int | None, within_s: float) -> bool:
+        """Whether process `pid` used CPU within the last `within_s` seconds (False at the first sample, and for
+        a process that is gone or unreadable)."""
+        ticks, now = cpu_ticks(pid), time.monotonic()
+        if ticks is None or pid is None:
+            return False
+        seen = self._seen.get(pid)
+        if seen is None or ticks != seen[0]:
+            self._seen[pid] = (ticks, now)
+            return seen is not None
+        return now - seen[1] < within_s
 
 
 def zombie_exit_code(pid: int | None) -> int | None:

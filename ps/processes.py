@@ -18,11 +18,13 @@ Liveness and restart (`ServerGroup.check`, called from the job's supervisor loop
 every shard writes (time.monotonic(), version) into its slot of a shared double array (`multiprocessing.RawArray`,
 fork- and spawn-safe) at each loop iteration (<= 50 ms apart) and after each push. A shard is dead when its process
 has exited (any exit: a shard never ends on its own during a run) and hung when its beat is older than detect_s
-(then it is SIGKILLed). Either is restarted from its latest valid checkpoint on the SAME address (the ipc path or tcp
+and it is stopped (SIGSTOP) or has used no CPU within detect_s (then it is SIGKILLed); a shard still using CPU
+(a long step, or starved on a loaded machine) is hung only past BUSY_FACTOR x detect_s (collectives/procstate.py).
+Either is restarted from its latest valid checkpoint on the SAME address (the ipc path or tcp
 port it first bound), so the clients' DEALER sockets reconnect by themselves; updates lost = the last version the
 shard reported minus the version it restored. Under an aggregating policy a slot group of several shards restarts
-together from its newest common checkpoint version, so that all its shards hold the same clock. Each incarnation notes its shared-memory segments in a sweep
-directory of its own, swept as soon as it is dead.
+together from its newest common checkpoint version, so that all its shards hold the same clock. Each incarnation
+notes its shared-memory segments in a sweep directory of its own, swept as soon as it is dead.
 
 Authentication: the shards admit only holders of the job's secret (ps.admission). `start_servers(secret=...)` uses
 the given one, else PSLAB_JOB_SECRET / PSLAB_JOB_SECRET_FILE, else makes a new one. Nothing is
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pslab.collectives import cleanup
+from pslab.collectives.procstate import BUSY_FACTOR, CpuProgress, is_stopped
 
 from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
 from .checkpoint import list_checkpoints
@@ -139,6 +142,7 @@ class ServerGroup:
         self._sweeps = [[None for _ in g] for g in self.configs]
         n = sum(len(g) for g in self.configs)
         self._beats = mp.get_context(self.start_method).RawArray("d", 2 * max(n, 1))
+        self._cpu = CpuProgress()                     # when each shard's CPU time last grew (check: busy, not hung)
 
     @property
     def groups(self) -> int:
@@ -216,10 +220,11 @@ class ServerGroup:
                     continue
                 beat, version = self.heartbeat(i, g)
                 age = time.monotonic() - beat
+                busy = self._cpu.busy(p.pid, detect_s)      # (sampled at every check: it must see the ticks move)
                 if not p.is_alive():
                     p.join(1)
                     how = _exit_how(p.exitcode)
-                elif age > detect_s:
+                elif age > detect_s and (is_stopped(p.pid) or not busy or age > BUSY_FACTOR * detect_s):
                     how = f"no heartbeat for {age:.1f} s"
                     p.kill()
                     p.join(5)

@@ -146,3 +146,47 @@ def test_a_silent_heartbeat_is_judged_against_the_measured_load():
     finally:
         p.kill()
         p.wait(10)
+
+
+def _hold_the_gil(group: Any) -> str:
+    """Rank 1 runs one C call that keeps the GIL ~2 s of CPU (a regular expression's backtracking): its heartbeat
+    thread cannot beat meanwhile, though the process works the whole time."""
+    import re
+    if group.rank == 1:
+        re.match(r"(a+)+$", "a" * 25 + "b")
+    else:
+        time.sleep(1.0)
+    return "done"
+
+
+def test_a_rank_that_holds_its_gil_while_working_is_busy_not_hung():
+    """Its beat is seconds late (detect_s = 1 s), but its CPU time grows: the launcher waits (procstate.CpuProgress,
+    up to BUSY_FACTOR x the bound) instead of naming it hung, and the job ends normally. (A stopped process is hung
+    after detect_s whatever its CPU: tests/experiments/test_failures.py.)"""
+    sup = _Watcher()
+    sup.detect_s = 1.0
+    out = collectives.launch(_hold_the_gil, 2, timeout=60, supervisor=sup)
+    assert out == ["done", "done"] and sup.named == [], sup.named
+
+
+def test_cpu_progress_tells_a_working_process_from_an_idle_one():
+    import subprocess
+    import sys
+    from pslab.collectives.procstate import CpuProgress
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)                               # (the idle one's start-up CPU is behind it)
+        cpu = CpuProgress()
+        assert not cpu.busy(spin.pid, 1.0) and not cpu.busy(idle.pid, 1.0)    # a first sample says nothing
+        deadline = time.monotonic() + 20
+        while not cpu.busy(spin.pid, 1.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cpu.busy(spin.pid, 1.0)
+        time.sleep(1.2)
+        assert not cpu.busy(idle.pid, 1.0)
+        assert not cpu.busy(None, 1.0) and not cpu.busy(2 ** 22 + 12345, 1.0)
+    finally:
+        for p in (spin, idle):
+            p.kill()
+            p.wait(10)
