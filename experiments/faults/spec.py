@@ -6,7 +6,8 @@
                                #   local aborts; replace: shrink/continue, then a replacement worker joins (N again)
     detect_s = 3.0             # a process without a heartbeat for this long is failed (hung); a dead one at once
                                # (its pidfd); under load the bound widens to detect_s + 2 x the launcher's own poll
-                               # lateness (collectives/launcher.py), except for a stopped process (state T)
+                               # lateness (collectives/launcher.py), except for a stopped process (state T);
+                               # one still using CPU (busy, GIL-starved) is hung only past 10 x that bound
     heartbeat_s = 0.5          # how often every rank and shard beats (detect_s >= 2 x heartbeat_s)
     commit_every = 1           # allreduce: in-memory commit of model + optimizer every k steps (the rollback point)
     checkpoint_every = 0       # engine checkpoints to RUN_DIR/checkpoints every k steps (0: none)
