@@ -3,6 +3,8 @@
     pslab bench collectives   zmq ring collectives vs torch.distributed gloo (time, algbw, busbw, ratio)
     pslab bench ps            parameter-server push+pull rate vs the torch.distributed.rpc PS pattern
     pslab bench dp            data-parallel training samples/s vs torch DistributedDataParallel on gloo
+    pslab bench engines       every engine (DP, ZeRO 1-3, TP, TP+SP, GPipe, 1F1B) vs PyTorch's own (DDP, FSDP2,
+                              DTensor, pipelining): step time on both pslab backends, ratios, bytes per step
     pslab bench sim           timing-only simulator updates/s vs the training-mode simulator (same config)
     pslab bench topology      flat ring vs hierarchical all-reduce over an emulated slow inter-host link
 
@@ -15,12 +17,13 @@ import argparse
 import importlib
 
 BENCHES = {"collectives": "zmq collectives vs gloo", "ps": "parameter server vs torch RPC PS",
-           "dp": "data parallel vs torch DDP", "sim": "timing-only vs training-mode simulator",
+           "dp": "data parallel vs torch DDP", "engines": "the engines vs DDP / FSDP2 / DTensor / pipelining",
+           "sim": "timing-only vs training-mode simulator",
            "topology": "flat ring vs hierarchical all-reduce, emulated hosts"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp, sim)",
+    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp, engines, sim, topology)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (try --help)")

@@ -1,0 +1,35 @@
+"""`pslab bench engines` (experiments/bench/engines.py) as a smoke test: every row runs on both pslab backends
+beside its PyTorch peer and reports step times, ratios and bytes (no speed is asserted: tests never time); the
+peer's bytes are the kernel's count of its gloo sockets; bad input is argparse's one usage line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pslab.experiments.bench.engines import ROWS, main
+
+
+def test_every_row_runs_beside_its_peer_and_reports(capsys):
+    assert main(["--world", "2", "--steps", "1", "--warmup", "0", "--reps", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["row"] for r in rows] == list(ROWS) and all(r["world"] == 2 for r in rows)
+    for r in rows:
+        for backend in ("zmq", "torch"):
+            assert r[f"pslab_{backend}_ms"] > 0 and r[f"peer_{backend}_ms"] > 0 and r[f"ratio_{backend}"] > 0
+        assert r["pslab_bytes_per_step"] > 0 and r["pslab_torch_bytes_per_step"] > 0, r
+        assert r["peer_bytes_per_step"] is not None and r["peer_bytes_per_step"] > 0, r
+    dp = rows[0]                      # an all-reduce of the same gradients: the same payload on both sides, plus
+    assert dp["peer_bytes_per_step"] >= dp["pslab_bytes_per_step"]     # gloo's 48 B headers
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--rows", "moe"], "unknown row(s) moe"),
+    (["--world", "1"], "--world takes 2..8 ranks"),
+    (["--world", "8", "--rows", "1f1b"], "at most 4"),
+])
+def test_bad_input_is_one_usage_error(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
