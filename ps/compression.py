@@ -7,16 +7,16 @@ send and adds it to its next gradient:
 
     M = g + e,   send C(M),   e ← M − C(M)          so   Σ_t C(M_t) + e_T = Σ_t g_t   (delayed, never lost)
 
-The residual moves only when the shard acknowledged the push: a refused push (non-finite, oversize, admission)
-leaves the worker's residual, like its clock, where it was. Forms, per shard (the shard's n elements in its key
-order, as the client's partition lays them out):
+The residual moves only when the shard acknowledged the push: a refused push (non-finite, oversize, or refused at
+admission: a connection not registered as that worker) leaves the worker's residual, like its clock, where it
+was. Forms, per shard (the shard's n elements in its key order, as the client's partition lays them out):
 
     topk:ρ   the k = ⌈ρ·n⌉ largest |M| over the shard's whole flat gradient (with one shard: the worker's whole
              gradient, the same selection as the all-reduce's topk): tensors "topk.i" (k int32 indices, strictly
              increasing) and "topk.v" (k values, the parameters' dtype)              8·k B per shard (float32)
-    sign     EF-signSGD per key (Karimireddy et al. 2019): C(M) = (‖M‖₁/n)·(±1), one bit per coordinate (+1 for
-             M ≥ 0): a uint8 tensor of ⌈n/8⌉ bytes per key and "sign.scale", one scale per key in key order
-                                                                       Σ_keys (⌈n/8⌉ + 4) B per shard (float32)
+    sign     EF-signSGD per key (Karimireddy et al. 2019), n_key the key's elements: C(M) = (‖M‖₁/n_key)·(±1),
+             one bit per coordinate (+1 for M ≥ 0): a uint8 tensor of ⌈n_key/8⌉ bytes per key and "sign.scale",
+             one scale per key in key order                        Σ_keys (⌈n_key/8⌉ + 4) B per shard (float32)
 
 PowerSGD is not offered here: its factors P and Q are all-reduced across the workers (the low rank is shared),
 which a parameter server's independent pushes do not do.

@@ -11,18 +11,20 @@ Rows (pslab engine  vs  PyTorch peer):
     gpipe   PipelineEngine("gpipe", 4 micro-batches)                torch.distributed.pipelining ScheduleGPipe
     1f1b    PipelineEngine("1f1b", 4 micro-batches)                 torch.distributed.pipelining Schedule1F1B
 
-Models: dp / zero / pp an MLP 784-512-512-512-10 (ReLU), Adam, batch 64 per dp rank (the pipeline's 64 split in 4
-micro-batches); tp a 512-2048-512-2048-512-10 MLP whose two Megatron pairs its tp_plan names, batch 64; tp+sp pslab's
-Embed / (LayerNorm + MLP) x 2 / Head blocks, d 128, sequence 64, batch 8 (the parity tests' models, larger:
-tests/parallelism/test_torch_peers.py). Every row is the whole world on one axis (dp, tp or pp = world).
+Models: dp / zero / gpipe / 1f1b an MLP 784-512-512-512-10 (ReLU), Adam, batch 64 per dp rank (the pipeline's
+64 split in 4 micro-batches); tp a 512-2048-512-2048-512-10 MLP whose two Megatron pairs its tp_plan names, batch
+64; tp+sp pslab's Embed / (LayerNorm + MLP) x 2 / Head blocks, d 128, sequence 64, batch 8 (the parity tests'
+models, larger: tests/parallelism/test_torch_peers.py). Every row is the whole world on one axis (dp, tp or pp =
+world).
 
-Each pslab row runs twice, on each of pslab's backends (`zmq`: its own ring over ZeroMQ; `torch`: the same engine
-over torch.distributed gloo, the peer's own transport), each time in a launch of its own with the peer beside it in
-the same processes, alternating which goes first per repetition; each repetition times `--steps` steps after
-`--warmup` untimed ones, between barriers. Printed: the median step time (ms, rank 0) of each, pslab ÷ peer per
-backend (the median of the per-repetition ratios), and bytes per step per rank: pslab's as its engine counted them,
-the peer's as the kernel counted its gloo sockets (collectives/sockmeter.py: in the zmq launch, where they are
-the peer's alone). Peak memory per rank is not measured yet.
+Each pslab row runs twice, on each of pslab's backends (`zmq`: its own ring over ZeroMQ; `torch`, printed as
+"gloo": the same engine over torch.distributed gloo, the peer's own transport), each time in a launch of its own
+with the peer beside it in the same processes, alternating which goes first per repetition; each repetition times
+`--steps` steps after `--warmup` untimed ones, between barriers. Printed: the median step time (ms, rank 0) of
+each, pslab ÷ peer per backend (the median of the per-repetition ratios), and bytes sent per step per rank:
+pslab's as its engine counted them, the peer's as the kernel counted its gloo sockets (collectives/sockmeter.py)
+in the zmq launch, where pslab's own traffic goes over ZeroMQ, so the gloo sockets carry the peer's bytes only.
+Peak memory per rank is not measured yet.
 """
 
 from __future__ import annotations
