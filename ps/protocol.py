@@ -13,6 +13,9 @@ an admin connection). Every connection is authenticated at the handshake (ZeroMQ
                (pull and push: as the registered worker only; status "applied" | "buffered" | "dropped" | "skipped")
                with pull: true (push_pull) the shard then reads at the new clock (waiting at the gate like a
                pull) and answers once: ok {status, ..., read: {version, clock, committed}} + tensors
+    A compressed push (ps.compression) carries meta {compress: "topk" | "sign", keys: [the shard's keys, in the
+    order the payload packs them]} and, instead of one gradient per key, "topk.i" (int32) + "topk.v", or one packed
+    uint8 tensor per key + "sign.scale"; the shard decodes (validating everything) before the push proceeds.
     Same-host shared-memory path (shm_path.py): register may carry {shm_probe, shm_token} (-> ok {shm: bool});
     a push may carry meta {shm: [[key, descriptor], ...]} instead of frames; pull/push_pull with shm_reply: true
     are answered with meta {shm: [[key, descriptor], ...]} instead of frames.
