@@ -64,7 +64,9 @@ def _planned() -> Any:
                    nn.Linear(2048, 512), nn.Tanh(), nn.Linear(512, 10))
 
 
-def _blocks() -> Any:
+def ff_blocks(vocab: int = 256, d: int = 128, seq: int = 64) -> Any:
+    """[Embed, (LayerNorm + MLP residual block) x 2, Head] of pslab's blocks, seed 0: the tp+sp row's model (and,
+    smaller, the parity test's). No attention: DTensor would need its heads split per tp rank."""
     import torch
     from torch import nn
     from pslab.parallelism.models import MLP, Embed, Head
@@ -77,7 +79,28 @@ def _blocks() -> Any:
         def forward(self, x: Any) -> Any:
             return x + self.mlp(self.ln(x))
     torch.manual_seed(0)
-    return nn.Sequential(Embed(256, 128, 64), FF(128), FF(128), Head(128, 256))
+    return nn.Sequential(Embed(vocab, d, seq), FF(d), FF(d), Head(d, vocab))
+
+
+def dtensor_sequence_parallel(model: Any, mesh: Any) -> Any:
+    """`ff_blocks` under DTensor tensor + sequence parallelism (in place; returns it): the embedding a replicated
+    DTensor (so its gradient is whole), the residual stream Shard(1) between the blocks, each LayerNorm
+    SequenceParallel, PrepareModuleInput all-gathering into each MLP, its fc2 RowwiseParallel reduce-scattering
+    back. Run forward and backward under `implicit_replication()` (the positions meet the replicated embedding)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    distribute_module(model[0], mesh)
+    plan: dict[str, Any] = {"1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=False)}
+    for b in ("1", "2"):
+        plan.update({f"{b}.ln": SequenceParallel(),
+                     f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     f"{b}.mlp.fc1": ColwiseParallel(),
+                     f"{b}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    plan.update({"3.ln": SequenceParallel(), "3.out": ColwiseParallel(input_layouts=Shard(1),
+                                                                      output_layouts=Replicate())})
+    return parallelize_module(model, mesh, plan)
 
 
 def _data(row: str, rank: int, world: int) -> list[tuple[Any, Any]]:
@@ -87,16 +110,12 @@ def _data(row: str, rank: int, world: int) -> list[tuple[Any, Any]]:
     if row == "tp+sp":
         return [(torch.randint(0, 256, (8, 64), generator=g), torch.randint(0, 256, (8, 64), generator=g))
                 for _ in range(8)]
-    width = 512 if row == "tp" else 784
-    full = [(torch.randn(64 * (world if row in ("dp", "zero1", "zero2", "zero3") else 1), width, generator=g),
-             None) for _ in range(8)]
-    out = []
-    for x, _ in full:
-        y = torch.randint(0, 10, (x.shape[0],), generator=g)
-        if row in ("dp", "zero1", "zero2", "zero3"):
-            x, y = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
-        out.append((x, y))
-    return out
+    dp = row in ("dp", "zero1", "zero2", "zero3")      # the global batch, this rank's dp shard of it
+    xs = [torch.randn(64 * (world if dp else 1), 512 if row == "tp" else 784, generator=g) for _ in range(8)]
+    ys = [torch.randint(0, 10, (x.shape[0],), generator=g) for x in xs]
+    if dp:
+        return [(torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]) for x, y in zip(xs, ys)]
+    return list(zip(xs, ys))
 
 
 def _pslab(row: str, group: Any) -> tuple[Callable[[int], None], Callable[[], float]]:
@@ -122,7 +141,8 @@ def _pslab(row: str, group: Any) -> tuple[Callable[[int], None], Callable[[], fl
                                                                                     DeviceMesh(group, tp=world))
         strategy = AllReduceStrategy(_adam)
     elif row == "tp+sp":
-        rep = TensorParallelEngine(loss_fn=lm_loss, sequence_parallel=True).build(_blocks, DeviceMesh(group, tp=world))
+        rep = TensorParallelEngine(loss_fn=lm_loss, sequence_parallel=True).build(ff_blocks,
+                                                                                  DeviceMesh(group, tp=world))
         strategy = AllReduceStrategy(_adam)
     else:
         rep = PipelineEngine(row, 4).build(_mlp, DeviceMesh(group, pp=world))
@@ -181,23 +201,9 @@ def _peer(row: str, group: Any) -> Callable[[int], None]:
 
 
 def _peer_sp(group: Any, data: list[tuple[Any, Any]], mesh: Any) -> Callable[[int], None]:
-    from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
     from pslab.parallelism.models import lm_loss
-    model = _blocks()
-    distribute_module(model[0], mesh)
-    plan: dict[str, Any] = {"1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                    use_local_output=False)}
-    for b in ("1", "2"):
-        plan.update({f"{b}.ln": SequenceParallel(),
-                     f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                     f"{b}.mlp.fc1": ColwiseParallel(),
-                     f"{b}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-    plan.update({"3.ln": SequenceParallel(), "3.out": ColwiseParallel(input_layouts=Shard(1),
-                                                                      output_layouts=Replicate())})
-    parallelize_module(model, mesh, plan)
+    model = dtensor_sequence_parallel(ff_blocks(), mesh)
     opt = _adam(list(model.parameters()))
 
     def step(i: int) -> None:

@@ -48,6 +48,12 @@ class UpdateRecord:
 FIELDS = tuple(f.name for f in dataclasses.fields(UpdateRecord))
 
 
+def bytes_moved(u: dict[str, Any]) -> float:
+    """Bytes one update moved on its worker's link, sent + received (a PS worker receives the read, an all-reduce
+    worker as much as it sends); a missing count as 0."""
+    return (u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0)
+
+
 def assign_staleness(records: list[dict[str, Any]], series: Sequence[Sequence[Any]], period: int = 1) -> None:
     """Fill `staleness` of the records in place from a shard's series [[now, worker, tau, version], ...]. With
     `period` H (ps-local / ps-diloco: one push per H local steps), the k-th applied τ of worker w goes to w's
@@ -145,6 +151,5 @@ def summarize(updates: Iterable[dict[str, Any]], evals: list[dict[str, Any]], wa
         "updates_to_target": hit[1] if hit else None,
         "wait_s_total": sum(u.get("wait_s") or 0.0 for u in ups),
         "bytes_per_worker": None if any(u.get("bytes_sent", 0) is None for u in ups) else   # not observable
-                            (sum((u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0) for u in ups)
-                             / len(workers)) if workers else 0,
+                            (sum(bytes_moved(u) for u in ups) / len(workers)) if workers else 0,
     }

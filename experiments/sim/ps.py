@@ -48,6 +48,7 @@ from pslab.experiments.results.rundir import JsonlWriter, RunDir
 from pslab.experiments.sim.network import Network
 from pslab.experiments.strategies.spec import optimizer_spec
 from pslab.experiments.stragglers import StragglerModel
+from pslab.ps import compression
 from pslab.ps.errors import NotAMemberError
 from pslab.ps.shard import PushResult
 from pslab.experiments.workloads import compute_grads, get_params, get_workload, set_params
@@ -89,7 +90,6 @@ class Simulator:
         self.net = Network(cfg.simulate, t.shards)
         self.compressors: list[Any] = []              # train.compress: each worker's push encoder (ps.compression)
         if t.compress != "none":
-            from pslab.ps import compression
             form = compression.parse(t.compress)
             self.compressors = [compression.PushCompressor(form, t.error_feedback) for _ in range(self.K)]
             self.layouts = [{k: (v.numel(), v.numpy().dtype) for k, v in st.params.items()} for st in self.shards]
@@ -186,7 +186,6 @@ class Simulator:
     def _compress(self, w: int, s: int, piece: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
         """Worker w's push to shard s through its encoder (residual kept: no push is refused here) and the
         shard's decoder: (the gradient the shard applies, the bytes on the wire)."""
-        from pslab.ps import compression
         comp = self.compressors[w]
         meta, tensors, residual = comp.encode(s, piece)
         comp.commit(s, residual)

@@ -75,6 +75,7 @@ import numpy as np
 
 from pslab.experiments.config import RunConfig
 from pslab.experiments.errors import ConfigError, ExperimentError
+from pslab.experiments.results.records import bytes_moved
 from pslab.experiments.results.rundir import RunDir
 from pslab.experiments.runner import execute
 
@@ -140,19 +141,13 @@ def curve(run: dict[str, Any], batch_size: int) -> dict[str, list[float]]:
         if e.get("test_loss") is None:
             continue
         while i < len(ups) and ups[i]["time_s"] <= e["time_s"]:
-            sent += _moved(ups[i])
+            sent += bytes_moved(ups[i])
             i += 1
         out["bytes"].append(sent / K)
         out["time_s"].append(float(e["time_s"]))
         out["samples"].append(float(e["updates"]) * batch_size)
         out["loss"].append(float(e["test_loss"]))
     return out
-
-
-def _moved(u: dict[str, Any]) -> float:
-    """Bytes one update moved on its worker's link: sent + received (a PS worker receives the read, an all-reduce
-    worker as much as it sends)."""
-    return (u.get("bytes_sent") or 0) + (u.get("bytes_recv") or 0)
 
 
 def row(run: dict[str, Any], batch_size: int, target_acc: float) -> dict[str, Any]:
@@ -162,7 +157,7 @@ def row(run: dict[str, Any], batch_size: int, target_acc: float) -> dict[str, An
     hit = time_to_accuracy(run["evals"], target_acc)
     ups = [u for u in run["updates"] if not u.get("dropped")]
     K = max(1, int(s.get("workers") or 1))
-    sent = None if any(u.get("bytes_sent") is None for u in ups) else sum(_moved(u) for u in ups) / K
+    sent = None if any(u.get("bytes_sent") is None for u in ups) else sum(bytes_moved(u) for u in ups) / K
     samples = s.get("samples") or len(ups) * batch_size
     return {"time_s": s.get("time_s"), "time_to_target_s": None if hit is None else hit[0],
             "final_test_loss": s.get("final_test_loss"), "final_test_acc": s.get("final_test_acc"),

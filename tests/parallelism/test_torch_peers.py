@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from pslab import collectives
+from pslab.experiments.bench.engines import dtensor_sequence_parallel, ff_blocks
 from pslab.parallelism.engine import AllReduceStrategy
 from pslab.parallelism.export import gather_full_state
 from pslab.parallelism.mesh import DeviceMesh
-from pslab.parallelism.models import MLP, Embed, Head, lm_loss, mlp
+from pslab.parallelism.models import lm_loss, mlp
 from pslab.parallelism.tensor import TensorParallelEngine
 from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
 
@@ -152,21 +153,8 @@ def test_tensor_parallel_equals_dtensor(opt):
         assert_close(ours[n], w, f"TP vs DTensor {n} ({opt})")
 
 
-class FFBlock(nn.Module):
-    """A pre-norm residual block of pslab's MLP: x + MLP(LayerNorm(x))."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.mlp = MLP(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.ln(x))
-
-
 def ff_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(Embed(16, 16, 8), FFBlock(16), FFBlock(16), Head(16, 16))
+    return ff_blocks(vocab=16, d=16, seq=8)
 
 
 def token_batches():
@@ -178,10 +166,8 @@ def token_batches():
 def _dtensor_sp_worker(group, opt: str):
     """pslab's TP + SP on ff_model, then DTensor's: SequenceParallel LayerNorms, Shard(1) between blocks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
     torch.set_num_threads(1)
     world = group.world_size
     mesh = DeviceMesh(group, tp=world)
@@ -194,19 +180,7 @@ def _dtensor_sp_worker(group, opt: str):
         strategy.step(rep)
     our_params = gather_full_state(rep, mesh)
 
-    model = ff_model()
-    dmesh = init_device_mesh("cpu", (world,))
-    distribute_module(model[0], dmesh)          # the embedding replicated (a DTensor, so its gradient is whole)
-    plan = {"1": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                    use_local_output=False)}
-    for b in ("1", "2"):
-        plan.update({f"{b}.ln": SequenceParallel(),
-                     f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                     f"{b}.mlp.fc1": ColwiseParallel(),
-                     f"{b}.mlp.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-    plan.update({"3.ln": SequenceParallel(),
-                 "3.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-    parallelize_module(model, dmesh, plan)
+    model = dtensor_sequence_parallel(ff_model(), init_device_mesh("cpu", (world,)))
     o = OPTS[opt](list(model.parameters()))
     theirs = []
     for x, y in token_batches():
