@@ -8,7 +8,8 @@ with `chunk_bounds(n, N)` (numpy.array_split rule: the first n mod N chunks get 
 divisible by N this is exactly torch's `reduce_scatter_tensor` / `all_gather_into_tensor`.
 
 Every collective gets a per-group sequence number; ranks that disagree on the op at a sequence number get a
-`CollectiveMismatchError` that names the diverging rank.
+`CollectiveMismatchError` that names the diverging rank. Every public call of a backend leaves an entry in the
+flight recorder (flight.py), which `pslab diagnose` matches across ranks after a hang.
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class ProcessGroup(ABC):
     world_size: int
     ranks: tuple[int, ...]  # global ranks of the members, in group-rank order
     timeout: float
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every backend's public calls leave a flight-recorder entry (flight.py): both backends record alike."""
+        super().__init_subclass__(**kwargs)
+        from .flight import TRACED_OPS, recorded
+        for op in TRACED_OPS:
+            fn = cls.__dict__.get(op)
+            if fn is not None and not getattr(fn, "__isabstractmethod__", False):
+                setattr(cls, op, recorded(op, fn))
 
     @abstractmethod
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:

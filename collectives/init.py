@@ -14,12 +14,14 @@ The secret never goes through the store; the store holds only endpoints, signed 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from . import flight
 from .auth import HOW, job_secret
 from .curve import is_loopback
 from .errors import AuthError, RendezvousError
@@ -65,6 +67,10 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
                               "(torchrun does), or run under collectives.launch")
     if not 0 <= rank < world_size:
         raise RendezvousError(f"rank {rank} is outside world size {world_size}")
+    if not flight.RECORDER.who:       # torchrun/SLURM: this process's flight record (written where PSLAB_FLIGHT_DIR says)
+        flight.set_identity(f"rank{rank}")
+        if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+            flight.install_signal()
     topology = group_options.pop("topology", None) or topology_from_env()     # emulated links: topology.py
     if topology is not None:
         if backend != "zmq":

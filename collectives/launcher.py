@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from . import cleanup
+from . import cleanup, flight
 from .procstate import (BUSY_FACTOR, CpuProgress, exit_code_after, is_stopped as _stopped_state, pidfd,
                         zombie_exit_code)
 from .auth import ENV_SECRET, job_secret, new_job_secret
@@ -148,7 +148,9 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
     import torch
     torch.set_num_threads(1)
     stacks = open(options.pop("stacks_path"), "w")            # launch() asks a hung rank for its stacks
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    flight.set_identity(f"rank{rank}", options.pop("flight_dir"))   # ... and for its flight record (flight.py)
+    flight.install_signal()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=True)
     secret = options.pop("secret")
     elastic = options.pop("elastic", False)
     global _NOTIFY
@@ -173,7 +175,9 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
         else:
             group = init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=gt,
                                        secret=secret, **options)
+        flight.RECORDER.group_index(group)   # a member that never calls on it is still known as one
         result = fn(group, *args)
+        flight.dump("finished")      # a rank that ended early is evidence too: what it last called
         q.put("ok", result)
         # torch tensors in `result` travel as shared storage that the parent maps from this process:
         # stay alive until the parent has taken every result
@@ -181,6 +185,7 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit non-zero
         if isinstance(e, SystemExit) and e.code == STOPPED:
             raise                        # the launcher is stopping us: nothing to report
+        flight.dump(f"failed: {type(e).__name__}: {e}")
         q.put("err", f"{type(e).__name__}: {e}", traceback.format_exc())
         raise SystemExit(1)
     finally:
@@ -192,7 +197,8 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
 
 
 def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
-    """Ask hung ranks for every thread's Python stack (faulthandler on SIGUSR1) and return them as text."""
+    """Ask hung ranks for every thread's Python stack (faulthandler on SIGUSR1; the same signal writes their flight
+    record, flight.py) and return them as text."""
     for p in procs.values():
         if p.is_alive() and p.pid is not None:
             try:
@@ -213,19 +219,21 @@ def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (),
            timeout: float | None = 60.0, *, group_timeout: float | None = None, return_exceptions: bool = False,
            start_method: str = "forkserver", secret: str | None = None, supervisor: Supervisor | None = None,
-           **group_options: Any) -> list[Any]:
+           flight_dir: str | None = None, **group_options: Any) -> list[Any]:
     """Run `fn(group, *args)` in `world_size` local processes; return the per-rank results in rank order.
 
     fn must be importable by the children (a module-level function). `group_timeout` bounds every single wait
     inside a collective (default: `timeout`, else 300 s); `timeout` bounds the whole launch (None: no limit).
     `secret`: the job's secret (default: this process's PSLAB_JOB_SECRET / _FILE if set, else a fresh one).
     `supervisor`: watch heartbeats and decide per failure (module docstring); a rank it let go yields a
-    `RankFailure`, a member it replaced yields the replacement's result. What the ranks leave behind -- ipc
+    `RankFailure`, a member it replaced yields the replacement's result. `flight_dir`: where each rank writes its
+    flight record (flight.py) at its end, on a failed collective and when asked (default: the job's temporary
+    directory, read for the verdict of a timed-out launch). What the ranks leave behind -- ipc
     directories, shared-memory segments, even of a killed rank -- is swept when the launch ends (cleanup.py)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     job = Job(fn, world_size, backend, args, timeout, group_timeout=group_timeout, start_method=start_method,
-              secret=secret, supervisor=supervisor, group_options=group_options)
+              secret=secret, supervisor=supervisor, group_options=group_options, flight_dir=flight_dir)
     return job.run(return_exceptions)
 
 
@@ -234,7 +242,7 @@ class Job:
 
     def __init__(self, fn: Callable[..., Any], world_size: int, backend: str, args: tuple, timeout: float | None,
                  *, group_timeout: float | None, start_method: str, secret: str | None,
-                 supervisor: Supervisor | None, group_options: dict[str, Any]) -> None:
+                 supervisor: Supervisor | None, group_options: dict[str, Any], flight_dir: str | None = None) -> None:
         self.fn, self.world_size, self.backend, self.args, self.timeout = fn, world_size, backend, args, timeout
         self.supervisor = supervisor
         self.ctx = mp.get_context(start_method)
@@ -247,6 +255,7 @@ class Job:
         self.statuses: dict[Any, int | None] = {}       # Process -> exit code read from /proc while a zombie
         gt = group_timeout or timeout or 300.0
         self.options = dict(group_options, group_timeout=gt, secret=secret or job_secret() or new_job_secret())
+        self.flight_dir = flight_dir or ""           # "": the job dir's (made by run(), swept with it)
         if supervisor is not None:
             self.options["heartbeat_s"] = supervisor.heartbeat_s
             self.options["elastic"] = bool(supervisor.elastic)
@@ -349,6 +358,15 @@ class Job:
             if p.exitcode is not None:     # it exited before the pidfd was opened (the pid may be reused already)
                 self._reaped(fd)
 
+    def verdict(self) -> str:
+        """What the ranks' flight records say went wrong (diagnose.py), as '; diagnosis: ...', or ''."""
+        from .diagnose import diagnose_dir
+        try:
+            lines = diagnose_dir(self.flight_dir).problems
+        except Exception:           # a verdict is a help, never a second failure
+            return ""
+        return f"; diagnosis: {' '.join(lines)}" if lines else ""
+
     def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
         """A rank died, hung or raised: the supervisor decides whether the job goes on."""
         sup = self.supervisor
@@ -364,8 +382,9 @@ class Job:
             self.results[r] = failure
             return
         if failure.traceback:
-            raise LaunchError(f"rank {r} failed: {failure.error}\n--- traceback of rank {r} ---\n{failure.traceback}")
-        raise LaunchError(f"rank {r} {failure.error}")
+            raise LaunchError(f"rank {r} failed: {failure.error}{self.verdict()}\n--- traceback of rank {r} ---\n"
+                              f"{failure.traceback}")
+        raise LaunchError(f"rank {r} {failure.error}{self.verdict()}")
 
     def _receive(self, timeout: float = 0.05) -> tuple | None:
         """The next message of any child within `timeout` s, or None; a closed pipe is dropped, and a child's exit
@@ -440,6 +459,7 @@ class Job:
         try:
             self.job_dir = cleanup.make_dir("pslab-job-")   # 0700: the store, the stacks, the ranks' ipc dirs, shm
             self.store_path = os.path.join(self.job_dir, "store")
+            self.flight_dir = self.options["flight_dir"] = self.flight_dir or os.path.join(self.job_dir, "flight")
             if sup is not None:
                 sup.started(self)           # e.g. publish generation 0 before anyone joins
             for r in range(self.world_size):
@@ -459,7 +479,7 @@ class Job:
                         running = [r for r in self._pending() if r not in self.gone]
                         stacks = _hung_stacks({r: self.procs[r] for r in running}, self.job_dir)
                         raise LaunchError(f"launch timed out after {self.timeout:g}s; ranks {running} had not "
-                                          f"finished\n{stacks}")
+                                          f"finished{self.verdict()}\n{stacks}")
                     if msg is None:
                         continue
                 rank, status, value, tb, slot = msg

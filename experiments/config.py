@@ -123,6 +123,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each block in backward (every engine but ZeRO's)
     overlap: bool = False            # allreduce: bucketed all-reduce from autograd hooks, overlapped with backward
                                      # (DDP; pp > 1: the last micro-batch's); false: one flat all-reduce after it
+    bucket_kb: int = 25600           # overlap = true (data parallel): gradient bucket size in KiB (DDP's
+                                     # bucket_cap_mb = 25); a small model fits one bucket, which cannot overlap
 
     @property
     def model_parallel(self) -> int:
@@ -252,6 +254,16 @@ class LoggingConfig:
 
 
 @dataclass
+class TraceConfig:
+    """A timeline of every rank and shard (collectives/trace.py): RUN_DIR/trace/, merged into RUN_DIR/trace.json
+    (Perfetto, chrome://tracing) with its analysis by `pslab trace RUN_DIR`; also `pslab run --trace`."""
+
+    enabled: bool = False            # true: record spans (forward/backward, each collective and p2p, PS push/pull,
+                                     # gate waits, padding); off: nothing is recorded (no cost)
+    max_events: int = 200_000        # per process; events past it are counted, not kept
+
+
+@dataclass
 class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -262,6 +274,7 @@ class RunConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     @property
     def strategy(self) -> Strategy:
@@ -284,6 +297,8 @@ class RunConfig:
         _positive("train.steps", t.steps)
         _positive("train.shards", t.shards)
         _positive("train.eval_every", t.eval_every)
+        _positive("trace.max_events", self.trace.max_events)
+        _positive("parallel.bucket_kb", self.parallel.bucket_kb)
         if t.backend not in BACKENDS:
             raise ConfigError(f"train.backend must be one of {', '.join(BACKENDS)}, got {t.backend!r}")
         if t.optimizer not in OPTIMIZERS:

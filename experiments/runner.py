@@ -95,6 +95,9 @@ def execute(cfg: RunConfig, root: str | Path = "runs", label: str | None = None,
     if sim:
         cfg.simulate.enabled = True
         cfg.validate()
+    if sim and cfg.trace.enabled:
+        raise ConfigError("trace.enabled records what real processes did; a simulated run has none: drop --simulate "
+                          "(or the trace)")
     if sim and resume is not None:
         raise ConfigError("--resume continues a real run from its engine checkpoints; drop --simulate")
     if cfg.logging.tensorboard:               # before anything runs: the missing package is one line

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
+from pslab.collectives import trace
 from .checkpointing import wrap_children
 from .comm import Comm, CommLog, CommThread
 from .engine import EngineError, LocalReplica, ModelFactory
@@ -130,7 +131,8 @@ class GradReducer:
         self._launch_ready(force=True)   # parameters unused in this forward contribute zeros
         scale = 1.0 / self.comm.size
         for b in self.buckets:
-            b.future.result()
+            with trace.waiting("all-reduce bucket"):    # blocked on the communication thread: exposed
+                b.future.result()
             b.buffer.mul_(scale)
             off = 0
             for p in b.params:

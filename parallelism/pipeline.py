@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from pslab.collectives import trace
 from pslab.collectives import chunk_bounds
 
 from .checkpointing import unwrap_name
@@ -309,8 +310,10 @@ class PipelineReplica:
                     sends.append(self.pp.isend(inp.grad.contiguous(), (s - 1) % p, tag=self._tag(c, i, True),
                                                site=f"stage {s} -> {(s - 1) % p}"))
             self.spans.append((a, t0 - self.step_start, t1 - self.step_start))
-        for w in sends:
-            w.wait()
+            trace.complete(a.phase, "compute", t0, t1, stage=s, micro=i, chunk=k)   # (when a run is traced)
+        with trace.waiting("sends"):
+            for w in sends:
+                w.wait()
         for r in self.reducers.values():
             r.finish()                             # (parameters this step gave no gradient: reduced as zeros)
         loss = torch.stack(losses).sum() if losses else torch.zeros(())

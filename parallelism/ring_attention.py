@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from pslab.collectives import trace
 from .comm import Comm
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -123,7 +124,8 @@ class _RingAttention(torch.autograd.Function):
                 lse[..., qs] = l_new
             if work is not None:
                 kv = comm.recv(torch.empty_like(kv), prv, _TAG + 4 * t + _FWD_KV)
-                work.wait()
+                with trace.waiting("send of K,V"):
+                    work.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.causal, ctx.layout, ctx.site = comm, causal, layout, site
         return out
@@ -154,8 +156,9 @@ class _RingAttention(torch.autograd.Function):
                 if t < cp - 1:
                     kv = comm.recv(torch.empty_like(kv), prv, _TAG + 4 * t + _BWD_KV)
                 dkv = comm.recv(torch.empty_like(dkv), prv, _TAG + 4 * t + _BWD_DKV)
-            for w in works:
-                w.wait()
+            with trace.waiting("sends"):
+                for w in works:
+                    w.wait()
         return dq, dkv[0], dkv[1], None, None, None, None
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from pslab.collectives import trace
 from pslab.collectives import chunk_bounds
 
 from .comm import Comm, CommLog, CommThread
@@ -101,7 +102,8 @@ class ZeroReplica:
 
     # ---- communication helpers (everything goes through one thread, so the order is the same on all ranks) ----
     def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.thread.submit(fn, *args).result()
+        with trace.waiting("collective"):
+            return self.thread.submit(fn, *args).result()
 
     def _reduce_scatter_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         a, b = self.bounds[name]
@@ -145,7 +147,8 @@ class ZeroReplica:
             u.future = self.thread.submit(self._gather_unit, u)
             u.state = "pending"
         if wait and u.state == "pending":
-            u.future.result()
+            with trace.waiting("all-gather of a unit"):
+                u.future.result()
             u.state = "full"
 
     def _gather_unit(self, u: _Unit) -> None:
@@ -163,7 +166,8 @@ class ZeroReplica:
 
     def _free(self, u: _Unit) -> None:
         if u.state == "pending":
-            u.future.result()
+            with trace.waiting("all-gather of a unit"):
+                u.future.result()
         if u.state != "free":
             for _, p in u.params:
                 p.data = torch.empty(0, dtype=p.dtype)   # autograd's saved reference sees the data set before use

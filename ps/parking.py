@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pslab.collectives import flight, trace
+
 from .errors import GateTimeoutError, ProtocolError, PSError
 from .protocol import meta_int
 
@@ -72,6 +74,8 @@ class Parking:
         if st is None or not st.may_read(p.worker, p.clock, now):
             return False
         r = st.read(p.worker, p.clock, now, copy=False)   # zero-copy; _before_update protects it (copy-on-write)
+        if now > p.since:                                  # it waited at the gate (monotonic = perf_counter's clock)
+            trace.complete("parked at gate", "wait", p.since, now, worker=p.worker, clock=p.clock)
         self.counters["pulls"] += 1
         meta = {"version": r.version, "clock": r.clock, "committed": r.committed_clock}
         if p.ack is not None:                              # push_pull: the ack, with the read under "read"
@@ -114,10 +118,23 @@ class Parking:
                 keep.append(p)
         self.parked = keep
 
+    def gate_waits(self, now: float) -> list[str]:
+        """Each parked read in words, naming the workers it waits for (the flight record's context)."""
+        out = []
+        for p in self.parked:
+            who = self.state.blocking_workers(p.clock) if self.state is not None else None
+            clocks = ", ".join(f"worker {w} at clock {self.state.clocks[w]}" for w in who) if who else ""
+            out.append(f"worker {p.worker}'s read at clock {p.clock} has been parked at shard "
+                       f"{self.config.shard_id}'s {self.config.policy} gate for {now - p.since:.1f} s, waiting for "
+                       f"{clocks or 'the owner' + chr(39) + 's init'}")
+        return out
+
     def _expire_parked(self, now: float) -> None:
         t = self.config.request_timeout
         if not t or not self.parked:
             return
+        if any(now - p.since > t for p in self.parked):   # what it waited for, while it still waits (flight.py)
+            flight.dump(f"a read parked at the gate past the request timeout ({t:g} s)")
         keep = []
         for p in self.parked:
             if now - p.since > t:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pslab.collectives import cleanup
+from pslab.collectives import cleanup, flight, trace
 from pslab.collectives.procstate import BUSY_FACTOR, CpuProgress, is_stopped
 
 from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
@@ -82,6 +82,8 @@ def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None, 
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # until serving: nothing to checkpoint yet
     if sweep_dir:
         os.environ[cleanup.ENV] = sweep_dir
+    flight.set_identity(f"shard{config.shard_id}")      # its flight record (into PSLAB_FLIGHT_DIR, if set)
+    flight.install_signal()
     import torch
     torch.set_num_threads(1)
     server: ShardServer | None = None
@@ -96,6 +98,7 @@ def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None, 
             server.heartbeat = beat
             beat(time.monotonic(), info["restored_version"] if info["restored_version"] is not None else -1)
         stopping = server
+        flight.RECORDER.context("gate", lambda: {"waits": stopping.gate_waits(time.monotonic())})
         signal.signal(signal.SIGTERM, lambda *_: stopping.request_stop("SIGTERM"))   # final checkpoint, then exit
     except Exception as e:  # start-up errors (bad checkpoint, address in use, missing keys) go to the parent
         server, reply = None, ("error", f"{type(e).__name__}: {e}")
@@ -106,7 +109,12 @@ def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None, 
         return
     if server is not None:
         _warm_up_torch_optim()
-        server.serve_forever()
+        if os.environ.get(trace.ENV_DIR):          # a traced run: this shard's timeline, written when it stops
+            trace.start(os.environ[trace.ENV_DIR], f"shard{config.shard_id}", role="shard", shard=config.shard_id)
+        try:
+            server.serve_forever()
+        finally:
+            trace.stop()
 
 
 def _label(group: int, shard: int) -> str:

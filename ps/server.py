@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import zmq
 
+from pslab.collectives import trace
 from pslab.collectives.curve import load_keys
 from pslab.collectives.errors import WireError
 from pslab.collectives.shm_channel import Waiter
@@ -452,8 +453,10 @@ class ShardServer(Parking):
                 raise ProtocolError("a compressed push travels as frames, not through shared memory")
             grads = {k: torch.from_numpy(g) for k, g in compression.decode(msg.meta, grads, self._layout()).items()}
         self._before_update()
-        res = self.state.push(worker, meta_int(msg.meta, "clock"), meta_int(msg.meta, "version"), grads, now,
-                              skip_nonfinite=self.config.nonfinite == "skip")
+        clock = meta_int(msg.meta, "clock")
+        with trace.span("apply push", "ps", worker=worker, clock=clock):     # (the end of a push's flow)
+            res = self.state.push(worker, clock, meta_int(msg.meta, "version"), grads, now,
+                                  skip_nonfinite=self.config.nonfinite == "skip")
         self._applied = True                               # (an error from here on: the push stands)
         self.counters["pushes"] += 1
         self.counters["nonfinite_skipped"] += res.status == "skipped"

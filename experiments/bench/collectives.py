@@ -52,13 +52,14 @@ from typing import Any
 import torch
 
 from pslab import collectives
+from pslab.collectives import flight
 from pslab.collectives.group import chunk_bounds
 from pslab.experiments.bench import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DEFAULT_OPS = OPS[:4]              # all_to_all on request (--ops all_to_all): expert parallelism's collective
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-PEERS = ("gloo", "mpi")
+PEERS = ("gloo", "mpi", "noflight")
 EXTRA = "pip install -e '.[bench]'  (mpi4py and the mpich wheel)"
 
 
@@ -88,6 +89,26 @@ class MpiGroup:
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.comm.Alltoall(full.numpy(), out.numpy())
+
+
+class Unrecorded:
+    """The same zmq group with its flight recorder switched off around each call (collectives/flight.py): the peer
+    that prices the always-on recorder ("--peers noflight"; vs_noflight = its time / zmq's)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.group, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            rec = flight.RECORDER
+            rec.enabled = False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.enabled = True
+        return call
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -155,6 +176,8 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
                                                               store=zgroup.store, timeout=zgroup.timeout)))
     if "mpi" in peers:
         groups.append(("mpi", MpiGroup()))
+    if "noflight" in peers:
+        groups.append(("noflight", Unrecorded(zgroup)))
     n, rows = zgroup.world_size, []
     for op in ops:
         for size in sizes:
@@ -286,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="hard limit per group size, seconds")
     p.add_argument("--peers", default="gloo",
                    help="comma-separated peers timed beside zmq in the same processes: gloo, mpi (MPICH via mpi4py; "
-                        f"needs {EXTRA}) (default: gloo)")
+                        f"needs {EXTRA}), noflight (zmq with its flight recorder off: the recorder's cost) "
+                        "(default: gloo)")
     p.add_argument("--profile", action="store_true",
                    help="also split one zmq call's time on rank 0 into wait / zmq / copy / reduce / python")
     p.add_argument("--no-shm-channel", action="store_true",

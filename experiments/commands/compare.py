@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "\"stop=worker:1,at_s=2.0,for_s=5\", \"kill=shard:0,at_s=1.5\") or TOML (one table or a "
                         "list of tables, the [faults] events syntax); default: --set faults.events if given, else "
                         "kill the last worker at step steps/2")
+    p.add_argument("--trace", action="store_true",
+                   help="record every run's timeline (pslab trace) and draw the straggler runs' side by side in the "
+                        "report: where the all-reduce waits for the straggler, where the PS does not")
     p.add_argument("--target-acc", type=float, default=0.9,
                    help="test accuracy for the time-to-accuracy column, in (0, 1] (default: 0.9)")
     p.set_defaults(func=run)
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         for flag, given in (("--seeds", args.seeds is not None), ("--sim-workers", args.sim_workers is not None)):
             if given:
                 raise ConfigError(f"{flag} applies to --preset communication")
+    if args.trace and (args.preset is not None or args.simulate):
+        raise ConfigError("--trace records the real runs of the default comparison; drop --preset / --simulate")
     if args.preset == "failure":
         return _failure(args)
     if args.preset == "communication":
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     report, runs = run_compare(cfg, out, strategies, straggler=not args.no_straggler, simulate=args.simulate,
                                quiet=args.quiet, force=args.force,
                                noise_seeds=5 if args.noise_seeds is None else args.noise_seeds,
-                               target_acc=args.target_acc, tune=args.tune_lr)
+                               target_acc=args.target_acc, tune=args.tune_lr, trace=args.trace)
     print(summary_table(runs, args.target_acc))
     print(f"\nreport: {report}   ({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continue RUN_DIR from its newest valid engine checkpoint (see above); no CONFIG then")
     p.add_argument("--out", default="runs", help="parent directory of the run directory (default: runs)")
     p.add_argument("--label", default=None, help="name of the run (default: strategy and conditions)")
+    p.add_argument("--trace", action="store_true",
+                   help="record a timeline of every rank and shard ([trace] enabled = true) and merge it into "
+                        "RUN_DIR/trace.json (Perfetto / chrome://tracing) with its analysis (pslab trace)")
     p.set_defaults(func=run, run_parser=p)
 
 
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None:                 # a malformed command line: argparse's usage message, exit status 2
         args.run_parser.error("the following arguments are required: config (or --resume RUN_DIR)")
     cfg = load_config(args.config, args.overrides)
+    if args.trace:
+        cfg.trace.enabled = True
     role = from_environment()
     if role is not None and not args.simulate:
         if cfg.topology.enabled:
@@ -68,7 +73,12 @@ def run(args: argparse.Namespace) -> int:
         from pslab.experiments.strategies.roles import run_with_role
         return run_with_role(cfg, role, args.out, args.label)
     rd = execute(cfg, args.out, label=args.label, simulate=args.simulate or None, quiet=args.quiet, force=args.force)
-    return _report(rd)
+    code = _report(rd)
+    if cfg.trace.enabled:
+        from pslab.experiments.results.timeline import format_analysis, merge
+        path, analysis = merge(rd.path)
+        print(f"\n{format_analysis(analysis)}\ntimeline: {path}  (open in https://ui.perfetto.dev)")
+    return code
 
 
 def _resume(args: argparse.Namespace) -> int:

@@ -145,8 +145,10 @@ def _fault_cells(run: dict[str, Any], runs: list[dict[str, Any]], failure_summar
 
 
 def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comparison",
-                 intro: str = "", target_acc: float | None = None, sections: list[str] | None = None) -> Path:
-    """report.md in `out`: intro, the summary table, `sections` (markdown blocks placed after it), bytes, plots."""
+                 intro: str = "", target_acc: float | None = None, sections: list[str] | None = None,
+                 timeline: list[dict[str, Any]] | None = None) -> Path:
+    """report.md in `out`: intro, the summary table, `sections` (markdown blocks placed after it), bytes, the
+    timeline of the traced runs among `timeline` (default: among `runs`), plots."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_all(runs, out)
@@ -176,6 +178,7 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
     if any((r.get("summary") or {}).get("simulated") for r in runs):
         lines += ["Runs marked *(virtual)* were simulated: time is virtual seconds from the compute and network "
                   "model, gradients and PS logic are real.", ""]
+    lines += _timeline_section(runs if timeline is None else timeline, out)
     lines += ["Runs:", ""] + [f"- `{run_label(r)}`: `{r['path']}`" for r in runs] + [""]
     lines += ["## Plots", ""]
     for name, path in plots.items():
@@ -183,3 +186,20 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
     p = out / "report.md"
     p.write_text("\n".join(lines))
     return p
+
+
+def _timeline_section(runs: list[dict[str, Any]], out: Path) -> list[str]:
+    """Runs made with --trace: their timelines as one picture and the analysis per run (results/timeline.py)."""
+    from pslab.experiments.results.gantt import write_gantt
+    from pslab.experiments.results.timeline import format_analysis, merge
+    traced = [r for r in runs if (Path(r["path"]) / "trace").is_dir()]
+    if not traced:
+        return []
+    lines = ["## Timeline", "", "Traced runs (`--trace`): what every rank and shard did over a few steady steps, and "
+             "per track the seconds of compute, communication, exposed communication (not hidden behind compute), "
+             "waiting at a PS gate and straggler padding; `RUN_DIR/trace.json` opens in https://ui.perfetto.dev.", ""]
+    for r in traced:
+        analysis = merge(r["path"])[1]
+        lines += [f"`{run_label(r)}`:", "", "```", format_analysis(analysis), "```", ""]
+    png = write_gantt([r["path"] for r in traced], out, [run_label(r) for r in traced])
+    return lines + [f"![timeline]({png.name})", ""]

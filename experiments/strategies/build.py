@@ -189,7 +189,8 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     if p.tp > 1:
         return TensorParallelEngine(loss_fn=loss, sequence_parallel=p.sp,
                                     checkpoint_activations=p.activation_checkpointing)
-    return DataParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
+    return DataParallelEngine(bucket_bytes=p.bucket_kb << 10, loss_fn=loss,
+                              checkpoint_activations=p.activation_checkpointing)
 
 
 def _shared_group(mesh: Any) -> Any:

@@ -48,7 +48,19 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
     from pslab.experiments.faults.supervisor import RunSupervisor
     from pslab.experiments.strategies.build import world_size
     from pslab.experiments.strategies.loop import train_worker
-    servers = start_shards(cfg, run_path=str(rd.path)) if cfg.strategy.uses_ps else None
+    from pslab.collectives import flight
+    flight_dir = str(rd.path / "flight")           # every rank's and shard's flight record: `pslab diagnose RUN_DIR`
+    env = {flight.ENV_DIR: flight_dir}               # for the shards (their restarts too)
+    if cfg.trace.enabled:
+        from pslab.collectives import trace
+        env[trace.ENV_DIR] = str(rd.path / "trace")
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        servers = start_shards(cfg, run_path=str(rd.path)) if cfg.strategy.uses_ps else None
+    except BaseException:
+        _restore_env(before)
+        raise
     sup = RunSupervisor(cfg, rd, servers)
     try:
         addresses = servers.group_addresses if servers is not None else None
@@ -58,7 +70,8 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
         return collectives.launch(train_worker, world_size=world_size(cfg), backend=cfg.train.backend,
                                   args=(cfg.to_dict(), str(rd.path), addresses), timeout=cfg.train.run_limit_s or None,
                                   group_timeout=cfg.train.timeout_s, start_method=START_METHOD,
-                                  secret=servers.secret if servers else None, supervisor=sup, **links)
+                                  secret=servers.secret if servers else None, supervisor=sup,
+                                  flight_dir=flight_dir, **links)
     except collectives.LaunchError as e:
         first = str(e).splitlines()[0] + _resume_hint(cfg, rd)
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
@@ -66,6 +79,15 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
         sup.close()
         if servers is not None:
             servers.stop()
+        _restore_env(before)
+
+
+def _restore_env(before: dict[str, str | None]) -> None:
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def collect(cfg: RunConfig, rd: RunDir, results: list[Any]) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from pslab.collectives import trace
 from pslab.collectives.launcher import notify
 from pslab.collectives.topology import link_bytes
 from pslab.experiments.config import RunConfig, config_from_dict
@@ -115,6 +116,13 @@ class _Worker(ElasticMember):
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         self._build(first=True)
+        if cfg.trace.enabled:           # this rank's timeline: RUN_DIR/trace/trace-rank<r>.json (collectives/trace.py)
+            coords = " ".join(f"{ax}{v}" for ax, v in self.mesh.coords.items() if self.mesh.size(ax) > 1)
+            trace.start(os.path.join(self.run_path, "trace"), f"rank{self.member}", cfg.trace.max_events,
+                        role="rank", rank=self.member, coords=dict(self.mesh.coords), label=coords,
+                        sizes={ax: self.mesh.size(ax) for ax in self.mesh.coords}, strategy=str(cfg.strategy),
+                        schedule=cfg.parallel.schedule, micro_batches=cfg.parallel.micro_batches,
+                        virtual_stages=cfg.parallel.virtual_stages)
         path = self.rd.part_path("metrics", self.member)
         self.records = (JsonlWriter(path) if self.joining else _fresh_writer(path)) if self.writer else None
         straggle = StragglerModel(cfg.stragglers, cfg.workload.seed)
@@ -156,6 +164,7 @@ class _Worker(ElasticMember):
                                 self.commits.commit(step, self.replica, self.strategy)
                             step = self._recover(gen, step)
                             continue
+                    trace.set_step(step)
                     try:
                         if self.eg is not None:
                             self.eg.check()
@@ -167,6 +176,8 @@ class _Worker(ElasticMember):
                             for w in self.workers:
                                 x, y, idx = self.wl.batch(w, step)
                                 done.append((w, self.replica.forward_backward(x, y), batch_digest(idx)))
+                        trace.complete("forward+backward", "phase" if hasattr(self.replica, "spans") else "compute",
+                                       tc, time.perf_counter())   # (a pipeline marks its own F and B spans)
                         compute = (time.perf_counter() - tc) / len(self.workers)  # local's K passes: in parallel
                         if step > first_step:    # (the first step connects and sends the shape headers)
                             self._pipeline_spans()
@@ -185,11 +196,13 @@ class _Worker(ElasticMember):
                         target = max(straggle.step_time(w, step, max(compute, t.base_step_s)) for w in self.workers)
                         left = target - (time.perf_counter() - tc)
                         if left > 0:                 # a PS backup worker with abort polls its clock while it pads
-                            getattr(self.strategy, "pad", time.sleep)(left)
+                            with trace.span("straggler pad", "pad", target_s=round(target, 6)):
+                                getattr(self.strategy, "pad", time.sleep)(left)
                         # -- phase 3: synchronise and update (all-reduce + optimizer, or push_pull to the shards) ----
                         tw = time.perf_counter()
                         self.strategy.step(self.replica)
                         wait = time.perf_counter() - tw
+                        trace.complete("sync + update", "sync", tw, tw + wait)
                     except self._changed() as e:
                         step = self._recover(e.generation, step)
                         continue
@@ -236,6 +249,7 @@ class _Worker(ElasticMember):
             notify({"kind": "expelled", "member": self.member, "why": str(e)})
             return {"rank": self.member, "expelled": True}
         finally:
+            trace.stop()
             if self.records is not None:
                 self.records.close()
             self.ev.close()

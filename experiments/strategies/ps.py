@@ -73,6 +73,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from pslab.collectives import trace
 from pslab.experiments.errors import ExperimentError
 from pslab.parallelism.engine import Replica
 from pslab.parallelism.mesh import DeviceMesh
@@ -228,7 +229,8 @@ class PSSyncStrategy:
             self._adopt(replica, read)
             return
         try:
-            acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
+            with trace.span("push_pull", "comm", worker=self.client.worker, clock=clock):   # flows to the shards
+                acks, read = self.client.push_pull(self._grads, copy=False).result(self.timeout)
         except self._lost_errors() as e:
             self._recover(replica, clock, e)
             return

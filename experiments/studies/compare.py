@@ -57,9 +57,10 @@ def with_straggler(cfg: RunConfig, factor: float = STRAGGLER_FACTOR) -> RunConfi
 def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT_STRATEGIES,
                 straggler: bool = True, simulate: bool = False, quiet: bool = False,
                 force: bool = False, noise_seeds: int = NOISE_SEEDS, target_acc: float | None = TARGET_ACC,
-                tune: bool = False) -> tuple[Path, list[dict]]:
+                tune: bool = False, trace: bool = False) -> tuple[Path, list[dict]]:
     """Run every strategy without and with a straggler; with `tune`, each at its own tuned lr (fairness.tune_lr),
-    else at train.lr per gradient under train.lr_rule. `noise_seeds` reference runs give the seed-noise band."""
+    else at train.lr per gradient under train.lr_rule. `noise_seeds` reference runs give the seed-noise band.
+    `trace`: the runs record their timelines; the report draws the straggler runs' side by side (else all)."""
     out = Path(out)
     planned = [s for s in strategies if not (s == "local" and simulate)]
     if not planned:
@@ -96,6 +97,7 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
                 c.train.lr = tuned[s][0]
             if s == "local":          # the single-process reference trains the unsplit model: same updates
                 c.parallel = c.parallel.unsplit()
+            c.trace.enabled = trace and not simulate
             c.validate()
             rd = run(c, out / "runs")
             runs.append(RunDir(rd.path).load())
@@ -105,8 +107,10 @@ def run_compare(cfg: RunConfig, out: Path, strategies: tuple[str, ...] = DEFAULT
     if tuned:
         sections.append(tuning_section(tuned))
     elapsed = time.perf_counter() - t0
+    stragglers = [r for r in runs if (r.get("summary") or {}).get("straggler")]
     report = write_report(runs, out, "pslab compare: synchronous vs asynchronous training",
-                          _intro(cfg, planned, straggler, simulate, tune, elapsed), target_acc, sections)
+                          _intro(cfg, planned, straggler, simulate, tune, elapsed), target_acc, sections,
+                          timeline=stragglers or runs)
     return report, runs
 
 

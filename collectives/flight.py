@@ -1,0 +1,429 @@
+"""The flight recorder: every process keeps its last N calls of every process group, always on, and writes them out
+when something goes wrong, so that `pslab diagnose` can say which rank never joined which call.
+
+Like PyTorch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE), one entry per call:
+
+    group      the group's key: its members (global ranks), its name (the mesh axes it serves: dp, tp, pp, ...)
+               and n, the how-many-th group with these members this process used (so generations differ)
+    seq        collectives: the group's sequence number (the same call has the same seq on every member);
+               p2p: the count of calls to/from that peer in that direction (send #k matches receive #k)
+    op         all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, barrier, send, recv, isend, irecv,
+               or a layer above's (ps.push, ps.pull, ...: `record`)
+    numel, dtype, peer (p2p: the peer's global rank; broadcast: the source's)
+    state      started -> completed | failed;  t0, t1 (wall clock seconds)
+
+The entries live in fixed 64-byte binary slots of a memory map (`Recorder`), a file in PSLAB_FLIGHT_DIR when it is
+set, so they outlive a killed or aborted process. Cost: two struct writes and two clock reads per call, recorded by
+the wrapper `ProcessGroup.__init_subclass__` puts around each public call of a backend (so both backends record
+alike); calls made inside another call (a hierarchical all-reduce's sub-group steps) are not recorded separately.
+`pslab bench collectives --peers noflight` prices it against the same group with the recorder off.
+
+When the record is written as JSON (`flight-<who>.json` in PSLAB_FLIGHT_DIR, atomically; nowhere without it):
+a collective that raises (timeout, mismatch, dead peer), SIGUSR1 (the launcher asks a hung rank; `install_signal`),
+a rank's end under `collectives.launch` (failed or not: a rank that finished early is evidence too), `dump()`.
+PSLAB_FLIGHT_ENTRIES sets N (default 2000). `context(name, fn)` adds what a layer above knows at dump time (a PS
+shard: who is parked at its gate, waiting for whom).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+ENV_DIR = "PSLAB_FLIGHT_DIR"
+ENV_ENTRIES = "PSLAB_FLIGHT_ENTRIES"
+DEFAULT_ENTRIES = 2000
+FORMAT = "pslab-flight/1"
+P2P_OPS = ("send", "recv", "isend", "irecv")
+TRACED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier") + P2P_OPS
+
+# an entry's fields as written in the JSON record
+FIELDS = ("group", "seq", "op", "numel", "dtype", "peer", "state", "t0", "t1", "error")
+
+
+def _entries_from_env() -> int:
+    raw = os.environ.get(ENV_ENTRIES, "")
+    try:
+        n = int(raw) if raw else DEFAULT_ENTRIES
+    except ValueError:
+        n = DEFAULT_ENTRIES
+    return max(16, min(n, 1 << 20))
+
+
+class _Depth(threading.local):
+    depth = 0
+
+
+RING_MAGIC = b"pslabFR2"
+RING_HEADER = struct.Struct("<8sq")            # magic, capacity
+# one slot per call: index (0, 1, ... for ordering), group, seq, op code, numel, dtype code, peer, t0, state, t1
+RING_SLOT = struct.Struct("<qiqBqBidBd")
+END_AT = 42                                     # offset of (state, t1) in a slot, written when the call ends
+END = struct.Struct("<Bd")
+SLOT_BYTES = 64
+STATES = ("started", "completed", "failed")
+EMPTY = -1
+
+
+class Recorder:
+    """This process's ring of calls (one per process: `RECORDER`), fixed-size binary slots in a memory map.
+
+    With PSLAB_FLIGHT_DIR set the map is a file, `flight-<who>.ring` (+ `flight-<who>.groups.json`: the groups and
+    the op and dtype names the slots' codes stand for): the kernel keeps what was written even if the process is then
+    killed or aborted (gloo ends a process with SIGABRT on a size mismatch), so a process that could not write its
+    JSON record still leaves its calls (`read_ring`). Without it, an anonymous map (dumps still work, given a
+    directory)."""
+
+    def __init__(self, entries: int | None = None) -> None:
+        self.capacity = entries or _entries_from_env()
+        self.groups: list[dict[str, Any]] = []      # index = the slots' group field
+        self._gidx: dict[int, int] = {}              # id(group object) -> index
+        self._cseq: list[int] = []                   # per group: its next collective sequence number
+        self._pseq: dict[tuple, int] = collections.defaultdict(int)   # (group, direction, peer) -> next p2p count
+        self.ops: list[str] = list(TRACED_OPS)
+        self.dtypes: list[str] = [""]
+        self._opcode = {o: i for i, o in enumerate(self.ops)}
+        self._dtcode: dict[Any, int] = {}
+        self.errors: dict[int, str] = {}             # slot index -> why that call failed (the last few)
+        self.inside = _Depth()                       # calls in progress on this thread (nested ones pass)
+        self._contexts: dict[str, Callable[[], Any]] = {}
+        self.who = ""                                # "rank3", "shard0": the dump's name (set_identity)
+        self.enabled = True                          # False: calls pass unrecorded (the bench's price of it)
+        self.on_call: Callable[[int], None] | None = None   # the tracer's hook (trace.py): each ended slot index
+        self.written = 0
+        self.ring_path = ""
+        self._map(None)
+
+    def _map(self, path: str | None) -> None:
+        import mmap
+        size = RING_HEADER.size + self.capacity * SLOT_BYTES
+        if path is None:
+            self.mm = mmap.mmap(-1, size)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self.mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        RING_HEADER.pack_into(self.mm, 0, RING_MAGIC, self.capacity)
+        for i in range(self.capacity):            # every slot empty (index -1)
+            struct.pack_into("<q", self.mm, RING_HEADER.size + i * SLOT_BYTES, EMPTY)
+
+    def attach_file(self, directory: str) -> None:
+        """Keep the ring in `directory`/flight-<who>.ring (see the class docstring); errors leave it in memory."""
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self.ring_path = os.path.join(directory, f"flight-{self.who}.ring")
+            self._map(self.ring_path)
+            self.written = 0
+            self._write_meta()
+        except OSError:
+            self.ring_path = ""
+
+    def _meta(self) -> dict[str, Any]:
+        return {"format": FORMAT, "who": self.who or f"pid{os.getpid()}", "pid": os.getpid(),
+                "host": socket.gethostname(), "ops": self.ops, "dtypes": self.dtypes,
+                "groups": [{k: v for k, v in g.items() if k != "obj"} for g in self.groups]}
+
+    def _write_meta(self) -> None:
+        if not self.ring_path:
+            return
+        path = self.ring_path[:-len(".ring")] + ".groups.json"
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(self._meta(), f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+
+    # ---- identity of groups, ops and dtypes -------------------------------------------------------------------------
+    def group_index(self, group: Any) -> int:
+        mine = getattr(group, "_flight_gi", None)      # (recorder, index) cached on the group: one lookup per call
+        if mine is not None and mine[0] is self:
+            return mine[1]
+        i = self._gidx.get(id(group))
+        if i is not None and self.groups[i]["obj"]() is group:
+            return i
+        import weakref
+        ranks = [int(r) for r in getattr(group, "ranks", ())]
+        n = sum(1 for g in self.groups if g["ranks"] == ranks)
+        try:
+            ref: Callable[[], Any] = weakref.ref(group)
+        except TypeError:
+            ref = (lambda g=group: g)
+        self.groups.append({"ranks": ranks, "n": n, "obj": ref, "backend": getattr(group, "backend", "?"),
+                            "rank": int(getattr(group, "rank", -1))})
+        self._cseq.append(0)
+        i = self._gidx[id(group)] = len(self.groups) - 1
+        try:
+            group._flight_gi = (self, i)
+        except AttributeError:
+            pass
+        self._write_meta()
+        return i
+
+    def name_group(self, group: Any, name: str) -> None:
+        """Label a group with a mesh axis it serves (several axes may share one group: "dp+mp")."""
+        g = self.groups[self.group_index(group)]
+        names = [x for x in g.get("name", "").split("+") if x]
+        if name not in names:
+            g["name"] = "+".join(names + [name])
+            self._write_meta()
+
+    def op_code(self, op: str) -> int:
+        c = self._opcode.get(op)
+        if c is None:
+            if len(self.ops) >= 255:
+                raise ValueError("the flight recorder knows 255 op names at most")
+            c = self._opcode[op] = len(self.ops)
+            self.ops.append(op)
+            self._write_meta()
+        return c
+
+    def dtype_code(self, dtype: Any) -> int:
+        c = self._dtcode.get(dtype)
+        if c is None:
+            name = str(dtype).replace("torch.", "")
+            if name in self.dtypes:
+                c = self.dtypes.index(name)
+            else:
+                c = len(self.dtypes)
+                self.dtypes.append(name[:32])
+                self._write_meta()
+            self._dtcode[dtype] = c
+        return c
+
+    # ---- recording ---------------------------------------------------------------------------------------------------
+    def begin(self, gi: int, op: int, numel: int, dtype: int, peer: int, p2p: str = "") -> int:
+        """A call starts: its slot index (for `end`). `p2p`: "s"/"r" for a send/receive (counted per peer)."""
+        if p2p:
+            key = (gi, p2p, peer)
+            seq = self._pseq[key]
+            self._pseq[key] = seq + 1
+        else:
+            seq = self._cseq[gi]
+            self._cseq[gi] = seq + 1
+        i = self.written
+        self.written = i + 1
+        RING_SLOT.pack_into(self.mm, RING_HEADER.size + (i % self.capacity) * SLOT_BYTES,
+                            i, gi, seq, op, numel, dtype, peer, time.time(), 0, 0.0)
+        return i
+
+    def end(self, i: int, error: BaseException | None = None) -> None:
+        if self.written - i > self.capacity:          # its slot was reused meanwhile
+            return
+        if error is not None:
+            self.errors[i] = f"{type(error).__name__}: {error}"[:300]
+            if len(self.errors) > 64:
+                del self.errors[min(self.errors)]
+        END.pack_into(self.mm, RING_HEADER.size + (i % self.capacity) * SLOT_BYTES + END_AT,
+                      1 if error is None else 2, time.time())
+        hook = self.on_call
+        if hook is not None:
+            hook(i)
+
+    def slot(self, i: int) -> tuple:
+        """(index, group, seq, op code, numel, dtype code, peer, t0, state, t1) of slot index i."""
+        return RING_SLOT.unpack_from(self.mm, RING_HEADER.size + (i % self.capacity) * SLOT_BYTES)
+
+    def context(self, name: str, fn: Callable[[], Any]) -> None:
+        """At each dump, `fn()` (plain JSON data) is written under contexts[name]; a failing fn is noted, not fatal."""
+        self._contexts[name] = fn
+
+    # ---- writing -----------------------------------------------------------------------------------------------------
+    def snapshot(self, reason: str) -> dict[str, Any]:
+        contexts = {}
+        for name, fn in list(self._contexts.items()):
+            try:
+                contexts[name] = fn()
+            except Exception as exc:  # a dump must not fail because a layer above could not say its state
+                contexts[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        meta = self._meta()
+        entries = _entries(bytes(self.mm), self.capacity, meta["ops"], meta["dtypes"], self.errors)
+        return {**meta, "reason": reason[:500], "time": time.time(), "capacity": self.capacity,
+                "written": self.written, "entries": entries, "contexts": contexts}
+
+    def dump(self, reason: str, directory: str | None = None) -> str | None:
+        """Write the buffer to `directory` (default PSLAB_FLIGHT_DIR); the path, or None when there is nowhere."""
+        d = directory or os.environ.get(ENV_DIR)
+        if not d:
+            return None
+        try:
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, f"flight-{self.who or 'pid' + str(os.getpid())}.json")
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.snapshot(reason), f)
+            os.replace(tmp, path)
+            return path
+        except OSError:
+            return None
+
+
+def _entries(data: bytes, capacity: int, ops: list[str], dtypes: list[str],
+             errors: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    """The slots of a ring, oldest first, as entry dicts (FIELDS)."""
+    rows = []
+    for k in range(capacity):
+        row = RING_SLOT.unpack_from(data, RING_HEADER.size + k * SLOT_BYTES)
+        if row[0] != EMPTY:
+            rows.append(row)
+    rows.sort()
+    out = []
+    for i, g, seq, op, numel, dt, peer, t0, state, t1 in rows:
+        if op >= len(ops) or dt >= len(dtypes) or state >= len(STATES):
+            raise ValueError(f"slot {i} names op {op} / dtype {dt} / state {state} that the record does not know")
+        out.append({"group": g, "seq": seq, "op": ops[op], "numel": numel, "dtype": dtypes[dt], "peer": peer,
+                    "state": STATES[state], "t0": t0, "t1": t1, "error": (errors or {}).get(i, "")})
+    return out
+
+
+def _written(data: bytes, capacity: int) -> int:
+    """How many calls a ring has seen (its newest slot's index + 1)."""
+    return 1 + max((struct.unpack_from("<q", data, RING_HEADER.size + k * SLOT_BYTES)[0] for k in range(capacity)),
+                   default=EMPTY)
+
+
+RECORDER = Recorder()              # a fresh one per process by set_identity (a launched rank, a shard)
+
+
+def set_identity(who: str, directory: str | None = None) -> None:
+    """Name this process in dumps ("rank3", "shard0"); a fresh buffer for a fresh process (a forked child), mirrored
+    into `directory` (default PSLAB_FLIGHT_DIR, if set; it is then set for this process's dumps too)."""
+    global RECORDER
+    hook = RECORDER.on_call
+    RECORDER = Recorder()
+    RECORDER.who = who
+    RECORDER.on_call = hook
+    d = directory or os.environ.get(ENV_DIR)
+    if d:
+        os.environ[ENV_DIR] = d
+        RECORDER.attach_file(d)
+
+
+def read_ring(path: str) -> dict[str, Any]:
+    """A process's ring file (+ its .groups.json) as a record like a dump's, with reason "died ..." (no contexts, no
+    error texts). Raises ValueError for a file that is not one."""
+    with open(path, "rb") as f:
+        data = f.read(RING_HEADER.size + (1 << 20) * SLOT_BYTES + 1)
+    if len(data) < RING_HEADER.size:
+        raise ValueError(f"{path}: too short for a flight ring")
+    magic, cap = RING_HEADER.unpack_from(data, 0)
+    if magic != RING_MAGIC or not 0 < cap <= 1 << 20 or len(data) != RING_HEADER.size + cap * SLOT_BYTES:
+        raise ValueError(f"{path}: not a pslab flight ring")
+    with open(path[:-len(".ring")] + ".groups.json") as f:
+        meta = json.load(f)
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), list) for k in ("ops", "dtypes", "groups")):
+        raise ValueError(f"{path}: its .groups.json is not a flight ring's")
+    entries = _entries(data, cap, [str(o) for o in meta["ops"]], [str(d) for d in meta["dtypes"]])
+    return {"format": FORMAT, "who": str(meta.get("who", "")), "pid": meta.get("pid", -1),
+            "host": str(meta.get("host", "")), "ops": meta["ops"], "dtypes": meta["dtypes"],
+            "reason": "no record of its own (still running, or killed or aborted): its calls as its ring file has them",
+            "time": os.path.getmtime(path), "capacity": cap, "groups": meta["groups"],
+            "written": _written(data, cap), "entries": entries, "contexts": {}}
+
+
+def dump(reason: str, directory: str | None = None) -> str | None:
+    return RECORDER.dump(reason, directory)
+
+
+def install_signal() -> None:
+    """SIGUSR1 writes the buffer (chained after whatever handler faulthandler or others put there first: call this
+    before `faulthandler.register(SIGUSR1, chain=True)`)."""
+    def handler(signum: int, frame: Any) -> None:
+        RECORDER.dump("SIGUSR1 (asked by the launcher, or by hand: kill -USR1)")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, handler)
+
+
+_DTYPES: dict[Any, str] = {}
+
+
+class _RecordedWork:
+    """An isend/irecv handle whose wait() completes its entry."""
+
+    def __init__(self, work: Any, i: int, rec: Recorder) -> None:
+        self._work, self._i, self._rec, self._done = work, i, rec, False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        try:
+            out = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        except BaseException as exc:
+            self._rec.end(self._i, exc)
+            _dump_on(exc, self._rec, self._i)
+            raise
+        if not self._done:
+            self._done = True
+            self._rec.end(self._i)
+        return out
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _dump_on(exc: BaseException, rec: Recorder, i: int) -> None:
+    if isinstance(exc, Exception):     # not KeyboardInterrupt / SystemExit: a stop is not a fault
+        _, _, seq, op, *_ = rec.slot(i)
+        rec.dump(f"{rec.ops[op]} #{seq} failed: {type(exc).__name__}: {exc}")
+
+
+def recorded(op: str, fn: Callable) -> Callable:
+    """Wrap a backend's public `op` so every call leaves an entry (ProcessGroup.__init_subclass__ applies it).
+    Kept to the bone: it runs on every call of every group (the bench's "noflight" peer prices it)."""
+    p2p = ("s" if op in ("send", "isend") else "r") if op in P2P_OPS else ""
+    with_peer = bool(p2p) or op == "broadcast"
+    peer_kw = "dst" if p2p == "s" else "src"
+    asynchronous = op in ("isend", "irecv")
+    tensor_arg = 1 if op in ("reduce_scatter", "all_gather") else 0     # (output, input): the input's size
+    tensor_kw = "input" if tensor_arg else "tensor"
+
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = RECORDER
+        inside = rec.inside
+        if inside.depth or not rec.enabled:
+            return fn(self, *args, **kwargs)
+        t = args[tensor_arg] if len(args) > tensor_arg else kwargs.get(tensor_kw)
+        try:
+            numel = t.numel()
+        except AttributeError:
+            numel = getattr(t, "size", 1)
+        dt = getattr(t, "dtype", None)
+        dtype = rec._dtcode.get(dt)
+        if dtype is None:
+            dtype = rec.dtype_code(dt) if dt is not None else 0
+        peer = -1
+        if with_peer:
+            try:
+                peer = self.ranks[int(args[1] if len(args) > 1 else kwargs.get(peer_kw, 0))]
+            except (IndexError, TypeError, ValueError):
+                pass
+        mine = getattr(self, "_flight_gi", None)
+        gi = mine[1] if mine is not None and mine[0] is rec else rec.group_index(self)
+        i = rec.begin(gi, rec._opcode[op], numel, dtype, peer, p2p)
+        inside.depth += 1
+        try:
+            out = fn(self, *args, **kwargs)
+        except BaseException as exc:
+            rec.end(i, exc)
+            _dump_on(exc, rec, i)
+            raise
+        finally:
+            inside.depth -= 1
+        if asynchronous:
+            return _RecordedWork(out, i, rec)
+        rec.end(i)
+        return out
+    return call

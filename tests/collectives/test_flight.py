@@ -1,0 +1,154 @@
+"""The flight recorder and `diagnose`: deliberately broken programs on both backends, and the verdict each gets.
+
+Each program runs under `collectives.launch` with short collective timeouts, so a hang fails in seconds; every
+rank's record lands in tmp_path (flight.py), and `diagnose_dir` must name what went wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from pslab import collectives
+from pslab.collectives import flight
+from pslab.collectives.diagnose import FlightRecordError, diagnose_dir
+
+BACKENDS = ("zmq", "torch")
+
+
+def _skips(group: collectives.ProcessGroup) -> int:         # rank 1 skips the second all_reduce and ends
+    t = np.ones(16, np.float32)
+    group.all_reduce(t)
+    if group.rank == 0:
+        group.all_reduce(t)
+    return 0
+
+
+def _other_op(group: collectives.ProcessGroup) -> None:     # rank 1 broadcasts where rank 0 all-reduces
+    t = np.ones(16, np.float32)
+    group.all_reduce(t)
+    if group.rank == 0:
+        group.all_reduce(t)
+    else:
+        group.broadcast(t, 0)
+
+
+def _other_size(group: collectives.ProcessGroup) -> None:
+    group.all_reduce(np.ones(16 + 8 * group.rank, np.float32))
+
+
+def _other_dtype(group: collectives.ProcessGroup) -> None:
+    group.all_reduce(np.ones(16, np.float32 if group.rank == 0 else np.float64))
+
+
+def _recv_without_send(group: collectives.ProcessGroup) -> None:
+    t = np.ones(16, np.float32)
+    if group.rank == 0:
+        group.send(t, 1)                   # the first message arrives ...
+    else:
+        group.recv(t, 0)
+        group.recv(t, 0)                   # ... the second is never sent
+
+
+CASES = {
+    "skip": (_skips, [r"missing rank 1 in collective all_reduce #1 \(16 x float32\) that rank 0 wait",
+                      r"rank 1 last called all_reduce #0 .* finished"]),
+    "op": (_other_op, [r"collective type mismatch at collective #1: rank 0 all_reduce #1 .*, rank 1 broadcast #1"]),
+    "size": (_other_size, [r"size mismatch at collective #0: rank 0 all_reduce #0 \(16 x float32\), "
+                           r"rank 1 all_reduce #0 \(24 x float32\)"]),
+    "dtype": (_other_dtype, [r"dtype mismatch at collective #0: rank 0 .*float32\), rank 1 .*float64\)"]),
+    "p2p": (_recv_without_send, [r"rank 1 waits in recv #1 \(16 x float32\) from rank 0, which never sent it: "
+                                 r"rank 0 sent 1 message\(s\) to rank 1"]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_diagnose_names_what_went_wrong(case: str, backend: str, tmp_path) -> None:
+    fn, expected = CASES[case]
+    t0 = time.monotonic()
+    out = collectives.launch(fn, 2, backend=backend, timeout=60, group_timeout=3, flight_dir=str(tmp_path),
+                             return_exceptions=True)
+    assert any(isinstance(r, collectives.launcher.RankFailure) for r in out), out   # the program did fail
+    assert time.monotonic() - t0 < 45                         # a hang fails in seconds, not at the launch timeout
+    d = diagnose_dir(str(tmp_path))
+    text = "\n".join(d.problems)
+    import re
+    for pattern in expected:
+        assert re.search(pattern, text), f"{pattern!r} not in:\n{text}"
+    assert len(d.problems) == 1, text                          # one verdict, not a cascade
+
+
+def _killed_mid_call(group: collectives.ProcessGroup) -> None:
+    t = np.ones(16, np.float32)
+    group.all_reduce(t)
+    if group.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)                   # no record written: only its ring file is left
+    group.all_reduce(t)
+
+
+def test_a_killed_rank_still_leaves_its_calls(tmp_path) -> None:
+    with pytest.raises(collectives.LaunchError):
+        collectives.launch(_killed_mid_call, 2, timeout=60, group_timeout=3, flight_dir=str(tmp_path))
+    assert not (tmp_path / "flight-rank1.json").exists() and (tmp_path / "flight-rank1.ring").exists()
+    text = "\n".join(diagnose_dir(str(tmp_path)).problems)
+    assert "missing rank 1 in collective all_reduce #1" in text and "wrote no record of its own" in text, text
+
+
+def _timed_out(group: collectives.ProcessGroup) -> None:
+    if group.rank == 0:
+        group.barrier()
+    time.sleep(60)
+
+
+def test_a_timed_out_launch_prints_the_verdict() -> None:
+    with pytest.raises(collectives.LaunchError, match=r"diagnosis: .*missing rank 1 in collective barrier #0"):
+        collectives.launch(_timed_out, 2, timeout=6, group_timeout=30)
+
+
+def _clean(group: collectives.ProcessGroup) -> float:
+    t = np.ones(8, np.float32)
+    for _ in range(5):
+        group.all_reduce(t)
+    if group.rank == 0:
+        group.send(t, 1)
+    else:
+        group.recv(t, 0)
+    return float(t[0])
+
+
+def test_a_clean_run_has_no_verdict_and_the_ring_wraps(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(flight.ENV_ENTRIES, "16")
+    collectives.launch(_clean, 2, timeout=60, flight_dir=str(tmp_path))
+    d = diagnose_dir(str(tmp_path))
+    assert d.problems == [] and d.records == 2
+    rec = json.loads((tmp_path / "flight-rank0.json").read_text())
+    assert rec["reason"] == "finished" and [e["op"] for e in rec["entries"]][-2:] == ["all_reduce", "send"]
+    ring = flight.read_ring(str(tmp_path / "flight-rank1.ring"))      # the ring file holds what the dump holds
+    assert [(e["op"], e["seq"], e["state"]) for e in ring["entries"]] == \
+        [(e["op"], e["seq"], e["state"]) for e in json.loads((tmp_path / "flight-rank1.json").read_text())["entries"]]
+
+
+def test_a_record_that_is_not_one_is_refused(tmp_path) -> None:
+    (tmp_path / "flight-rank0.json").write_text(json.dumps({"format": flight.FORMAT, "who": "rank0", "reason": "x",
+                                                            "groups": [], "entries": [{"op": "all_reduce"}]}))
+    with pytest.raises(FlightRecordError, match="an entry is not"):
+        diagnose_dir(str(tmp_path))
+    with pytest.raises(FlightRecordError, match="no such directory"):
+        diagnose_dir(str(tmp_path / "nope"))
+
+
+def test_the_ring_buffer_is_bounded() -> None:
+    rec = flight.Recorder(entries=16)
+
+    class G:
+        ranks, rank, backend = (0, 1), 0, "test"
+    gi = rec.group_index(G())
+    for i in range(100):
+        rec.end(rec.begin(gi, rec.op_code("all_reduce"), 4, rec.dtype_code("float32"), -1))
+    entries = rec.snapshot("test")["entries"]
+    assert [e["seq"] for e in entries] == list(range(84, 100)) and {e["state"] for e in entries} == {"completed"}
