@@ -44,6 +44,13 @@ Where each mechanism lives:
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter
                      (PSLAB_CLEANUP_DIR); start_sweeper: a watchdog that sweeps for a process killed outright
     traffic.py       bytes sent/received per peer and per op (what makes 2(N−1)/N visible)
+    flight.py        the flight recorder: every process's last N calls of every group (both backends, recorded by
+                     ProcessGroup's wrapper), in a memory-mapped ring that outlives a killed process; written as
+                     JSON on a failed call, SIGUSR1, a launched rank's end
+    diagnose.py      matches flight records across ranks: missing ranks, type / size / dtype / state mismatches,
+                     receives nobody sent, a PS shard's own words (`pslab diagnose`; a timed-out launch's verdict)
+    trace.py         the timeline (off unless started): spans of compute, communication, padding and waiting per
+                     thread, written per process for `pslab trace` (experiments/results/timeline.py merges them)
     jsonfields.py    a dataclass of numbers as JSON (inf as null, unknown fields refused): Topology, Cluster
     topology.py      emulated hosts: Topology (rank r on host r // per_host, or r % hosts with placement "spread";
                      intra/inter latency + bandwidth), a serialising link per rank pair (sender stamps the due

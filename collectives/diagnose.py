@@ -117,10 +117,12 @@ class _Group:
         self.key, self.name = key, name
         self.members: dict[int, dict[str, Any]] = {}      # global rank -> its dump
         self.entries: dict[int, list[dict[str, Any]]] = {}
+        self.missing: set[int] = set()                      # (set by _collectives) ranks absent from a call ...
+        self.waiting: set[int] = set()                      # ... that these wait in
 
     @property
     def label(self) -> str:
-        return f"group {self.name or 'of'} [{', '.join(map(str, self.key[0]))}]"
+        return f"{self.name + ' ' if self.name else ''}group [{', '.join(map(str, self.key[0]))}]"
 
 
 def diagnose(records: list[dict[str, Any]]) -> Diagnosis:
@@ -147,6 +149,7 @@ def diagnose(records: list[dict[str, Any]]) -> Diagnosis:
         if missing and (found or any(e["state"] != "completed" for es in grp.entries.values() for e in es)):
             found.append(f"{grp.label}: {_names(missing)} left no flight record (killed, or never started)")
         problems.extend(found)
+    problems = _root(groups, records) + problems
     for d in records:
         for e in d["entries"]:
             if e["state"] == "started" and d["reason"] != "finished":
@@ -154,6 +157,25 @@ def diagnose(records: list[dict[str, Any]]) -> Diagnosis:
                 notes.append(f"{d['who']} was in {_what(e)} of group {g.get('name') or g['ranks']} "
                              f"for {max(0.0, d['time'] - e['t0']):.1f} s when it wrote its record")
     return Diagnosis(problems, notes, len(records))
+
+
+def _root(groups: dict[tuple, _Group], records: list[dict[str, Any]]) -> list[str]:
+    """The rank(s) the others wait for: missing from a call somewhere and inside no unfinished call themselves
+    (stopped, hung outside communication, dead, or finished) -- said first, since every other verdict follows."""
+    missing = set().union(*(g.missing for g in groups.values())) if groups else set()
+    waiting = set().union(*(g.waiting for g in groups.values())) if groups else set()
+    busy = set()
+    for g in groups.values():
+        for r, es in g.entries.items():
+            if es and es[-1]["state"] == "started":
+                busy.add(r)
+    root = sorted(missing - busy)
+    if not root or len(missing) < 2 and len(groups) < 2:
+        return []
+    it = "it" if len(root) == 1 else "them"
+    return [f"{_names(root)}: what the others wait for -- in no call of {'its' if it == 'it' else 'their'} own "
+            f"(stopped, hung outside communication, dead, or finished) while "
+            f"{_names(sorted(waiting - set(root)))} wait for {it}"]
 
 
 def _collectives(grp: _Group) -> list[str]:
@@ -172,8 +194,10 @@ def _collectives(grp: _Group) -> list[str]:
                 f"rank {r} last called {_what(by[r][max(by[r])]) if by[r] else 'nothing in this group'} "
                 f"{_ended(grp.members[r])}" for r in absent)
             waiting = sorted(r for r, e in there.items() if e["state"] != "completed")
+            verb = " waits in" if len(waiting) == 1 else " wait in"
+            grp.missing, grp.waiting = set(absent), set(waiting)
             return [f"{grp.label}: missing {_names(absent)} in collective {_what(first)}"
-                    f"{' that ' + _names(waiting) + ' wait(s) in' if waiting else ''}; {where}"]
+                    f"{' that ' + _names(waiting) + verb if waiting else ''}; {where}"]
         for field, kind in (("op", "collective type"), ("numel", "size"), ("dtype", "dtype")):
             values = {e[field] for e in there.values()}
             if len(values) > 1:

@@ -221,13 +221,16 @@ class Recorder:
     def end(self, i: int, error: BaseException | None = None) -> None:
         if self.written - i > self.capacity:          # its slot was reused meanwhile
             return
+        off = RING_HEADER.size + (i % self.capacity) * SLOT_BYTES + END_AT
+        hook = self.on_call
+        if error is None and hook is None:   # the common case, kept cheap: the state byte only (t1 stays 0: the
+            self.mm[off] = 1                 # recorder's verdicts need none; the timeline's hook gets one)
+            return
         if error is not None:
             self.errors[i] = f"{type(error).__name__}: {error}"[:300]
             if len(self.errors) > 64:
                 del self.errors[min(self.errors)]
-        END.pack_into(self.mm, RING_HEADER.size + (i % self.capacity) * SLOT_BYTES + END_AT,
-                      1 if error is None else 2, time.time())
-        hook = self.on_call
+        END.pack_into(self.mm, off, 1 if error is None else 2, time.time())
         if hook is not None:
             hook(i)
 
@@ -357,7 +360,7 @@ class _RecordedWork:
     def wait(self, timeout: float | None = None) -> Any:
         try:
             out = self._work.wait(timeout) if timeout is not None else self._work.wait()
-        except BaseException as exc:
+        except Exception as exc:
             self._rec.end(self._i, exc)
             _dump_on(exc, self._rec, self._i)
             raise
@@ -373,10 +376,9 @@ class _RecordedWork:
         return getattr(self._work, name)
 
 
-def _dump_on(exc: BaseException, rec: Recorder, i: int) -> None:
-    if isinstance(exc, Exception):     # not KeyboardInterrupt / SystemExit: a stop is not a fault
-        _, _, seq, op, *_ = rec.slot(i)
-        rec.dump(f"{rec.ops[op]} #{seq} failed: {type(exc).__name__}: {exc}")
+def _dump_on(exc: Exception, rec: Recorder, i: int) -> None:
+    _, _, seq, op, *_ = rec.slot(i)
+    rec.dump(f"{rec.ops[op]} #{seq} failed: {type(exc).__name__}: {exc}")
 
 
 def recorded(op: str, fn: Callable) -> Callable:
@@ -416,11 +418,11 @@ def recorded(op: str, fn: Callable) -> Callable:
         inside.depth += 1
         try:
             out = fn(self, *args, **kwargs)
-        except BaseException as exc:
+        except Exception as exc:
             rec.end(i, exc)
             _dump_on(exc, rec, i)
             raise
-        finally:
+        finally:                  # (a stop -- SystemExit, KeyboardInterrupt -- leaves the call "started")
             inside.depth -= 1
         if asynchronous:
             return _RecordedWork(out, i, rec)

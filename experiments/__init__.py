@@ -61,8 +61,13 @@ Where is X? (paths from here)
         plots.py, report.py         PNG plots and report.md
         faults.py                   the failure report: per failure detect / recover / lost, the timeline figure
         tensorboard.py              a run's records as TensorBoard scalars ([logging] tensorboard, pslab export)
+        timeline.py                 a traced run ([trace], --trace): the processes' spans merged into trace.json
+                                    (Perfetto), compute / comm / exposed / overlap per rank, the measured bubble
+        gantt.py                    the timeline as a picture (pslab report, compare --trace)
 
-    bench/                          `pslab bench`: collectives vs gloo, ps vs torch RPC, dp vs DDP, sim
+    bench/                          `pslab bench`: collectives vs gloo / MPICH (--peers noflight: the flight
+                                    recorder's price), ps vs torch RPC / Ray, dp vs DDP, engines vs DDP / FSDP2 /
+                                    DTensor / pipelining, sim, topology, trace (a run traced vs not)
 
 Imports point down: experiments -> ps / parallelism -> collectives.
 """

@@ -7,7 +7,7 @@
                   target_acc, compress, error_feedback
     [workload]    (text-*) seq_len; (text-moe only) experts, top_k, capacity_factor, aux_weight
     [parallel]    tp, sp, cp, ep, pp, micro_batches, schedule, virtual_stages, stage_ms, zero,
-                  activation_checkpointing, overlap  (ParallelConfig)
+                  activation_checkpointing, overlap, bucket_kb  (ParallelConfig)
     [stragglers]  factors = {"1" = 4.0}, transient_prob, transient_factor, delay, delay_mean_s, delay_sigma
     [faults]      on_failure, detect_s, heartbeat_s, commit_every, checkpoint_every, shard_checkpoint_every, events
                   (experiments/faults/spec.py)
@@ -16,6 +16,8 @@
     [topology]    hosts, gpus_per_host, placement, intra_latency_us, intra_bandwidth_GBps, inter_latency_us,
                   inter_bandwidth_GBps: real runs on emulated hosts (collectives/topology.py); hosts = 0: none
     [outer]       optimizer, lr, momentum: DiLoCo's outer step (diloco:<H>; parallelism/local_sgd.py)
+    [logging]     tensorboard
+    [trace]       enabled, max_events: a timeline of every rank and shard (collectives/trace.py; pslab trace)
 
 Every value is validated here; a bad one raises ConfigError naming the key and what is allowed.
 """

@@ -156,6 +156,10 @@ class DeviceMesh:
                         singles[ranks[0]] = g
                 if world.rank in ranks:
                     self._groups[axis] = g
+        from pslab.collectives import flight
+        for axis, g in self._groups.items():            # the flight recorder names a group by the axes it serves
+            if g is not None and g.world_size > 1:
+                flight.RECORDER.name_group(g, axis)
 
     def group(self, axis: str) -> ProcessGroup:
         """This rank's sub-group of kind `axis` (dp, pp, tp, or mp: the ranks of this rank's model replica)."""

@@ -7,6 +7,7 @@
                               DTensor, pipelining): step time on both pslab backends, ratios, bytes per step
     pslab bench sim           timing-only simulator updates/s vs the training-mode simulator (same config)
     pslab bench topology      flat ring vs hierarchical all-reduce over an emulated slow inter-host link
+    pslab bench trace         the same run with its timeline recorded ([trace]) and not: step time, ratio
 
 Arguments after WHAT go to that benchmark (`pslab bench collectives --help`).
 """
@@ -19,11 +20,12 @@ import importlib
 BENCHES = {"collectives": "zmq collectives vs gloo", "ps": "parameter server vs torch RPC PS",
            "dp": "data parallel vs torch DDP", "engines": "the engines vs DDP / FSDP2 / DTensor / pipelining",
            "sim": "timing-only vs training-mode simulator",
-           "topology": "flat ring vs hierarchical all-reduce, emulated hosts"}
+           "topology": "flat ring vs hierarchical all-reduce, emulated hosts",
+           "trace": "a run with its timeline recorded vs not"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp, engines, sim, topology)",
+    p = sub.add_parser("bench", help="benchmarks against a peer in the same run (collectives, ps, dp, engines, sim, topology, trace)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (try --help)")

@@ -55,7 +55,7 @@ def _recv_without_send(group: collectives.ProcessGroup) -> None:
 
 
 CASES = {
-    "skip": (_skips, [r"missing rank 1 in collective all_reduce #1 \(16 x float32\) that rank 0 wait",
+    "skip": (_skips, [r"missing rank 1 in collective all_reduce #1 \(16 x float32\) that rank 0 waits in",
                       r"rank 1 last called all_reduce #0 .* finished"]),
     "op": (_other_op, [r"collective type mismatch at collective #1: rank 0 all_reduce #1 .*, rank 1 broadcast #1"]),
     "size": (_other_size, [r"size mismatch at collective #0: rank 0 all_reduce #0 \(16 x float32\), "

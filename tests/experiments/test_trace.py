@@ -111,3 +111,19 @@ def test_trace_refuses_what_it_cannot_do(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pslab", "trace", str(tmp_path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("pslab: error:") and "Traceback" not in out.stderr
+
+
+def test_a_hang_the_supervisor_finds_ends_the_run_with_the_flight_verdict(tmp_path):
+    """Worker 1 (ranks 2, 3 of dp 2 x tp 2) stopped mid-run under on_failure = abort: the run's one-line error
+    names the rank the supervisor found hung and what each group waits for (collectives/diagnose.py)."""
+    cfg = load_config(str(CONFIGS / "transformer_tp.toml"),
+                      ["train.steps=200", "faults.on_failure=abort",
+                       'faults.events=[{stop="worker:1", at_step=5, for_s=30}]'])
+    with pytest.raises(Exception, match=r"hung: .*diagnosis: .*missing rank [23] in collective all_reduce #") as e:
+        execute(cfg, tmp_path, quiet=True)
+    first = str(e.value).splitlines()[0]                     # the one line a user sees
+    assert "diagnosis:" in first and ("dp group [" in first or "tp group [" in first), first
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    out = subprocess.run([sys.executable, "-m", "pslab", "diagnose", str(run)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "problem: " in out.stdout and "group [" in out.stdout, out.stdout
