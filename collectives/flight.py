@@ -108,7 +108,7 @@ class Recorder:
         if path is None:
             self.mm = mmap.mmap(-1, size)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
                 os.ftruncate(fd, size)
                 self.mm = mmap.mmap(fd, size)
@@ -121,7 +121,7 @@ class Recorder:
     def attach_file(self, directory: str) -> None:
         """Keep the ring in `directory`/flight-<who>.ring (see the class docstring); errors leave it in memory."""
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(directory, mode=0o700, exist_ok=True)
             self.ring_path = os.path.join(directory, f"flight-{self.who}.ring")
             self._map(self.ring_path)
             self.written = 0
@@ -137,11 +137,8 @@ class Recorder:
     def _write_meta(self) -> None:
         if not self.ring_path:
             return
-        path = self.ring_path[:-len(".ring")] + ".groups.json"
         try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(self._meta(), f)
-            os.replace(path + ".tmp", path)
+            write_private(self.ring_path[:-len(".ring")] + ".groups.json", json.dumps(self._meta()))
         except OSError:
             pass
 
@@ -261,15 +258,26 @@ class Recorder:
         if not d:
             return None
         try:
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(d, mode=0o700, exist_ok=True)
             path = os.path.join(d, f"flight-{self.who or 'pid' + str(os.getpid())}.json")
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self.snapshot(reason), f)
-            os.replace(tmp, path)
+            write_private(path, json.dumps(self.snapshot(reason)))
             return path
         except OSError:
             return None
+
+
+def write_private(path: str, text: str) -> None:
+    """Atomically replace `path` with `text`, through a 0600 temp file that is never a link planted by someone
+    else (O_EXCL | O_NOFOLLOW)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.unlink(tmp)                       # a stale one of ours (a link is removed, not followed)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _entries(data: bytes, capacity: int, ops: list[str], dtypes: list[str],

@@ -4,8 +4,9 @@ Off unless started (`start`, by a run with [trace] enabled = true). Then every p
 
     X  complete events  name, cat, ts, dur (µs, wall clock), tid (the thread), args
          cat: compute (forward, backward, a micro-batch's F or B), comm (a collective or blocking p2p: the flight
-         recorder's entries, flight.py, one hook for both backends), pad (straggler padding), wait (a PS read parked
-         at a gate), ps (a PS push/pull; a shard's apply), step / phase (the loop's step and its phases), io
+         recorder's entries, flight.py, one hook for both backends; args: group axis, seq, numel, dtype, bytes;
+         a wait on another thread's communication), pad (straggler padding), wait (a PS read parked at a gate),
+         ps (a shard's apply of a push), sync / phase (the loop's phases), io (a checkpoint), elastic (a recovery)
     b/e async pairs     isend / irecv from call to wait (they need not nest with the spans around them)
 
 and writes them as JSON (`trace-<who>.json`, never pickle) when it stops; `experiments/results/timeline.py` merges
@@ -34,6 +35,8 @@ FORMAT = "pslab-trace/1"
 ENV_DIR = "PSLAB_TRACE_DIR"        # set by a traced run for the processes it starts (PS shards start tracing there)
 MAX_EVENTS = 200_000
 ASYNC_OPS = ("isend", "irecv")
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+            "uint8": 1, "bool": 1}
 
 
 class Tracer:
@@ -73,9 +76,13 @@ class Tracer:
         rec = flight.RECORDER
         _, g, seq, op, numel, dt, peer, t0, state, t1 = rec.slot(i)
         name = rec.ops[op]
+        if name.startswith("ps."):               # a PS client's call: the strategy's push_pull span shows it
+            return
         grp = rec.groups[g]
+        dtype = rec.dtypes[dt]
         args = {"group": grp.get("name") or "world", "ranks": grp["ranks"], "gen": grp["n"], "seq": seq,
-                "numel": numel, "dtype": rec.dtypes[dt], "state": flight.STATES[state]}
+                "numel": numel, "dtype": dtype, "bytes": numel * ITEMSIZE.get(dtype, 0),
+                "state": flight.STATES[state]}
         if peer >= 0:
             args["peer"] = peer
         if self.step >= 0:
@@ -91,7 +98,7 @@ class Tracer:
             self._add(("X", name, "comm", ts, max(0.0, te - ts), threading.get_ident(), args))
 
     def write(self) -> str:
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         path = os.path.join(self.directory, f"trace-{self.who}.json")
         tids: dict[int, int] = {}
         main = threading.main_thread().ident
@@ -101,11 +108,10 @@ class Tracer:
                 tid = 0 if tid == main else tids.setdefault(tid, len(tids) + 1)
             events.append({"ph": ph, "name": name, "cat": cat, "ts": round(ts, 3), "dur": round(dur, 3),
                            "tid": tid, "args": args})
-        with open(path + ".tmp", "w") as f:
-            json.dump({"format": FORMAT, "who": self.who, "pid": os.getpid(), "meta": self.meta,
-                       "threads": {"0": "main", **{str(v): f"thread {v}" for v in tids.values()}},
-                       "dropped": self.dropped, "max_events": self.max_events, "events": events}, f)
-        os.replace(path + ".tmp", path)
+        flight.write_private(path, json.dumps(
+            {"format": FORMAT, "who": self.who, "pid": os.getpid(), "meta": self.meta,
+             "threads": {"0": "main", **{str(v): f"thread {v}" for v in tids.values()}},
+             "dropped": self.dropped, "max_events": self.max_events, "events": events}))
         return path
 
 

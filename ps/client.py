@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import zmq
 
+from pslab.collectives import flight
 from pslab.collectives.errors import WireError
 from pslab.collectives.traffic import TrafficCounter
 from pslab.collectives.wire import decode, encode, frame_payload
@@ -101,6 +102,15 @@ def _np(t: Any) -> np.ndarray:
     if isinstance(t, torch.Tensor):
         return t.detach().cpu().numpy()
     return np.asarray(t)
+
+
+class _ShardPeer:
+    """What a PS request is recorded against in the flight recorder: a shard, not a process group."""
+
+    backend, ranks, rank = "ps", (), -1
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
 
 
 class PSClient:
@@ -356,10 +366,30 @@ class PSClient:
             if self._lost and op != "register" and self.user != ADMIN:   # and nothing goes to the others either:
                 fut.fail(self._lost_error(min(self._lost), op))          # no clock moves on a surviving shard
                 return fut
+        self._record(fut, op, meta if per_shard is None else per_shard[0][0])
         for i in range(len(self.addresses)):
             self._request(fut, i, op, dict(meta or {}) if per_shard is None else per_shard[i][0],
                           None if per_shard is None else per_shard[i][1], timeout)
         return fut
+
+    def _record(self, fut: Fanout, op: str, meta: dict[str, Any] | None) -> None:
+        """One flight-recorder entry per shard for this request, completed (or failed) with its future: a hang
+        in a PS call is named by `pslab diagnose` like a collective's (collectives/flight.py)."""
+        rec = flight.RECORDER
+        if not rec.enabled:
+            return
+        if not hasattr(self, "_peers"):
+            self._peers = [_ShardPeer(i) for i in range(len(self.addresses))]
+            for peer in self._peers:
+                rec.name_group(peer, f"ps shard {peer.shard}")
+        code = rec.op_code(f"ps.{op}_pull" if op == "push" and (meta or {}).get("pull") else f"ps.{op}")
+        marks = [rec.begin(rec.group_index(p), code, 0, 0, p.shard, "") for p in self._peers]
+
+        def done(f: Any) -> None:
+            err = f.exception() if not f.cancelled() else None
+            for m in marks:
+                rec.end(m, err if isinstance(err, Exception) else None)
+        fut.add_done_callback(done)
 
     def init(self, params: Mapping[str, Any]) -> Future:
         """Initialise every shard with this worker's values: only the owner (worker 0, or an admin client) may,

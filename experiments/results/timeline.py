@@ -15,7 +15,7 @@ Analysis (HTA's definitions, on CPU spans), per rank over its traced steps:
                 the whole step): what it costs shows where a rank blocks on it
     exposed     comm not overlapped by compute (what the step waits for)
     overlap     |compute ∩ comm| / |comm|  (0: fully exposed; 1: fully hidden behind compute)
-    waiting     PS reads parked at a shard's gate (shard tracks);  padding: straggler padding
+    waiting     PS reads parked at a shard's gate (shard tracks; and summed per worker);  padding: straggler padding
 
 Pipeline bubble, measured: per step, 1 − Σ_stages busy / (p · makespan) over the F/B compute spans of one
 pipeline (ranks with the same coordinates but pp), next to (p − 1)/(m + p − 1) for GPipe and 1F1B (and
@@ -34,7 +34,7 @@ from pslab.experiments.errors import ExperimentError
 
 FORMAT = "pslab-trace/1"
 MAX_FILE_BYTES = 512 << 20
-CATS = ("compute", "comm", "sync", "phase", "pad", "wait", "ps", "step", "io")
+CATS = ("compute", "comm", "sync", "phase", "pad", "wait", "ps", "step", "io", "elastic")
 
 
 class TraceError(ExperimentError, ValueError):
@@ -278,6 +278,17 @@ def bubble(procs: list[dict[str, Any]]) -> dict[str, Any] | None:
             "formula": formula, "steps": len(fractions)}
 
 
+def gate_waits(procs: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds each PS worker's reads spent parked at the shards' gates (summed over shards; {} without PS)."""
+    out: dict[str, float] = {}
+    for d in procs:
+        for e in d["events"]:
+            if e["ph"] == "X" and e["cat"] == "wait" and "worker" in e["args"]:
+                w = str(e["args"]["worker"])
+                out[w] = out.get(w, 0.0) + e["dur"] / 1e6
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
+
+
 def merge(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     """Write RUN_DIR/trace.json and RUN_DIR/trace_analysis.json; return (trace path, analysis)."""
     procs = load_run(run_dir)
@@ -285,7 +296,7 @@ def merge(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(chrome_trace(procs)))
     tmp.replace(path)
-    analysis = {"processes": breakdown(procs), "bubble": bubble(procs)}
+    analysis = {"processes": breakdown(procs), "bubble": bubble(procs), "gate_wait_by_worker": gate_waits(procs)}
     (Path(run_dir) / "trace_analysis.json").write_text(json.dumps(analysis, indent=1))
     return path, analysis
 
@@ -299,6 +310,10 @@ def format_analysis(analysis: dict[str, Any]) -> str:
                      f"{r['exposed_comm_s']:>9.3f}{ov:>9}{r['wait_s']:>8.3f}{r['pad_s']:>8.3f}")
     lines.append("(seconds; compute excludes communication nested in it; exposed = communication not overlapped by "
                  "compute; overlap = compute ∩ comm / comm)")
+    waits = analysis.get("gate_wait_by_worker")
+    if waits:
+        lines.append("reads parked at the PS gates, per worker: " +
+                     ", ".join(f"worker {w} {v:.3f} s" for w, v in waits.items()))
     b = analysis.get("bubble")
     if b:
         lines.append(f"pipeline bubble ({b['schedule']}, p={b['p']}, m={b['m']}): measured {b['measured']:.1%} "

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pslab.collectives import trace
 from pslab.collectives.launcher import notify
 from pslab.experiments.config import RunConfig
 from pslab.experiments.strategies.spec import step_lr
@@ -188,7 +189,8 @@ class ElasticMember:
         second failure, a replacement) starts the recovery over on it. A joiner has no commit: it receives one."""
         while True:
             try:
-                return self._recover_once(gen, step)
+                with trace.span("elastic recovery", "elastic", generation=gen):
+                    return self._recover_once(gen, step)
             except self._changed() as e:
                 gen = e.generation
 

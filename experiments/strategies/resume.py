@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pslab.collectives import trace
 from pslab.experiments.config import RunConfig, load_config
 from pslab.experiments.errors import ConfigError
 from pslab.experiments.results.rundir import RunDir, read_jsonl, write_jsonl
@@ -77,8 +78,9 @@ def maybe_save(cfg: RunConfig, run_path: str | Path, step: int, replica: Any, st
     if every <= 0 or step <= 0 or step % every or cfg.strategy.uses_ps:
         return False
     from pslab.parallelism.state_io import save
-    save(checkpoint_root(run_path), step, replica, strategy, mesh, config_digest(cfg), _layout(cfg, replica, mesh),
-         keep=KEEP)
+    with trace.span("checkpoint", "io", step=step):
+        save(checkpoint_root(run_path), step, replica, strategy, mesh, config_digest(cfg),
+             _layout(cfg, replica, mesh), keep=KEEP)
     return True
 
 

@@ -90,6 +90,7 @@ def test_a_ps_run_with_a_straggler_shows_padding_gate_waits_and_push_flows(tmp_p
     assert "PS shard 0" in names and counts["s"] > 0                # push_pull -> the shard's apply
     by = {r["who"]: r for r in analysis["processes"]}
     assert by["rank 1 · dp1"]["pad_s"] > 0 and by["PS shard 0"]["wait_s"] > 0   # the straggler pads, others park
+    assert set(analysis["gate_wait_by_worker"]) <= {"0", "1", "2", "3"} and analysis["gate_wait_by_worker"]
 
 
 def test_bubble_from_the_trace_follows_the_formula(tmp_path):

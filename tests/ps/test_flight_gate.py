@@ -29,6 +29,8 @@ def test_a_read_parked_at_the_ssp_gate_names_its_straggler(tmp_path, monkeypatch
         finally:
             fast.close()
             slow.close()
+    mine = [e for e in flight.RECORDER.snapshot("test")["entries"] if e["op"].startswith("ps.")]
+    assert [e["op"] for e in mine][-3:] == ["ps.push", "ps.push", "ps.pull"] and mine[-1]["state"] == "failed"
     text = "\n".join(diagnose_dir(str(tmp_path)).problems)
     assert ("shard0: worker 0's read at clock 2 has been parked at shard 0's ssp:1 gate" in text
             and "waiting for worker 1 at clock 0" in text), text
