@@ -38,6 +38,7 @@ Files, one idea each:
     context.py       context parallelism: the sequence split over cp ranks (the engine around ring attention)
     schedule.py      GPipe, 1F1B and interleaved 1F1B as data; (p−1)/(v·m+p−1); virtual-time replay
     pipeline.py      stages over send/recv, measured bubble and in-flight activations
+    pipeline_measure.py  one padded step of a toy pipeline, its spans and bubble (pslab schedule --run)
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     memory_model.py  bytes per GPU of a layout: model state (ZeRO), activations (Korthikanti et al.) — `pslab memory`
     cluster.py       a cluster for the planner: nodes of GPUs, memory, achieved FLOP/s, intra/inter links; presets
@@ -52,6 +53,7 @@ Files, one idea each:
     checkpointing.py activation checkpointing and the saved-activation meter
     export.py        gather_full_state: the full single-process model reassembled from one replica's ranks
     snapshot.py      a rank's state as pieces of the full tensors (+ optimizer, RNG): capture / restore_into, re-cut
+    snapshot_check.py  a snapshot read from a file validated against that schema before use
     state_io.py      sharded engine checkpoints: a file per rank, a manifest commits the step, load re-cuts them
     plot.py          the pipeline timeline picture (`pslab schedule`)
     models.py        small MLP and GPT-style models the engines are tested on
@@ -67,7 +69,8 @@ from .engine import (AllReduceStrategy, Engine, EngineError, LocalReplica, Param
 from .export import gather_full_state
 from .snapshot import SnapshotError, capture, restore_into
 from .mesh import DeviceMesh, MeshError, MeshLayout
-from .pipeline import PipelineEngine, PipelineReplica, bubble_fraction
+from .pipeline import PipelineEngine, PipelineReplica
+from .pipeline_measure import bubble_fraction
 from .context import ContextParallelEngine, ContextParallelReplica
 from .ring_attention import ring_attention
 from .sequence import SequenceParallelReplica

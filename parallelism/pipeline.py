@@ -34,8 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pslab.collectives import trace
-from pslab.collectives import chunk_bounds
+from pslab.collectives import chunk_bounds, trace
 
 from .checkpointing import unwrap_name
 from .comm import Comm, CommLog
@@ -420,38 +419,3 @@ class PipelineEngine:
                                replicated=c.replicated, name_of=c.name_of, chunk_bounds=c.chunk_bounds, cp=c.cp,
                                moe=c.moe, ep=c.ep, **kw)
 
-
-def bubble_fraction(spans_per_stage: list[list[tuple[Action, float, float]]]) -> float:
-    """1 − Σ busy / (p · makespan) over per-stage spans measured from a common start."""
-    end = max(e for spans in spans_per_stage for _, _, e in spans)
-    busy = sum(e - b for spans in spans_per_stage for _, b, e in spans)
-    return 1.0 - busy / (len(spans_per_stage) * end)
-
-
-def measure_step(group: Any, schedule: str, micro_batches: int, stage_time: tuple[float, float],
-                 width: int = 32, batch: int = 64, virtual_stages: int = 1) -> dict[str, Any]:
-    """Run one padded pipeline step of a small MLP (one Linear per stage; interleaved: per chunk) on the ranks of
-    `group`; for `launch`.
-
-    Returns this stage's spans on the shared monotonic clock (perf_counter), its peak in-flight count, and the step
-    start — gather them from all ranks and pass to `bubble_fraction` / `plot.draw_timeline`."""
-    from .models import mlp
-    torch.manual_seed(0)
-    mesh = DeviceMesh(group, pp=group.world_size)
-    factory = lambda: mlp([width] * (group.world_size * virtual_stages + 1), seed=0)
-    rep = PipelineEngine(schedule, micro_batches, stage_time=stage_time, measure=True,
-                         report_loss=False, virtual_stages=virtual_stages).build(factory, mesh)
-    x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
-    rep.stage_time = None
-    rep.forward_backward(x, y)               # warm-up: shape headers, first connections
-    rep.stage_time = stage_time
-    rep.forward_backward(x, y)
-    t0 = rep.step_start
-    return {"spans": [(a.stage, a.micro, a.phase, a.chunk, t0 + b, t0 + e) for a, b, e in rep.spans],
-            "peak_in_flight": rep.peak_in_flight, "start": t0}
-
-
-def gather_spans(results: list[dict[str, Any]]) -> list[list[tuple[Action, float, float]]]:
-    """Per-stage spans from `measure_step` results of all ranks, relative to the earliest step start."""
-    start = min(r["start"] for r in results)
-    return [[(Action(s, i, ph, k), b - start, e - start) for s, i, ph, k, b, e in r["spans"]] for r in results]

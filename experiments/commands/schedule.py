@@ -73,7 +73,7 @@ def _unit(sched) -> str:
 
 def _run_measured(args: argparse.Namespace, sched) -> int:
     from pslab import collectives
-    from pslab.parallelism.pipeline import bubble_fraction, gather_spans, measure_step
+    from pslab.parallelism.pipeline_measure import bubble_fraction, gather_spans, measure_step
     from pslab.parallelism.plot import draw_timeline
 
     if not 1 <= args.stages <= 8:

@@ -274,8 +274,8 @@ def bubble(procs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     v = int(meta.get("virtual_stages", 1) or 1)
     formula = (p - 1) / (v * m + p - 1)
-    return {"p": p, "m": m, "schedule": meta.get("schedule", "?"), "measured": statistics.median(fractions),
-            "formula": formula, "steps": len(fractions)}
+    return {"p": p, "m": m, "v": v, "schedule": meta.get("schedule", "?") if v == 1 else "interleaved-1f1b",
+            "measured": statistics.median(fractions), "formula": formula, "steps": len(fractions)}
 
 
 def gate_waits(procs: list[dict[str, Any]]) -> dict[str, float]:
@@ -316,6 +316,8 @@ def format_analysis(analysis: dict[str, Any]) -> str:
                      ", ".join(f"worker {w} {v:.3f} s" for w, v in waits.items()))
     b = analysis.get("bubble")
     if b:
-        lines.append(f"pipeline bubble ({b['schedule']}, p={b['p']}, m={b['m']}): measured {b['measured']:.1%} "
-                     f"(median of {b['steps']} steps) vs (p−1)/(m+p−1) = {b['formula']:.1%}")
+        v = b.get("v", 1)
+        lines.append(f"pipeline bubble ({b['schedule']}, p={b['p']}, m={b['m']}{f', v={v}' if v > 1 else ''}): "
+                     f"measured {b['measured']:.1%} (median of {b['steps']} steps) vs "
+                     f"(p−1)/({'v·' if v > 1 else ''}m+p−1) = {b['formula']:.1%}")
     return "\n".join(lines)

@@ -10,7 +10,8 @@ import torch
 
 from pslab import collectives
 from pslab.parallelism.models import lm_loss, mlp
-from pslab.parallelism.pipeline import PipelineEngine, bubble_fraction, gather_spans, measure_step
+from pslab.parallelism.pipeline import PipelineEngine
+from pslab.parallelism.pipeline_measure import bubble_fraction, gather_spans, measure_step
 
 from tests.parallelism.par_helpers import (MLP_FACTORY, STEPS, TF_FACTORY, assert_close, mlp_batches, plain,
                                           reference, tf_batches, train_engine)
