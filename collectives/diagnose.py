@@ -154,8 +154,9 @@ def diagnose(records: list[dict[str, Any]]) -> Diagnosis:
         for e in d["entries"]:
             if e["state"] == "started" and d["reason"] != "finished":
                 g = d["groups"][e["group"]]
-                notes.append(f"{d['who']} was in {_what(e)} of group {g.get('name') or g['ranks']} "
-                             f"for {max(0.0, d['time'] - e['t0']):.1f} s when it wrote its record")
+                where = f"{d['who']} is in {_what(e)} of {g.get('name') or 'the'} group {g['ranks']}"
+                notes.append(f"{where}, not completed" if d["reason"].startswith("no record") else
+                             f"{where}, for {max(0.0, d['time'] - e['t0']):.1f} s when it wrote its record")
     return Diagnosis(problems, notes, len(records))
 
 
@@ -261,4 +262,7 @@ def diagnose_dir(path: str) -> Diagnosis:
             dumped = records.get(ring["who"])
             if dumped is None or ring["written"] > dumped.get("written", 0):
                 records[ring["who"]] = ring
+    if not records:
+        raise FlightRecordError(f"{path}: no flight records (flight-*.json or flight-*.ring) in it: a run directory "
+                                "of a pslab run, or its flight/ folder")
     return diagnose(list(records.values()))

@@ -365,7 +365,7 @@ class Job:
             lines = diagnose_dir(self.flight_dir).problems
         except Exception:           # a verdict is a help, never a second failure
             return ""
-        return f"; diagnosis: {' '.join(lines)}" if lines else ""
+        return f"; diagnosis: {' | '.join(lines)}" if lines else ""
 
     def _fail(self, r: int, failure: RankFailure, hung: bool, return_exceptions: bool) -> None:
         """A rank died, hung or raised: the supervisor decides whether the job goes on."""

@@ -5,6 +5,7 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
 
     stage 0  plain DP: all-reduce full gradients, every rank updates everything              (p+g+K)Ψ per rank
     stage 1  full gradients; reduce-scatter them; update own chunk; all-gather parameters     (p+g)Ψ + KΨ/N
+             (one packed reduce-scatter and one packed all-gather for all parameters: `_pack`)
     stage 2  as 1, but each gradient is reduce-scattered from its autograd hook as soon as
              it is ready and the full gradient freed: only the gradient shard persists        pΨ + (g+K)Ψ/N
     stage 3  as 2, and parameters live as shards: a layer's full weights are all-gathered just
@@ -12,7 +13,8 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
              next layer's gather is issued early on the communication thread (prefetch)         (p+g+K)Ψ/N
 
 (p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
-Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
+Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total
+(stage 2 all-gathers the parameters packed, stage 1 both; a packed buffer is N·L elements, L = Σ_p ⌈n_p/N⌉);
 stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements.
 Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
 Parameter object itself, so the gather before that layer's backward puts the full data back where backward looks.
@@ -31,8 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pslab.collectives import trace
-from pslab.collectives import chunk_bounds
+from pslab.collectives import chunk_bounds, trace
 
 from .comm import Comm, CommLog, CommThread
 from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
@@ -93,6 +94,11 @@ class ZeroReplica:
                 self.shards[n].grad = self.grad_shard[off:off + b - a]
             off += b - a
         self.optimizer = optimizer_factory(list(self.shards.values()))
+        # stages 1-2: one packed collective for all parameters instead of one per parameter (see `_pack`)
+        self.packed = stage in (1, 2) and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
+        self.all_bounds = {n: chunk_bounds(p.numel(), self.n) for n, p in self.named}
+        self.pack_len = sum(bs[0][1] - bs[0][0] for bs in self.all_bounds.values())   # chunk 0 is the largest
+        self.packed_bytes = self.pack_len * self.named[0][1].element_size() if self.packed else 0
         self.units: list[_Unit] = []
         if stage >= 2:
             for n, p in self.named:
@@ -203,22 +209,70 @@ class ZeroReplica:
             allreduce_grads(self.dp, [ParamSlot(n, p, self.rank) for n, p in self.named])
         elif self.stage == 1:
             for n, p in self.named:
-                a, b = self.bounds[n]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 elif p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
+            if self.packed:                                       # one reduce-scatter for every gradient
+                out = torch.empty(self.pack_len, dtype=self.named[0][1].dtype)
+                self._sync(self.dp.reduce_scatter, out, self._pack([p.grad for _, p in self.named]), "sum",
+                           "grads (packed)")
+                self._unpack_mine(out.mul_(1.0 / self.n), [p.grad for _, p in self.named])
+            for n, p in self.named:
+                a, b = self.bounds[n]
                 flat = p.grad.view(-1)
-                flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
+                if not self.packed:
+                    flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
                 self.shards[n].grad = flat[a:b]
         for u in self.units:                                      # any unit whose grads never came (unused)
             self._free(u)
         self.optimizer.step()
         self.last_state = self.state_bytes()
-        if self.stage in (1, 2):
+        if self.packed:                                           # one all-gather for every parameter
+            mine = torch.zeros(self.pack_len, dtype=self.named[0][1].dtype)
+            self._unpack_mine(mine, [s.data for s in self.shards.values()], into_packed=True)
+            full = torch.empty(self.n * self.pack_len, dtype=mine.dtype)
+            self._sync(self.dp.all_gather, full, mine, "params (packed)")
+            self._unpack_all(full, [p.data for _, p in self.named])
+        elif self.stage in (1, 2):
             for n, p in self.named:
                 self._sync(self.dp.all_gather, p.data.view(-1), self.shards[n].data.clone(), f"param {n}")
         self.zero_grad()
+
+    # ---- packing: rank j's chunks of every parameter, back to back, padded to one length ------------------------
+    # The packed buffer is N segments of pack_len = Σ_p |chunk 0 of p| elements (chunk 0 is the largest): segment j
+    # holds chunk j of each parameter in order, then zeros. Its equal split is exactly the per-parameter chunking, so
+    # one reduce-scatter (all-gather) of it moves what one per parameter did, plus at most one element per parameter
+    # and rank of padding -- one collective's fixed cost instead of one per parameter (gloo: ~1 ms each).
+    def _pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        packed = torch.zeros(self.n * self.pack_len, dtype=tensors[0].dtype)
+        for j in range(self.n):
+            off = j * self.pack_len
+            for (n, _), t in zip(self.named, tensors):
+                a, b = self.all_bounds[n][j]
+                packed[off:off + b - a] = t.reshape(-1)[a:b]
+                off += b - a
+        return packed
+
+    def _unpack_mine(self, segment: torch.Tensor, tensors: list[torch.Tensor], into_packed: bool = False) -> None:
+        """Between this rank's segment and its chunks: the chunks of full `tensors` (or, into_packed, shard-sized
+        `tensors` copied into `segment`)."""
+        off = 0
+        for (n, _), t in zip(self.named, tensors):
+            a, b = self.bounds[n]
+            if into_packed:
+                segment[off:off + b - a] = t.reshape(-1)
+            else:
+                t.view(-1)[a:b] = segment[off:off + b - a]
+            off += b - a
+
+    def _unpack_all(self, packed: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        for j in range(self.n):
+            off = j * self.pack_len
+            for (n, _), t in zip(self.named, tensors):
+                a, b = self.all_bounds[n][j]
+                t.view(-1)[a:b] = packed[off:off + b - a]
+                off += b - a
 
     def zero_grad(self) -> None:
         for n, p in self.named:

@@ -11,12 +11,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diagnose", help="say which rank never joined which call, after a hang or a failed run (flight records)",
         description="Every rank (and PS shard) of a run keeps its last PSLAB_FLIGHT_ENTRIES (default 2000) "
-                    "collective, point-to-point and PS calls; they are written to RUN_DIR/flight when a call fails, "
-                    "when the run ends, and on SIGUSR1 (kill -USR1 PID). This matches them across ranks by group "
+                    "collective, point-to-point and PS calls in a memory-mapped ring file, RUN_DIR/flight/flight-"
+                    "<who>.ring, that outlives a killed process; a JSON record (flight-<who>.json, with error texts "
+                    "and a PS shard's gate state) is added when a call fails, when a rank ends, and on SIGUSR1 "
+                    "(kill -USR1 PID). This matches them across ranks by group "
                     "and sequence number and names: ranks missing from a collective, type / size / dtype "
                     "mismatches, a receive nobody sent, a read parked at a PS gate and the straggler it waits for. "
                     "Exit status: 0 no problem found, 1 problems found (or unreadable records).")
-    p.add_argument("run", help="a run directory (its flight/ folder is read) or a folder of flight-*.json files")
+    p.add_argument("run", help="a run directory (its flight/ folder is read) or a folder of flight records")
     p.add_argument("--json", action="store_true", help="print {problems, notes, records} as JSON")
     p.set_defaults(func=run)
 
@@ -28,9 +30,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"problems": d.problems, "notes": d.notes, "records": d.records}, sys.stdout, indent=1)
         print()
         return 1 if d.problems else 0
-    if d.records == 0:
-        print(f"{args.run}: no flight records (flight-*.json / *.ring) to read")
-        return 1
     if not d.problems:
         print(f"no problem found in {d.records} flight record(s): every collective matched on every member, every "
               "receive had its send")

@@ -122,10 +122,11 @@ def _periodic(cfg: RunConfig, steps: int | None) -> tuple[int, int, int]:
     return n, H, -(-n // H)
 
 
-def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | None = None
-             ) -> dict[str, tuple[float, str]]:
+def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | None = None,
+             packed_bytes: list[int] | None = None) -> dict[str, tuple[float, str]]:
     """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout; `steps` (default
-    train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread."""
+    train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread;
+    `packed_bytes`: per rank, ZeRO 1-2's packed segment L (parallelism/zero.py `_pack`; 0: not packed)."""
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.ps_periodic:               # ps-local / ps-diloco: Δ pushed and θ read every H steps
@@ -150,6 +151,16 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
             out["zero RS + AG"] = ((rs + 1) * (D - 1) / D * sum(slot_bytes),
                                    f"Σ_r {rs + 1}(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)"
                                    + gloo_rs)
+        elif p.zero in (1, 2) and packed_bytes and all(packed_bytes):
+            L = sum(packed_bytes)                # Σ_r L_r: every rank sends (D−1)·L per packed collective
+            if p.zero == 1:                      # reduce-scatter and all-gather, both packed
+                out["zero RS + AG"] = (rs * (D - 1) * L + (D - 1) * L,
+                                       f"Σ_r {rs + 1}(D−1)·L (one packed reduce-scatter + all-gather; L = Σ_p "
+                                       f"⌈S_p/D⌉, each parameter's largest chunk){gloo_rs}")
+            else:                                # per-parameter reduce-scatters in backward, one packed all-gather
+                out["zero RS + AG"] = (rs * (D - 1) * sum(slot_bytes) + (D - 1) * L,
+                                       f"Σ_r {rs}(D−1)·S_r + (D−1)·L (a reduce-scatter per parameter in backward, "
+                                       f"one packed all-gather; L = Σ_p ⌈S_p/D⌉){gloo_rs}")
         elif p.zero:
             k = (3 if p.zero == 3 else 2) + rs - 1
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes),
@@ -468,7 +479,8 @@ def bytes_by_kind(cfg: RunConfig, wl: Workload, results: list[dict[str, Any]]) -
             sends[kind_of(axis)] = sends.get(kind_of(axis), 0) + n
         for axis, why in ((r or {}).get("unobserved") or {}).items():       # {axis: why no byte was counted}
             unobserved[kind_of(axis)] = why or unobserved.get(kind_of(axis), "")
-    model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results], steps)
+    model = modelled(cfg, wl, [int((r or {}).get("slot_bytes", 0)) for r in results], steps,
+                     [int((r or {}).get("zero_packed_bytes", 0)) for r in results])
     out = {}
     for kind in list(dict.fromkeys(list(model) + list(measured))):
         m, f = model.get(kind, (None, ""))

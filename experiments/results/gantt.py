@@ -16,7 +16,8 @@ from pslab.experiments.results.plots import plt, save_figure
 from pslab.experiments.results.timeline import _intervals, _track_name, load_run
 
 COLORS = {"compute": "#2ca02c", "comm": "#d62728", "pad": "#9e9e9e", "wait": "#ff7f0e", "ps": "#9467bd"}
-LABELS = {"compute": "compute", "comm": "communication", "pad": "straggler padding", "wait": "parked at a PS gate",
+LABELS = {"compute": "compute", "comm": "communication", "pad": "padding (base_step_s, straggler)",
+          "wait": "parked at a PS gate",
           "ps": "shard applies a push"}
 STEPS = 3
 

@@ -179,6 +179,11 @@ def write_report(runs: list[dict[str, Any]], out: Path, title: str = "pslab comp
         lines += ["Runs marked *(virtual)* were simulated: time is virtual seconds from the compute and network "
                   "model, gradients and PS logic are real.", ""]
     lines += _timeline_section(runs if timeline is None else timeline, out)
+    if timeline is not None:                  # the traced runs left out of the picture still get their trace.json
+        from pslab.experiments.results.timeline import merge
+        for r in runs:
+            if r not in timeline and (Path(r["path"]) / "trace").is_dir():
+                merge(r["path"])
     lines += ["Runs:", ""] + [f"- `{run_label(r)}`: `{r['path']}`" for r in runs] + [""]
     lines += ["## Plots", ""]
     for name, path in plots.items():

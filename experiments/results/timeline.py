@@ -6,7 +6,8 @@ One track (pid) per rank, named "rank 3 · dp1 pp1 tp0", and per PS shard; a thr
 main loop, a data-parallel communication thread); flows (`s` -> `f`, one id) from every send to its receive (the
 k-th send from a to b in a group is b's k-th receive from a) and from a PS push_pull to the shard's apply of it.
 
-Analysis (HTA's definitions, on CPU spans), per rank over its traced steps:
+Analysis (HTA's definitions, on CPU spans), per rank over its steady steps (every traced step but the first, which
+connects; not the start-up, the final barrier or evaluation after the last step):
 
     compute     time inside compute spans (forward, backward, F/B of a micro-batch, the optimizer's part of
                 "sync + update") minus the communication calls nested in them on the same thread
@@ -15,7 +16,8 @@ Analysis (HTA's definitions, on CPU spans), per rank over its traced steps:
                 the whole step): what it costs shows where a rank blocks on it
     exposed     comm not overlapped by compute (what the step waits for)
     overlap     |compute ∩ comm| / |comm|  (0: fully exposed; 1: fully hidden behind compute)
-    waiting     PS reads parked at a shard's gate (shard tracks; and summed per worker);  padding: straggler padding
+    waiting     PS reads parked at a shard's gate (shard tracks; and summed per worker);  padding: a step padded to
+                train.base_step_s or by a straggler's factor ([stragglers])
 
 Pipeline bubble, measured: per step, 1 − Σ_stages busy / (p · makespan) over the F/B compute spans of one
 pipeline (ranks with the same coordinates but pp), next to (p − 1)/(m + p − 1) for GPipe and 1F1B (and
@@ -61,6 +63,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     """The trace files of a run (RUN_DIR/trace/trace-*.json), ranks first, then shards."""
+    if not Path(run_dir).is_dir():
+        raise TraceError(f"{run_dir}: no such directory (a run directory made with --trace)")
     folder = Path(run_dir) / "trace"
     files = sorted(folder.glob("trace-*.json")) if folder.is_dir() else []
     if not files:
@@ -202,11 +206,22 @@ def _minus(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[t
     return out
 
 
-def _intervals(d: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+def steady(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """A rank's events of its steady steps: tagged with a step, the first step left out (it connects, and sends
+    the pipeline's shape headers) when there are others; a shard's events: all of them."""
+    if d["meta"].get("role") != "rank":
+        return d["events"]
+    steps = {e["args"]["step"] for e in d["events"] if isinstance(e["args"].get("step"), int)}
+    keep = steps - {min(steps)} if len(steps) > 1 else steps
+    return [e for e in d["events"] if e["args"].get("step") in keep]
+
+
+def _intervals(d: dict[str, Any], events: list[dict[str, Any]] | None = None) -> dict[str, list[tuple[float, float]]]:
     """Per category, the union of this process's intervals (µs); compute excludes nested comm on its thread."""
     comm, by_cat = [], {c: [] for c in CATS}
     per_thread_comm: dict[int, list[tuple[float, float]]] = {}
-    for e in d["events"]:
+    events = d["events"] if events is None else events
+    for e in events:
         a, b = e["ts"], e["ts"] + e["dur"]
         if e["ph"] != "X":          # isend/irecv in flight: drawn, not counted (see the module docstring)
             continue
@@ -215,7 +230,7 @@ def _intervals(d: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
             comm.append((a, b))
             per_thread_comm.setdefault(int(e["tid"]), []).append((a, b))
     compute = []
-    for e in d["events"]:          # compute-like spans minus the comm nested in them on their own thread
+    for e in events:               # compute-like spans minus the comm nested in them on their own thread
         if e["ph"] == "X" and e["cat"] in ("compute", "sync"):
             span = [(e["ts"], e["ts"] + e["dur"])]
             compute += _minus(span, _union(per_thread_comm.get(int(e["tid"]), [])))
@@ -229,7 +244,7 @@ def breakdown(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     window (first to last step span)."""
     rows = []
     for d in procs:
-        iv = _intervals(d)
+        iv = _intervals(d, steady(d))
         comp, comm = iv["compute"], iv["comm"]
         exposed = _minus(comm, comp)
         window = _union(iv["phase"] + iv["compute"] + iv["sync"] + iv["pad"] + iv["comm"] + iv["ps"] + iv["wait"])
@@ -308,8 +323,9 @@ def format_analysis(analysis: dict[str, Any]) -> str:
         ov = "-" if r["overlap"] is None else f"{r['overlap']:.0%}"
         lines.append(f"{r['who'][:27]:<28}{r['window_s']:>9.3f}{r['compute_s']:>9.3f}{r['comm_s']:>9.3f}"
                      f"{r['exposed_comm_s']:>9.3f}{ov:>9}{r['wait_s']:>8.3f}{r['pad_s']:>8.3f}")
-    lines.append("(seconds; compute excludes communication nested in it; exposed = communication not overlapped by "
-                 "compute; overlap = compute ∩ comm / comm)")
+    lines.append("(seconds over the steady steps -- every step but the first; compute excludes communication nested "
+                 "in it; exposed = communication not overlapped by compute; overlap = compute ∩ comm / comm; pad = "
+                 "time padded to train.base_step_s or by a straggler's factor)")
     waits = analysis.get("gate_wait_by_worker")
     if waits:
         lines.append("reads parked at the PS gates, per worker: " +

@@ -73,7 +73,7 @@ def run_ranks(cfg: RunConfig, rd: RunDir) -> list[Any]:
                                   secret=servers.secret if servers else None, supervisor=sup,
                                   flight_dir=flight_dir, **links)
     except collectives.LaunchError as e:
-        first = str(e).splitlines()[0] + _resume_hint(cfg, rd)
+        first = str(e).splitlines()[0] + _resume_hint(cfg, rd) + f" (run directory: {rd.path})"
         raise (DivergedError if DIVERGED in first else ExperimentError)(f"{cfg.strategy} run failed: {first}") from e
     finally:
         sup.close()

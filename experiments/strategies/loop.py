@@ -240,6 +240,7 @@ class _Worker(ElasticMember):
                     resume.maybe_save(cfg, self.run_path, step, self.replica, self.strategy, self.mesh)
                     if self.commits is not None and step % cfg.faults.commit_every == 0:
                         self.commits.commit(step, self.replica, self.strategy)
+                trace.set_step(-1)                           # (the end's barrier is no step's)
                 back = self._barrier()                       # everyone has pushed everything
                 if back is None or back >= t.steps:
                     break
@@ -294,6 +295,7 @@ class _Worker(ElasticMember):
                                "steps": max(1, ran),
                                "slot_bytes": pushed if pushed is not None
                                else sum(s.param.numel() * s.param.element_size() for s in replica.slots()),
+                               "zero_packed_bytes": int(getattr(replica, "packed_bytes", 0)),
                                "peak_activation_bytes": int(getattr(self, "peak_activations", 0)),
                                "coords": dict(self.mesh.coords), "link_bytes": dict(self.link_sent),
                                "unobserved": {axis: g.traffic().get("unobserved_why", "")   # NCCL, ...: no

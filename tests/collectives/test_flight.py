@@ -140,6 +140,9 @@ def test_a_record_that_is_not_one_is_refused(tmp_path) -> None:
         diagnose_dir(str(tmp_path))
     with pytest.raises(FlightRecordError, match="no such directory"):
         diagnose_dir(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FlightRecordError, match="no flight records"):
+        diagnose_dir(str(tmp_path / "empty"))
 
 
 def test_the_ring_buffer_is_bounded() -> None:

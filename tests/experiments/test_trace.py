@@ -109,6 +109,8 @@ def test_trace_refuses_what_it_cannot_do(tmp_path):
         execute(cfg, tmp_path, simulate=True, quiet=True)
     with pytest.raises(TraceError, match="run it with --trace"):
         merge(tmp_path)
+    with pytest.raises(TraceError, match="no such directory"):
+        merge(tmp_path / "nope")
     out = subprocess.run([sys.executable, "-m", "pslab", "trace", str(tmp_path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("pslab: error:") and "Traceback" not in out.stderr
