@@ -187,7 +187,9 @@ def test_sigint_is_ignored_sigterm_and_stop_are_not(method):
         assert not servers.alive(1) and p1.exitcode == 0
         t0 = time.monotonic()
         servers.stop()
-        assert time.monotonic() - t0 < 3 and not servers.alive(0) and p0.exitcode is not None
+        # stop() ended it, not the shard's idle timeout (30 s): a bound far from both, not a speed (under CI's CPU
+        # hog a spawned shard's exit alone took 3.6 s)
+        assert time.monotonic() - t0 < 15 and not servers.alive(0) and p0.exitcode is not None
     finally:
         servers.stop()
     assert not shard_children()
