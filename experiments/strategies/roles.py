@@ -100,6 +100,10 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
     # secret is PSLAB_JOB_SECRET[_FILE] when the ranks have it (a zmq group needs it anyway), else one start_shards
     # makes; rank 0 then sends it with the addresses, over the group, never through the store
     from pslab.ps.admission import job_secret
+    from pslab.collectives import flight, trace
+    os.environ.setdefault(flight.ENV_DIR, str(path / "flight"))   # this rank's flight ring (pslab diagnose RUN_DIR)
+    if cfg.trace.enabled:
+        os.environ.setdefault(trace.ENV_DIR, str(path / "trace"))     # the shards' timelines (the ranks': loop.py)
     had_secret = job_secret() is not None
     servers = start_shards(cfg, bind_host=host, curve_keys_dir=keys) if cfg.strategy.uses_ps and role.rank == 0 \
         else None
@@ -113,7 +117,12 @@ def run_with_role(cfg: RunConfig, role: Role, out: str, label: str | None) -> in
                     {"addresses": servers.group_addresses, "secret": None if had_secret else servers.secret}
                     if servers else None))[0])
                 addresses, secret = shared["addresses"], shared["secret"]
-            result = train_worker(group, cfg.to_dict(), str(path), addresses, keys, secret)
+            try:
+                result = train_worker(group, cfg.to_dict(), str(path), addresses, keys, secret)
+            except Exception as e:
+                flight.dump(f"failed: {type(e).__name__}: {e}")
+                raise
+            flight.dump("finished")
             slim = {k: v for k, v in result.items() if k not in ("series", "shard_stats")}
             results = [json.loads(r) for r in _share(group, json.dumps(slim), every=True)]
             results[0] = result if role.rank == 0 else results[0]

@@ -251,6 +251,9 @@ def test_torchrun_gives_each_process_its_role(tmp_path):
     from pslab.experiments.results.rundir import read_jsonl
     ups = read_jsonl(run / "metrics.jsonl")
     assert sorted((u["worker"], u["step"]) for u in ups) == [(w, t) for w in range(2) for t in range(3)]
+    from pslab.collectives.diagnose import diagnose_dir            # each rank's flight record, in the run dir
+    assert {"flight-rank0.json", "flight-rank1.json", "flight-rank0.ring"} <= {p.name for p in (run / "flight").iterdir()}
+    assert diagnose_dir(str(run)).problems == []
 
 
 def test_torchrun_runs_a_parameter_server_strategy(tmp_path):
