@@ -127,6 +127,7 @@ class PSClient:
         self._link_out = [EmulatedLink(*link) for _ in addresses] if link is not None else None
         self._link_in = [EmulatedLink(*link) for _ in addresses] if link is not None else None
         self.addresses = list(addresses)
+        self._peers = [_ShardPeer(i) for i in range(len(self.addresses))]   # what the flight recorder names
         self.worker = int(worker)
         self.user = user if user is not None else worker_user(self.worker)
         secret = secret if secret is not None else secret_for(list(addresses))
@@ -378,8 +379,7 @@ class PSClient:
         rec = flight.RECORDER
         if not rec.enabled:
             return
-        if not hasattr(self, "_peers"):
-            self._peers = [_ShardPeer(i) for i in range(len(self.addresses))]
+        if getattr(self._peers[0], "_flight_gi", (None,))[0] is not rec:    # first request (or a new recorder)
             for peer in self._peers:
                 rec.name_group(peer, f"ps shard {peer.shard}")
         code = rec.op_code(f"ps.{op}_pull" if op == "push" and (meta or {}).get("pull") else f"ps.{op}")
