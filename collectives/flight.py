@@ -73,6 +73,7 @@ END = struct.Struct("<Bd")
 SLOT_BYTES = 64
 STATES = ("started", "completed", "failed")
 EMPTY = -1
+EMPTY_SLOT = struct.pack("<q", EMPTY) + bytes(SLOT_BYTES - 8)
 
 
 class Recorder:
@@ -117,8 +118,7 @@ class Recorder:
             finally:
                 os.close(fd)
         RING_HEADER.pack_into(self.mm, 0, RING_MAGIC, self.capacity)
-        for i in range(self.capacity):            # every slot empty (index -1)
-            struct.pack_into("<q", self.mm, RING_HEADER.size + i * SLOT_BYTES, EMPTY)
+        self.mm[RING_HEADER.size:] = EMPTY_SLOT * self.capacity      # every slot empty (index -1), in one write
 
     def attach_file(self, directory: str) -> None:
         """Keep the ring in `directory`/flight-<who>.ring (see the class docstring); errors leave it in memory."""
@@ -250,7 +250,7 @@ class Recorder:
             except Exception as exc:  # a dump must not fail because a layer above could not say its state
                 contexts[name] = {"error": f"{type(exc).__name__}: {exc}"}
         meta = self._meta()
-        entries = _entries(bytes(self.mm), self.capacity, meta["ops"], meta["dtypes"], self.errors)
+        entries, _ = _entries(bytes(self.mm), self.capacity, meta["ops"], meta["dtypes"], self.errors)
         return {**meta, "reason": reason[:500], "time": time.time(), "capacity": self.capacity,
                 "written": self.written, "entries": entries, "contexts": contexts}
 
@@ -283,8 +283,9 @@ def write_private(path: str, text: str) -> None:
 
 
 def _entries(data: bytes, capacity: int, ops: list[str], dtypes: list[str],
-             errors: dict[int, str] | None = None) -> list[dict[str, Any]]:
-    """The slots of a ring, oldest first, as entry dicts (FIELDS)."""
+             errors: dict[int, str] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The slots of a ring, oldest first, as entry dicts (FIELDS); and how many calls the ring has seen (its newest
+    slot's index + 1)."""
     rows = []
     for k in range(capacity):
         row = RING_SLOT.unpack_from(data, RING_HEADER.size + k * SLOT_BYTES)
@@ -297,13 +298,7 @@ def _entries(data: bytes, capacity: int, ops: list[str], dtypes: list[str],
             raise ValueError(f"slot {i} names op {op} / dtype {dt} / state {state} that the record does not know")
         out.append({"group": g, "seq": seq, "op": ops[op], "numel": numel, "dtype": dtypes[dt], "peer": peer,
                     "state": STATES[state], "t0": t0, "t1": t1, "error": (errors or {}).get(i, "")})
-    return out
-
-
-def _written(data: bytes, capacity: int) -> int:
-    """How many calls a ring has seen (its newest slot's index + 1)."""
-    return 1 + max((struct.unpack_from("<q", data, RING_HEADER.size + k * SLOT_BYTES)[0] for k in range(capacity)),
-                   default=EMPTY)
+    return out, (rows[-1][0] + 1 if rows else 0)
 
 
 RECORDER = Recorder()              # a fresh one per process by set_identity (a launched rank, a shard)
@@ -324,8 +319,8 @@ def set_identity(who: str, directory: str | None = None) -> None:
 
 
 def read_ring(path: str) -> dict[str, Any]:
-    """A process's ring file (+ its .groups.json) as a record like a dump's, with reason "died ..." (no contexts, no
-    error texts). Raises ValueError for a file that is not one."""
+    """A process's ring file (+ its .groups.json) as a record like a dump's, with reason "no record of its own ..."
+    (no contexts, no error texts). Raises ValueError for a file that is not one."""
     with open(path, "rb") as f:
         data = f.read(RING_HEADER.size + (1 << 20) * SLOT_BYTES + 1)
     if len(data) < RING_HEADER.size:
@@ -337,12 +332,12 @@ def read_ring(path: str) -> dict[str, Any]:
         meta = json.load(f)
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), list) for k in ("ops", "dtypes", "groups")):
         raise ValueError(f"{path}: its .groups.json is not a flight ring's")
-    entries = _entries(data, cap, [str(o) for o in meta["ops"]], [str(d) for d in meta["dtypes"]])
+    entries, written = _entries(data, cap, [str(o) for o in meta["ops"]], [str(d) for d in meta["dtypes"]])
     return {"format": FORMAT, "who": str(meta.get("who", "")), "pid": meta.get("pid", -1),
             "host": str(meta.get("host", "")), "ops": meta["ops"], "dtypes": meta["dtypes"],
             "reason": "no record of its own (still running, or killed or aborted): its calls as its ring file has them",
             "time": os.path.getmtime(path), "capacity": cap, "groups": meta["groups"],
-            "written": _written(data, cap), "entries": entries, "contexts": {}}
+            "written": written, "entries": entries, "contexts": {}}
 
 
 def dump(reason: str, directory: str | None = None) -> str | None:
@@ -356,9 +351,6 @@ def install_signal() -> None:
         RECORDER.dump("SIGUSR1 (asked by the launcher, or by hand: kill -USR1)")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, handler)
-
-
-_DTYPES: dict[Any, str] = {}
 
 
 class _RecordedWork:

@@ -48,7 +48,6 @@ class Tracer:
         self.dropped = 0
         self.offset = time.time() - time.perf_counter()
         self.step = -1                           # the training step in progress (the loop sets it)
-        self._lock = threading.Lock()
 
     def _add(self, ev: tuple) -> None:
         if len(self.events) >= self.max_events:

@@ -72,7 +72,8 @@ class ZeroReplica:
         self.n, self.r = dp.size, dp.rank
         self.thread = CommThread()
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.bounds = {n: chunk_bounds(p.numel(), self.n)[self.r] for n, p in self.named}
+        self.all_bounds = {n: chunk_bounds(p.numel(), self.n) for n, p in self.named}   # every rank's chunks
+        self.bounds = {n: bs[self.r] for n, bs in self.all_bounds.items()}              # this rank's
         self.shapes = {n: p.shape for n, p in self.named}
         self.peak_gathered_bytes = 0
         self.gathered_bytes = 0
@@ -96,7 +97,6 @@ class ZeroReplica:
         self.optimizer = optimizer_factory(list(self.shards.values()))
         # stages 1-2: one packed collective for all parameters instead of one per parameter (see `_pack`)
         self.packed = stage in (1, 2) and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
-        self.all_bounds = {n: chunk_bounds(p.numel(), self.n) for n, p in self.named}
         self.pack_len = sum(bs[0][1] - bs[0][0] for bs in self.all_bounds.values())   # chunk 0 is the largest
         self.packed_bytes = self.pack_len * self.named[0][1].element_size() if self.packed else 0
         self.units: list[_Unit] = []
@@ -214,10 +214,10 @@ class ZeroReplica:
                 elif p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
             if self.packed:                                       # one reduce-scatter for every gradient
-                out = torch.empty(self.pack_len, dtype=self.named[0][1].dtype)
-                self._sync(self.dp.reduce_scatter, out, self._pack([p.grad for _, p in self.named]), "sum",
-                           "grads (packed)")
-                self._unpack_mine(out.mul_(1.0 / self.n), [p.grad for _, p in self.named])
+                grads = [p.grad for _, p in self.named]
+                out = torch.empty(self.pack_len, dtype=grads[0].dtype)
+                self._sync(self.dp.reduce_scatter, out, self._pack(grads, range(self.n)), "sum", "grads (packed)")
+                self._unpack(out.mul_(1.0 / self.n), grads, [self.r])
             for n, p in self.named:
                 a, b = self.bounds[n]
                 flat = p.grad.view(-1)
@@ -229,11 +229,11 @@ class ZeroReplica:
         self.optimizer.step()
         self.last_state = self.state_bytes()
         if self.packed:                                           # one all-gather for every parameter
-            mine = torch.zeros(self.pack_len, dtype=self.named[0][1].dtype)
-            self._unpack_mine(mine, [s.data for s in self.shards.values()], into_packed=True)
+            params = [p.data for _, p in self.named]              # (stages 1-2: the shards are views of these)
+            mine = self._pack(params, [self.r])
             full = torch.empty(self.n * self.pack_len, dtype=mine.dtype)
             self._sync(self.dp.all_gather, full, mine, "params (packed)")
-            self._unpack_all(full, [p.data for _, p in self.named])
+            self._unpack(full, params, range(self.n))
         elif self.stage in (1, 2):
             for n, p in self.named:
                 self._sync(self.dp.all_gather, p.data.view(-1), self.shards[n].data.clone(), f"param {n}")
@@ -244,35 +244,26 @@ class ZeroReplica:
     # holds chunk j of each parameter in order, then zeros. Its equal split is exactly the per-parameter chunking, so
     # one reduce-scatter (all-gather) of it moves what one per parameter did, plus at most one element per parameter
     # and rank of padding -- one collective's fixed cost instead of one per parameter (gloo: ~1 ms each).
-    def _pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        packed = torch.zeros(self.n * self.pack_len, dtype=tensors[0].dtype)
-        for j in range(self.n):
-            off = j * self.pack_len
-            for (n, _), t in zip(self.named, tensors):
+    def _places(self, ranks: Any) -> Any:
+        """(parameter index, start in a buffer of `ranks`' segments, chunk [a, b) of that parameter) per chunk."""
+        for i, j in enumerate(ranks):
+            at = i * self.pack_len
+            for k, (n, _) in enumerate(self.named):
                 a, b = self.all_bounds[n][j]
-                packed[off:off + b - a] = t.reshape(-1)[a:b]
-                off += b - a
+                yield k, at, a, b
+                at += b - a
+
+    def _pack(self, tensors: list[torch.Tensor], ranks: Any) -> torch.Tensor:
+        """The segments of `ranks` (all: the whole packed buffer; [r]: this rank's) cut from full `tensors`."""
+        packed = torch.zeros(len(ranks) * self.pack_len, dtype=tensors[0].dtype)
+        for k, at, a, b in self._places(ranks):
+            packed[at:at + b - a] = tensors[k].reshape(-1)[a:b]
         return packed
 
-    def _unpack_mine(self, segment: torch.Tensor, tensors: list[torch.Tensor], into_packed: bool = False) -> None:
-        """Between this rank's segment and its chunks: the chunks of full `tensors` (or, into_packed, shard-sized
-        `tensors` copied into `segment`)."""
-        off = 0
-        for (n, _), t in zip(self.named, tensors):
-            a, b = self.bounds[n]
-            if into_packed:
-                segment[off:off + b - a] = t.reshape(-1)
-            else:
-                t.view(-1)[a:b] = segment[off:off + b - a]
-            off += b - a
-
-    def _unpack_all(self, packed: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        for j in range(self.n):
-            off = j * self.pack_len
-            for (n, _), t in zip(self.named, tensors):
-                a, b = self.all_bounds[n][j]
-                t.view(-1)[a:b] = packed[off:off + b - a]
-                off += b - a
+    def _unpack(self, packed: torch.Tensor, tensors: list[torch.Tensor], ranks: Any) -> None:
+        """The inverse of `_pack`: the segments of `ranks` in `packed` written into full `tensors`."""
+        for k, at, a, b in self._places(ranks):
+            tensors[k].view(-1)[a:b] = packed[at:at + b - a]
 
     def zero_grad(self) -> None:
         for n, p in self.named:
