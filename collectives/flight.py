@@ -14,11 +14,15 @@ Like PyTorch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE), one entry pe
 
 The entries live in fixed 64-byte binary slots of a memory map (`Recorder`), a file in PSLAB_FLIGHT_DIR when it is
 set, so they outlive a killed or aborted process. They are written by the wrapper `ProcessGroup.__init_subclass__`
-puts around each public call of a backend (so both backends record alike); calls made inside another call (a
-hierarchical all-reduce's sub-group steps) are not recorded separately. Cost: one 64-byte slot packed, one clock
-read and one state byte per call (the common case inlined in the wrapper; a completed call's end time is taken only
-while a timeline is recorded), about 1 µs of Python on a 2-core VM: `pslab bench collectives --peers noflight`
-prices it against the same group with the recorder off (a 4 KiB all-reduce of two ranks: ~3 % of ~30 µs).
+puts around each public call of a backend (so both backends record alike), generated with the method's own
+signature. Each entry is one call a user made: a backend's public calls do not call each other (send waits on its
+own _isend), and a hierarchical all-reduce's sub-groups are quiet (`_flight_quiet`). Cost per call: one 64-byte
+slot packed, one clock read, a tensor's numel and dtype, one state byte (a completed call's end time is taken only
+while a timeline is recorded): ~0.6 µs in a tight loop, ~1.3 µs inside a real call on a 2-core VM, where caches and
+branch predictors are the call's as well. `pslab bench collectives --peers noflight` prices it against the
+backend's own unwrapped methods: a 4 KiB all-reduce of two ranks (~15-30 µs of Python) takes ~8 % longer with it
+(median of 5 runs of 31 paired reps; the earlier *args wrapper with a per-thread depth counter cost ~14 %). A
+cost of 2 % there (~0.4 µs) is out of reach for any per-call Python; it would need the entry written in C.
 
 When the record is written as JSON (`flight-<who>.json` in PSLAB_FLIGHT_DIR, atomically; nowhere without it):
 a collective that raises (timeout, mismatch, dead peer), SIGUSR1 (the launcher asks a hung rank; `install_signal`),
@@ -30,7 +34,10 @@ shard: who is parked at its gate, waiting for whom).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import inspect
+import itertools
 import json
 import os
 import signal
@@ -60,10 +67,6 @@ def _entries_from_env() -> int:
     return max(16, min(n, 1 << 20))
 
 
-class _Depth(threading.local):
-    depth = 0
-
-
 RING_MAGIC = b"pslabFR2"
 RING_HEADER = struct.Struct("<8sq")            # magic, capacity
 # one slot per call: index (0, 1, ... for ordering), group, seq, op code, numel, dtype code, peer, t0, state, t1
@@ -89,19 +92,19 @@ class Recorder:
         self.capacity = entries or _entries_from_env()
         self.groups: list[dict[str, Any]] = []      # index = the slots' group field
         self._gidx: dict[int, int] = {}              # id(group object) -> index
-        self._cseq: list[int] = []                   # per group: its next collective sequence number
+        self._cseq: list[Any] = []                   # per group: its collective numbers (itertools.count)
         self._pseq: dict[tuple, int] = collections.defaultdict(int)   # (group, direction, peer) -> next p2p count
         self.ops: list[str] = list(TRACED_OPS)
         self.dtypes: list[str] = [""]
         self._opcode = {o: i for i, o in enumerate(self.ops)}
         self._dtcode: dict[Any, int] = {}
         self.errors: dict[int, str] = {}             # slot index -> why that call failed (the last few)
-        self.inside = _Depth()                       # calls in progress on this thread (nested ones pass)
         self._contexts: dict[str, Callable[[], Any]] = {}
         self.who = ""                                # "rank3", "shard0": the dump's name (set_identity)
-        self.enabled = True                          # False: calls pass unrecorded (the bench's price of it)
+        self.enabled = True                          # False: calls pass unrecorded (`paused`: the bench's price)
         self.on_call: Callable[[int], None] | None = None   # the tracer's hook (trace.py): each ended slot index
-        self.written = 0
+        self.count = itertools.count()               # slot indexes (next() is atomic: threads never share one)
+        self.written = 0                             # calls begun (slot index + 1 of the latest)
         self.ring_path = ""
         self._map(None)
 
@@ -126,7 +129,11 @@ class Recorder:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.ring_path = os.path.join(directory, f"flight-{self.who}.ring")
             self._map(self.ring_path)
-            self.written = 0
+            self.count, self.written = itertools.count(), 0
+            for g in self.groups:               # groups cached the old map: they look themselves up again
+                obj = g["obj"]()
+                if getattr(obj, "_flight_gi", None) is not None:
+                    obj._flight_gi = None
             self._write_meta()
         except OSError:
             self.ring_path = ""
@@ -161,10 +168,10 @@ class Recorder:
             ref = (lambda g=group: g)
         self.groups.append({"ranks": ranks, "n": n, "obj": ref, "backend": getattr(group, "backend", "?"),
                             "rank": int(getattr(group, "rank", -1))})
-        self._cseq.append(0)
+        self._cseq.append(itertools.count())
         i = self._gidx[id(group)] = len(self.groups) - 1
-        try:
-            group._flight_gi = (self, i)
+        try:        # what the wrapper needs, cached on the group: recorder, index, its counter, dtype codes, map
+            group._flight_gi = (self, i, self._cseq[i], self._dtcode, self.mm, self.capacity)
         except AttributeError:
             pass
         self._write_meta()
@@ -204,18 +211,30 @@ class Recorder:
     # ---- recording ---------------------------------------------------------------------------------------------------
     def begin(self, gi: int, op: int, numel: int, dtype: int, peer: int, p2p: str = "") -> int:
         """A call starts: its slot index (for `end`). `p2p`: "s"/"r" for a send/receive (counted per peer)."""
-        if p2p:
-            key = (gi, p2p, peer)
-            seq = self._pseq[key]
-            self._pseq[key] = seq + 1
-        else:
-            seq = self._cseq[gi]
-            self._cseq[gi] = seq + 1
-        i = self.written
+        seq = self.p2p_seq(gi, p2p, peer) if p2p else next(self._cseq[gi])
+        i = next(self.count)
         self.written = i + 1
         RING_SLOT.pack_into(self.mm, RING_HEADER.size + (i % self.capacity) * SLOT_BYTES,
                             i, gi, seq, op, numel, dtype, peer, time.time(), 0, 0.0)
         return i
+
+    def p2p_seq(self, gi: int, direction: str, peer: int) -> int:
+        """The count of earlier sends ("s") to / receives ("r") from `peer` on group gi: send #k matches receive #k."""
+        key = (gi, direction, peer)
+        seq = self._pseq[key]
+        self._pseq[key] = seq + 1
+        return seq
+
+    def fields(self, t: Any) -> tuple[int, int]:
+        """(numel, dtype code) of what a call was given: a tensor, an array, or nothing (a barrier: 1, "")."""
+        if t is None:
+            return 1, 0
+        try:
+            numel = int(t.numel())
+        except (AttributeError, TypeError):
+            numel = int(getattr(t, "size", 1))
+        dt = getattr(t, "dtype", None)
+        return numel, (self.dtype_code(dt) if dt is not None else 0)
 
     def end(self, i: int, error: BaseException | None = None) -> None:
         if self.written - i > self.capacity:          # its slot was reused meanwhile
@@ -318,6 +337,21 @@ def set_identity(who: str, directory: str | None = None) -> None:
         RECORDER.attach_file(d)
 
 
+@contextlib.contextmanager
+def paused() -> Any:
+    """Calls inside pass unrecorded (the bench's "noflight" peer: the recorder's price). Swaps in a recorder that is
+    off, so the wrapper's cached fast path notices at no cost of its own."""
+    global RECORDER
+    mine = RECORDER
+    off = Recorder(entries=16)
+    off.enabled, off.who, off.on_call = False, mine.who, None
+    RECORDER = off
+    try:
+        yield
+    finally:
+        RECORDER = mine
+
+
 def read_ring(path: str) -> dict[str, Any]:
     """A process's ring file (+ its .groups.json) as a record like a dump's, with reason "no record of its own ..."
     (no contexts, no error texts). Raises ValueError for a file that is not one."""
@@ -383,66 +417,110 @@ def _dump_on(exc: Exception, rec: Recorder, i: int) -> None:
     rec.dump(f"{rec.ops[op]} #{seq} failed: {type(exc).__name__}: {exc}")
 
 
-def recorded(op: str, fn: Callable) -> Callable:
-    """Wrap a backend's public `op` so every call leaves an entry (ProcessGroup.__init_subclass__ applies it).
-    Kept to the bone: it runs on every call of every group (the bench's "noflight" peer prices it)."""
-    p2p = ("s" if op in ("send", "isend") else "r") if op in P2P_OPS else ""
-    with_peer = bool(p2p) or op == "broadcast"
-    peer_kw = "dst" if p2p == "s" else "src"
-    asynchronous = op in ("isend", "irecv")
-    tensor_arg = 1 if op in ("reduce_scatter", "all_gather") else 0     # (output, input): the input's size
-    tensor_kw = "input" if tensor_arg else "tensor"
-    code = TRACED_OPS.index(op)               # every Recorder numbers TRACED_OPS first, in this order
-    pack_slot, now, HEADER = RING_SLOT.pack_into, time.time, RING_HEADER.size
+def _paramlists(fn: Callable) -> tuple[str, str, list[str], dict[str, Any]] | None:
+    """(the parameter list after self, the call's argument list, the parameter names, the defaults by name) of a
+    backend method, for a wrapper with its own signature; None when it takes *args or **kwargs."""
+    params, args, names, defaults = [], [], [], {}
+    keyword_only = False
+    for k, prm in enumerate(inspect.signature(fn).parameters.values()):
+        if k == 0:
+            continue
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD, prm.POSITIONAL_ONLY):
+            return None
+        if prm.kind == prm.KEYWORD_ONLY and not keyword_only:
+            keyword_only = True
+            params.append("*")
+        text = prm.name
+        if prm.default is not prm.empty:
+            defaults[f"_default_{prm.name}"] = prm.default
+            text += f"=_default_{prm.name}"
+        params.append(text)
+        args.append(f"{prm.name}={prm.name}" if keyword_only else prm.name)
+        names.append(prm.name)
+    return ", ".join(params), ", ".join(args), names, defaults
 
-    @functools.wraps(fn)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        rec = RECORDER
-        inside = rec.inside
-        if inside.depth or not rec.enabled:
-            return fn(self, *args, **kwargs)
-        t = args[tensor_arg] if len(args) > tensor_arg else kwargs.get(tensor_kw)
+
+# The wrapper of one backend call, generated with the method's own signature (a *args / **kwargs wrapper costs a
+# tuple and a dict per call, ~0.2 µs: half the recorder's price). {tensor}: the parameter whose numel and dtype are
+# recorded; {peer}: the peer's global rank; {seq}: the group's next collective number, or the p2p count.
+_TEMPLATE = """
+def make(fn, code, pack_slot, now, HEADER{defaults}):
+    def {name}(self{comma}{params}):
+        mine = self._flight_gi
+        if mine is None or mine[0] is not RECORDER:
+            mine = _cache(self)
+            if mine is None:
+                return fn(self{comma}{args})
+        rec, gi, seqs, dtcodes, mm, cap = mine
+        {fields}
+        peer = {peer}
+        seq = {seq}
+        i = next(rec.count)
+        rec.written = i + 1
+        off = HEADER + (i % cap) * SLOT_BYTES
+        pack_slot(mm, off, i, gi, seq, code, numel, dtype, peer, now(), 0, 0.0)
         try:
-            numel = t.numel()
-        except AttributeError:
-            numel = getattr(t, "size", 1)
-        dt = getattr(t, "dtype", None)
-        dtype = rec._dtcode.get(dt)
-        if dtype is None:
-            dtype = rec.dtype_code(dt) if dt is not None else 0
-        peer = -1
-        if with_peer:
-            try:
-                peer = self.ranks[int(args[1] if len(args) > 1 else kwargs.get(peer_kw, 0))]
-            except (IndexError, TypeError, ValueError):
-                pass
-        mine = getattr(self, "_flight_gi", None)
-        gi = mine[1] if mine is not None and mine[0] is rec else rec.group_index(self)
-        if p2p:
-            i = rec.begin(gi, code, numel, dtype, peer, p2p)
-        else:                     # Recorder.begin, inlined: this is the hot path of every collective
-            cseq = rec._cseq
-            seq = cseq[gi]
-            cseq[gi] = seq + 1
-            i = rec.written
-            rec.written = i + 1
-            pack_slot(rec.mm, HEADER + (i % rec.capacity) * SLOT_BYTES, i, gi, seq, code, numel, dtype, peer,
-                      now(), 0, 0.0)
-        inside.depth += 1
-        try:
-            out = fn(self, *args, **kwargs)
+            out = fn(self{comma}{args})
         except Exception as exc:
             rec.end(i, exc)
             _dump_on(exc, rec, i)
             raise
-        finally:                  # (a stop -- SystemExit, KeyboardInterrupt -- leaves the call "started")
-            inside.depth -= 1
-        if asynchronous:
-            return _RecordedWork(out, i, rec)
-        cap = rec.capacity
-        if rec.on_call is None and rec.written - i <= cap:   # Recorder.end's common case, inlined: the state
-            rec.mm[HEADER + (i % cap) * SLOT_BYTES + END_AT] = 1   # byte of a completed call, its slot still its own
-        else:
-            rec.end(i)
-        return out
-    return call
+        {finish}
+    return {name}
+"""
+_FIELDS = """try:
+            numel = {tensor}.numel()
+            dtype = dtcodes[{tensor}.dtype]
+        except (AttributeError, KeyError, TypeError):   # not a torch tensor, or a dtype first seen
+            numel, dtype = rec.fields({tensor})"""
+_FINISH_SYNC = """if rec.on_call is None and rec.written - i <= cap:   # Recorder.end's common case, inlined
+        mm[off + END_AT] = 1
+    else:
+        rec.end(i)
+    return out"""
+
+
+def _cache(group: Any) -> tuple | None:
+    """The wrapper's slow path: (recorder, group index, the group's collective counter, dtype codes) cached on the
+    group; None when calls pass unrecorded (a sub-group of a hierarchical all-reduce, or the recorder paused)."""
+    rec = RECORDER
+    if not rec.enabled or getattr(group, "_flight_quiet", False):
+        return None
+    rec.group_index(group)
+    return group._flight_gi
+
+
+def recorded(op: str, fn: Callable) -> Callable:
+    """Wrap a backend's public `op` so every call leaves an entry (ProcessGroup.__init_subclass__ applies it).
+    Kept to the bone: it runs on every call of every group (the bench's "noflight" peer prices it). A backend's
+    public calls must not call each other (send calls its own _isend, not isend): each entry is one call a user made."""
+    lists = _paramlists(fn)
+    if lists is None:
+        raise TypeError(f"{fn.__qualname__}: a recorded backend call takes named parameters (no *args, **kwargs)")
+    params, args, names, defaults = lists
+    p2p = ("s" if op in ("send", "isend") else "r") if op in P2P_OPS else ""
+    tensor = ("input" if op in ("reduce_scatter", "all_gather") else "output" if op == "all_to_all" else
+              "tensor") if names else "None"
+    if tensor != "None" and tensor not in names:
+        tensor = names[0]
+    who = "dst" if p2p == "s" else "src"
+    peer = f"_peer(self, {who})" if (p2p or op == "broadcast") and who in names else "-1"
+    seq = f'rec.p2p_seq(gi, "{p2p}", peer)' if p2p else "next(seqs)"
+    finish = "return _RecordedWork(out, i, rec)" if op in ("isend", "irecv") else _FINISH_SYNC
+    fields = "numel, dtype = 1, 0" if tensor == "None" else _FIELDS.format(tensor=tensor)
+    src = _TEMPLATE.format(name=op, comma=", " if params else "", params=params, args=args, tensor=tensor,
+                           peer=peer, seq=seq, finish=finish.replace("\n", "\n    "), fields=fields,
+                           defaults="".join(f", {d}" for d in defaults))
+    scope: dict[str, Any] = {}
+    # run in this module's namespace: the wrapper reads the live RECORDER (set_identity replaces it)
+    exec(compile(src, f"<flight wrapper of {fn.__qualname__}>", "exec"), globals(), scope)
+    call = scope["make"](fn, TRACED_OPS.index(op), RING_SLOT.pack_into, time.time, RING_HEADER.size,
+                         *defaults.values())
+    return functools.wraps(fn)(call)
+
+
+def _peer(group: Any, r: Any) -> int:
+    try:
+        return int(group.ranks[int(r)])
+    except (IndexError, TypeError, ValueError):
+        return -1

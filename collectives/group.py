@@ -52,6 +52,7 @@ class ProcessGroup(ABC):
     world_size: int
     ranks: tuple[int, ...]  # global ranks of the members, in group-rank order
     timeout: float
+    _flight_gi: Any = None   # the flight recorder's per-group cache (flight.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every backend's public calls leave a flight-recorder entry (flight.py): both backends record alike."""

@@ -86,6 +86,7 @@ def _subgroups(group: Any, hosts: list[list[int]]) -> tuple[Any, Any]:
     group.barrier()
     for g in (mine_intra, mine_inter):
         g.traffic_counter = group.traffic_counter           # the parent's traffic() shows what crossed where
+        g._flight_quiet = True         # its steps are the parent's call: one flight entry (flight.py)
     group._hier_groups = (mine_intra, mine_inter)
     return group._hier_groups
 

@@ -315,12 +315,15 @@ class TorchGroup(ProcessGroup):
         self._count("barrier")
 
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(tensor, dst, tag).wait()
+        self._isend(tensor, dst, tag).wait()
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Tensor:
-        return self.irecv(tensor, src, tag).wait()
+        return self._irecv(tensor, src, tag).wait()
 
     def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Any:
+        return self._isend(tensor, dst, tag)
+
+    def _isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Any:
         buf, _ = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
         if self._standalone:
@@ -330,6 +333,9 @@ class TorchGroup(ProcessGroup):
         return _TorchWork(self, work, "send", tensor, peer=self.ranks[dst])
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
+        return self._irecv(tensor, src, tag)
+
+    def _irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
         if self._standalone:

@@ -367,12 +367,15 @@ class ZmqGroup(ProcessGroup):
 
     # ---- point to point ----------------------------------------------------------------------------------------
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(tensor, dst, tag).wait()
+        self._isend(tensor, dst, tag).wait()
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Tensor:
-        return self.irecv(tensor, src, tag).wait()
+        return self._irecv(tensor, src, tag).wait()
 
     def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> _Work:
+        return self._isend(tensor, dst, tag)
+
+    def _isend(self, tensor: Tensor, dst: int, tag: int = 0) -> _Work:
         buf, _ = as_flat(tensor)
         count = self._p2p_sent[(dst, tag)]
         self._p2p_sent[(dst, tag)] += 1
@@ -382,6 +385,9 @@ class ZmqGroup(ProcessGroup):
         return _Work(lambda: self.tr.flush("p2p", count, g))
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> _Work:
+        return self._irecv(tensor, src, tag)
+
+    def _irecv(self, tensor: Tensor, src: int, tag: int = 0) -> _Work:
         buf, orig = as_flat(tensor)
         count = self._p2p_recv[(src, tag)]
         self._p2p_recv[(src, tag)] += 1

@@ -36,6 +36,7 @@ before-and-after switch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -92,23 +94,20 @@ class MpiGroup:
 
 
 class Unrecorded:
-    """The same zmq group with its flight recorder switched off around each call (collectives/flight.py): the peer
-    that prices the always-on recorder ("--peers noflight"; vs_noflight = its time / zmq's)."""
+    """The same zmq group, called through its backend's own methods (what the flight wrapper wraps), timed with the
+    recorder paused (collectives/flight.py): the peer that prices the always-on recorder ("--peers noflight";
+    vs_noflight = its time / zmq's; `flight_overhead` = the median over reps of zmq / noflight - 1, each rep's pair
+    timed back to back)."""
 
     def __init__(self, group: Any) -> None:
-        self.group = group
+        for op in flight.TRACED_OPS:
+            raw = getattr(getattr(type(group), op), "__wrapped__", None)
+            if raw is not None:
+                setattr(self, op, types.MethodType(raw, group))
 
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self.group, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            rec = flight.RECORDER
-            rec.enabled = False
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                rec.enabled = True
-        return call
+    @staticmethod
+    def timing() -> Any:
+        return flight.paused()
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -198,16 +197,17 @@ def _bench_rank(zgroup: Any, ops: list[str], sizes: list[int], reps: int, budget
             probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             zgroup.all_reduce(probe, op="max")
             lo = 10 if elems * 4 <= 64 << 10 else 1     # µs-scale calls: a sample of 1 call is mostly barrier skew
-            iters = int(max(lo, min(200, budget / max(float(probe[0]) / 2, 1e-6))))
+            iters = int(max(lo, min(2000, budget / max(float(probe[0]) / 2, 1e-6))))
             times: dict[str, list[float]] = {name: [] for name, _ in groups}
             for rep in range(reps):
                 k = rep % len(groups)       # rotate who goes first, so drift in load hits every backend alike
                 for name, g in groups[k:] + groups[:k]:
                     zgroup.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        _call(g, op, full, part, out)
-                    dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                    with g.timing() if isinstance(g, Unrecorded) else contextlib.nullcontext():
+                        t0 = time.perf_counter()
+                        for _ in range(iters):
+                            _call(g, op, full, part, out)
+                        dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
                     zgroup.all_reduce(dt, op="max")
                     times[name].append(float(dt[0]))
             rows.append({"op": op, "bytes": elems * 4, "world": n, "iters": iters, "reps": reps,
@@ -230,6 +230,9 @@ def _with_bandwidth(row: dict) -> dict:
             row[f"vs_{k}"] = row[f"{k}_s"] / row["zmq_s"]     # = zmq busbw / peer busbw
     if "gloo_s" in row:
         row["busbw_ratio"] = row["vs_gloo"]
+    if "noflight_all_s" in row:     # paired: each rep's two samples ran back to back (drift in load cancels)
+        row["flight_overhead"] = statistics.median(
+            z / f - 1 for z, f in zip(row["zmq_all_s"], row["noflight_all_s"]))
     return row
 
 
@@ -415,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["op"] == "all_reduce" and r["bytes"] >= 64 << 20:
             print(f"all_reduce N={r['world']} 64 MiB: zmq busbw is {r['zmq_busbw_GBps'] / add_bw:.1%} of that")
+    for r in rows:
+        if "flight_overhead" in r:
+            print(f"flight recorder: {r['flight_overhead']:+.1%} on {r['op']} N={r['world']} {_fmt_size(r['bytes'])} "
+                  f"(median over {r['reps']} reps of zmq / noflight - 1, each pair back to back)")
     for k in peers:
         print(f"zmq / {k}: " + ", ".join(f"{r['op']} N={r['world']} {_fmt_size(r['bytes'])} {r['vs_' + k]:.2f}x"
                                           for r in rows if r["op"] == "all_reduce"))

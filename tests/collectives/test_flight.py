@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from pslab import collectives
 from pslab.collectives import flight
@@ -155,3 +156,79 @@ def test_the_ring_buffer_is_bounded() -> None:
         rec.end(rec.begin(gi, rec.op_code("all_reduce"), 4, rec.dtype_code("float32"), -1))
     entries = rec.snapshot("test")["entries"]
     assert [e["seq"] for e in entries] == list(range(84, 100)) and {e["state"] for e in entries} == {"completed"}
+
+
+class _Fake(collectives.ProcessGroup):
+    """A backend whose calls do nothing: what the flight wrapper alone does (signature, entries, pauses)."""
+    backend, rank, world_size, ranks, timeout = "fake", 0, 2, (5, 7), 1.0
+
+    def all_reduce(self, tensor, op="sum", algorithm="auto"):
+        self.last = (op, algorithm)
+        return tensor
+
+    def reduce_scatter(self, output, input, op="sum"):
+        return output
+
+    def all_gather(self, output, input):
+        return output
+
+    def broadcast(self, tensor, src=0):
+        return tensor
+
+    def all_to_all(self, output, input):
+        return output
+
+    def barrier(self):
+        pass
+
+    def send(self, tensor, dst, tag=0):
+        self._isend(tensor, dst, tag)
+
+    def recv(self, tensor, src, tag=0):
+        return tensor
+
+    def isend(self, tensor, dst, tag=0):
+        return self._isend(tensor, dst, tag)
+
+    def _isend(self, tensor, dst, tag=0):
+        class Done:
+            def wait(self, timeout=None):
+                return None
+
+            def is_completed(self):
+                return True
+        return Done()
+
+    def irecv(self, tensor, src, tag=0):
+        return self._isend(tensor, src, tag)
+
+    def new_group(self, ranks):
+        return None
+
+    def destroy(self):
+        pass
+
+
+def test_the_wrapper_keeps_the_signature_and_records_each_call_once(monkeypatch) -> None:
+    monkeypatch.setattr(flight, "RECORDER", flight.Recorder(entries=64))
+    g, t = _Fake(), torch.ones(6, dtype=torch.float64)
+    g.all_reduce(t, "max", algorithm="ring")
+    assert g.last == ("max", "ring")
+    g.all_reduce(tensor=t)
+    assert g.last == ("sum", "auto")
+    g.send(t, 1)                                   # one entry: send's own _isend is not a second call
+    g.isend(t, dst=1).wait()
+    g.barrier()
+    g.broadcast(torch.ones(3, dtype=torch.int32), src=1)
+    with flight.paused():                          # the bench's "noflight": calls pass unrecorded
+        g.all_reduce(t)
+    quiet = _Fake()
+    quiet._flight_quiet = True                     # a hierarchical all-reduce's sub-group: its steps are not calls
+    quiet.all_reduce(t)
+    got = [(e["op"], e["seq"], e["numel"], e["dtype"], e["peer"], e["state"])
+           for e in flight.RECORDER.snapshot("test")["entries"]]
+    assert got == [("all_reduce", 0, 6, "float64", -1, "completed"), ("all_reduce", 1, 6, "float64", -1, "completed"),
+                   ("send", 0, 6, "float64", 7, "completed"), ("isend", 1, 6, "float64", 7, "completed"),
+                   ("barrier", 2, 1, "", -1, "completed"), ("broadcast", 3, 3, "int32", 7, "completed")]
+    with pytest.raises(TypeError, match="named parameters"):
+        flight.recorded("all_reduce", lambda self, *args: None)
