@@ -14,7 +14,7 @@ import threading
 
 # sub-command modules, in the order `pslab --help` lists them; a missing module is skipped (work in progress)
 COMMANDS = ("compare", "run", "sweep", "report", "export", "server", "secret", "schedule", "bench", "workloads",
-            "memory", "plan", "trace", "diagnose")
+            "memory", "plan", "trace", "diagnose", "tour")
 
 
 def build_parser() -> argparse.ArgumentParser:

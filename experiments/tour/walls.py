@@ -1,0 +1,151 @@
+"""Why one GPU is not enough: the memory wall and the compute wall.
+
+Memory (the article: "weights 2 + grads 2 + Adam's fp32 moments 8 ... ~12–16 bytes per parameter before a single
+activation; a 70B model needs on the order of a terabyte"): an Adam step of a real model here, fp32 on CPU, holds
+4 (weights) + 4 (grads) + 8 (exp_avg, exp_avg_sq) = 16 bytes per parameter — counted from the tensors' storage —
+and the same model in mixed precision (2 + 2 + 12 with the fp32 master copy: ZeRO's K = 12) for 70·10⁹ parameters
+is 1.12 TB, 14 GPUs of 80 GB for the state alone (`parallelism.memory_model.estimate`).
+
+Compute ("one GPU would take years"): training costs ≈ 6·N·D floating-point operations (N parameters, D tokens or
+samples: 2 per parameter per sample forward, 4 backward). torch's FlopCounterMode counts one real step's matmul
+FLOPs; theory is 6·N·B minus the first layer's input gradient nobody needs (2·N₁·B); the step's time is then
+≈ FLOPs / rate with this CPU's measured matmul rate. The same arithmetic for a 70B model on 15·10¹² tokens and one
+H100 (989 TFLOP/s dense bf16 at 40 % utilisation) gives centuries — modelled, and said so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .core import Context, Figure, Modelled, Outcome, Step
+
+H100_FLOPS = 989e12          # dense bf16, NVIDIA H100 SXM datasheet
+MFU = 0.40                   # a good large run's model-FLOPs utilisation
+LLAMA_TOKENS = 15e12         # Llama 3's pre-training tokens
+SECONDS_PER_YEAR = 365.25 * 86400
+
+
+def _mlp(widths: list[int], bias: bool = True):
+    import torch
+    layers: list = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(torch.nn.Linear(a, b, bias=bias))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def memory_wall(ctx: Context) -> Outcome:
+    import torch
+    from pslab.parallelism.memory_model import Layout, estimate
+
+    torch.manual_seed(ctx.seed)
+    torch.set_num_threads(1)
+    widths = [64, 256, 256, 10] if ctx.quick else [784, 1024, 1024, 10]
+    model = _mlp(widths)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, widths[0]), torch.randint(0, widths[-1], (32,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    weights = sum(p.untyped_storage().nbytes() for p in params)
+    grads = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    moments = sum(v.untyped_storage().nbytes() for s in opt.state.values() for k, v in s.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    steps = sum(v.untyped_storage().nbytes() for s in opt.state.values() for k, v in s.items() if k == "step")
+    per_param = (weights + grads + moments) / n
+    big = 70e9
+    est = estimate(Layout(), precision="mixed", params=big)
+    state = est.get("params") + est.get("grads") + est.get("optimizer")
+    gpus = state / 80e9
+    return Outcome(
+        figures=[
+            Figure("fp32 Adam state per parameter", per_param, 16.0, "B/param", "=", 0.0,
+                   f"storage of {len(params)} weights + grads + exp_avg + exp_avg_sq ÷ {n:,} params; 4 + 4 + 8"),
+        ],
+        modelled=[Modelled("70B model's state, mixed precision", state / 1e12, "TB",
+                           "memory_model.estimate(params=70e9, 'mixed'): 70e9 × (2 + 2 + 12) B")],
+        explanation=(
+            f"Before a single activation, a model trained with Adam carries weights, gradients and two moments per "
+            f"parameter: counted on a real {n:,}-parameter model after one Adam step, {per_param:g} bytes per "
+            f"parameter (fp32 on CPU). In mixed precision the article's 12–16 B/param becomes 16 with the fp32 "
+            f"master copy, so a 70B model needs {state / 1e12:.2f} TB for its state alone — {gpus:.0f} GPUs of "
+            f"80 GB before activations: memory, not speed, is the first reason to distribute."),
+        notes=[f"Adam's step counters add {steps} B (one per tensor), not counted per parameter"])
+
+
+def _rate(m: int, k: int, n: int, reps: int) -> float:
+    """This CPU's fp32 matmul rate, FLOP/s (one thread) on an (m × k) @ (k × n) product: the step's own shape."""
+    import torch
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(ts)
+
+
+def compute_wall(ctx: Context) -> Outcome:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(ctx.seed)
+    torch.set_num_threads(1)
+    widths = [256, 512, 512, 256] if ctx.quick else [512, 1024, 1024, 1024, 512]
+    batch = 128 if ctx.quick else 256
+    model = _mlp(widths, bias=False)
+    x = torch.randn(batch, widths[0])
+    n = sum(p.numel() for p in model.parameters())
+    first = widths[0] * widths[1]
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    flops = counter.get_total_flops()
+    theory = 6 * n * batch - 2 * first * batch
+    rate = _rate(batch, widths[1], widths[2], 5 if ctx.quick else 9)
+    step()
+    ts = []
+    for _ in range(3 if ctx.quick else 7):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    measured_s = statistics.median(ts)
+    big_flops = 6 * 70e9 * LLAMA_TOKENS
+    years = big_flops / (H100_FLOPS * MFU) / SECONDS_PER_YEAR
+    cpu_years = big_flops / rate / SECONDS_PER_YEAR
+    return Outcome(
+        figures=[
+            Figure("FLOPs of one training step", flops, theory, "FLOP", "=", 0.0,
+                   f"FlopCounterMode vs 6·N·B − 2·N₁·B (N={n:,}, B={batch}, first layer N₁={first:,})"),
+            Figure("step time", measured_s * 1e3, flops / rate * 1e3, "ms", "=", 0.5,
+                   f"measured median vs FLOPs ÷ this CPU's matmul rate on the step's shape ({rate / 1e9:.1f} "
+                   f"GFLOP/s, one thread)"),
+        ],
+        modelled=[Modelled("70B × 15T tokens on this CPU", cpu_years, "years", "6·N·D ÷ the measured rate"),
+                  Modelled("70B × 15T tokens on one H100", years, "years",
+                           "6·N·D ÷ (989 TFLOP/s dense bf16 × 40 % utilisation)")],
+        explanation=(
+            f"Training costs about 6 FLOPs per parameter per sample (2 forward, 4 backward), which torch's own "
+            f"counter confirms on a real step to the FLOP. Time is FLOPs divided by a rate: this CPU does "
+            f"{rate / 1e9:.1f} GFLOP/s on one thread, and the step takes about what that predicts. At that rate a "
+            f"70B model on 15 trillion tokens would take {cpu_years:.2g} years; on one H100 at 40 % utilisation, "
+            f"{years:.0f} years — the compute wall: a run that must end in weeks needs thousands of GPUs."),
+        notes=["the 70B figure is the model's (no H100 here); the step time is measured against the measured rate",
+               "small matmuls run below the large-matmul rate: the step-time tolerance is 50 %"])
+
+
+STEPS = [
+    Step("memory-wall", "Why one GPU is not enough", "Adam needs ~12–16 bytes per parameter before any activation: "
+         "a 70B model needs about a terabyte", "pslab memory --params 70e9 --measure", memory_wall, 20),
+    Step("compute-wall", "Why one GPU is not enough", "FLOPs scale with model and data size; past a size one GPU "
+         "would take years", "pslab plan --model llama3-70b", compute_wall, 20),
+]
