@@ -5,6 +5,7 @@ figure is printed next to the theory that predicts it, with a paragraph on what 
     pslab tour --list                # the steps: key, section, claim, the command that shows it in depth
     pslab tour ps-vs-ring zero       # only these steps
     pslab tour --quick --json -      # small sizes (the test's), the results as JSON on stdout
+    pslab tour -o docs/img/tour --index docs/tour.md     # how docs/tour.md was made
 
 A step whose numbers disagree with its theory says so (agrees: NO) rather than hiding it; the exit status is 1
 when any step failed or disagreed, 0 otherwise.
@@ -13,6 +14,7 @@ when any step failed or disagreed, 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--list", action="store_true", help="list the steps and exit")
     p.add_argument("--quick", action="store_true", help="small sizes: the whole tour in about two minutes")
     p.add_argument("-o", "--out", default="tour", help="folder for the pictures and index.md (default ./tour)")
+    p.add_argument("--index", metavar="FILE", help="write the index page here (default OUT/index.md); its picture "
+                                                   "links are relative to it")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout only)")
     p.add_argument("--seed", type=int, default=0, help="seed of every step's workload (default 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -56,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         if quiet_out:
             stream.close()
     seconds = time.perf_counter() - t0
-    index = tour.write_index(results, out_dir / "index.md", args.quick, seconds, pictures_rel=Path("."))
+    index_path = Path(args.index) if args.index else out_dir / "index.md"
+    rel = Path(os.path.relpath(out_dir.resolve(), index_path.resolve().parent))
+    index = tour.write_index(results, index_path, args.quick, seconds, pictures_rel=rel)
     if args.json:
         tour.write_json(results, args.json, args.quick, seconds)
     if not quiet_out:

@@ -44,7 +44,11 @@ EXPLAIN = {
                         "and pulls one model per step (2 × model bytes). Ring all-reduce moves 2(N−1)/N × model "
                         "bytes each way per step for large tensors; this small model's tensors (≤ 32 KiB each) take "
                         "the one-step direct exchange instead, which sends every peer a copy (N−1 × bytes each "
-                        "way), so here all-reduce moves more than the PS. On the torch backend gloo runs a ring "
+                        "way), so here all-reduce moves more per worker than the PS. The next column is the "
+                        "article's point: every PS byte passes through the server, so a shard carries workers / "
+                        "shards times a worker's bytes (it grows with N), while a ring rank carries only its own "
+                        "(2(N−1)/N × model bytes, flat in N; `pslab tour ps-vs-ring` sweeps N on a model large "
+                        "enough for the ring). On the torch backend gloo runs a ring "
                         "at every size, and its figure is what the kernel counted on its connections, 48-byte "
                         "message headers included.",
     "bytes_by_kind": "Bytes sent per training step, summed over all ranks, by kind of communication: the "
@@ -103,7 +107,7 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
     faults = any(r.get("events") for r in runs)
     head = ("| run | workers | gradients / optimizer steps | samples | lr / gradient (step) | time (s) | "
             "updates/s (all running)" + target + " | final train loss | test acc (%) | staleness mean / max | "
-            "wait per worker (s) | MB per worker |" +
+            "wait per worker (s) | MB per worker | MB at the busiest process |" +
             (" failures | time to detect (s) | time to recover (s) | steps / updates lost | acc vs no-failure "
              "(points) |" if faults else ""))
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -126,9 +130,26 @@ def summary_table(runs: list[dict[str, Any]], target_acc: float | None = None) -
             f"{_fmt(s.get('updates_per_s'))}{cells} | {_fmt(s.get('final_train_loss'))} | "
             f"{_fmt(100 * acc if acc is not None else None)} | "
             f"{_fmt(s.get('staleness_mean'), 2)} / {_fmt(s.get('staleness_max'))} | "
-            f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} |" +
+            f"{_fmt((s.get('wait_s_total') or 0.0) / w)} | {_fmt((s.get('bytes_per_worker') or 0) / 1e6)} | "
+            f"{busiest(r)} |" +
             (_fault_cells(r, runs, failure_summary, baseline_for) if faults else ""))
     return "\n".join(rows)
+
+
+def busiest(run: dict[str, Any]) -> str:
+    """MB through the busiest process over the run: under a parameter server every worker's push and pull passes
+    through the shards, so one shard carries workers/shards times a worker's bytes (∝ N: the article's bottleneck);
+    a ring or direct all-reduce rank carries its own (a worker's). Labelled by whose it is."""
+    s = run.get("summary") or {}
+    per = s.get("bytes_per_worker")
+    if per is None:
+        return "—"
+    train = (run.get("config") or {}).get("train") or {}
+    strategy = str(train.get("strategy") or s.get("label") or "")
+    if strategy.startswith("ps"):
+        shards = max(1, int(train.get("shards") or 1))
+        return f"{_fmt(per * max(1, s.get('workers') or 1) / shards / 1e6)} (a shard)"
+    return f"{_fmt(per / 1e6)} (a rank)"
 
 
 def _fault_cells(run: dict[str, Any], runs: list[dict[str, Any]], failure_summary: Any, baseline_for: Any) -> str:

@@ -164,3 +164,12 @@ def test_the_summary_row_says_unknown_losses_are_unknown():
     shrink = {"events": [{"time_s": 1.0, "event": "detect", "who": "worker:1", "how": "SIGKILL"},
                          {"time_s": 1.2, "event": "recover", "who": "worker:1", "lost_steps": 2}]}
     assert failure_summary(shrink)["lost_steps"] == 2
+
+
+def test_the_summary_names_the_busiest_process_a_shard_under_a_ps() -> None:
+    from pslab.experiments.results.report import busiest
+    ps = {"path": "a", "summary": {"workers": 4, "bytes_per_worker": 2e6},
+          "config": {"train": {"strategy": "ps-asp", "shards": 2}}}
+    ring = {"path": "b", "summary": {"workers": 4, "bytes_per_worker": 3e6}, "config": {"train": {"strategy": "allreduce"}}}
+    assert busiest(ps) == "4 (a shard)" and busiest(ring) == "3 (a rank)"     # MB: 4 workers x 2 MB / 2 shards
+    assert busiest({"path": "c", "summary": {"bytes_per_worker": None}, "config": {}}) == "—"

@@ -1,0 +1,75 @@
+"""`pslab tour`: every step prints a measured figure next to its theory, and they agree within the step's rule.
+
+The quick tour runs end to end as a user runs it (a subprocess with a hard timeout); the figure rules, the step
+list and the one-line errors are checked directly."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pslab.experiments import tour
+from pslab.experiments.cli import build_parser
+from pslab.experiments.tour.core import Figure
+
+ROOT = Path(__file__).resolve().parents[2]
+PSLAB = [sys.executable, "-m", "pslab"]
+
+
+def test_figure_rules() -> None:
+    assert Figure("x", 16, 16).agrees and not Figure("x", 16.001, 16).agrees          # exact: counters, parity
+    assert Figure("x", 1.09, 1.0, tolerance=0.1).agrees and not Figure("x", 1.11, 1.0, tolerance=0.1).agrees
+    assert Figure("x", 1.4, 1.5, relation="<=").agrees and not Figure("x", 1.6, 1.5, relation="<=").agrees
+    assert Figure("x", 1.6, 1.5, relation="<=", tolerance=0.1).agrees
+    assert Figure("x", 2.0, 1.5, relation=">=").agrees and not Figure("x", 1.0, 1.5, relation=">=").agrees
+    assert not Figure("x", math.nan, 1.0, tolerance=1.0).agrees and not Figure("x", 1.0, math.inf).agrees
+    with pytest.raises(ValueError, match="relation"):
+        Figure("x", 1, 1, relation="~")
+
+
+def test_the_steps_follow_the_article_and_each_names_a_real_command() -> None:
+    steps = tour.steps()
+    keys = [s.key for s in steps]
+    assert len(keys) == len(set(keys)) and keys[:2] == ["memory-wall", "compute-wall"]
+    parser = build_parser()
+    for s in steps:
+        argv = shlex.split(s.command)
+        assert argv[0] == "pslab", s.command
+        parser.parse_args(argv[1:])             # a command the reader can type (argparse exits on a bad one)
+        assert s.claim and s.section and 0 < s.budget_s <= 60
+
+
+def test_an_unknown_step_is_one_line() -> None:
+    r = subprocess.run(PSLAB + ["tour", "no-such-step"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "unknown tour step 'no-such-step'" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_quick_tour_prints_each_claim_measured_next_to_its_theory(tmp_path: Path) -> None:
+    out = tmp_path / "tour"
+    r = subprocess.run(PSLAB + ["tour", "--quick", "-q", "-o", str(out), "--json", str(tmp_path / "t.json")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    data = json.loads((tmp_path / "t.json").read_text())
+    steps = data["steps"]
+    assert [s["key"] for s in steps] == [s.key for s in tour.steps()]
+    bad = {s["key"]: s["error"] or [(f["name"], f["measured"], f["theory"], f["rule"]) for f in s["figures"]
+                                    if not f["agrees"]] for s in steps if not s["agrees"]}
+    assert not bad, bad
+    assert r.returncode == 0, r.stderr[-2000:]
+    for s in steps:
+        assert s["figures"], s["key"]
+        for f in s["figures"]:
+            assert math.isfinite(f["measured"]) and math.isfinite(f["theory"]), (s["key"], f)
+            line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith(f["name"]))
+            assert "yes" in line                 # the printed table shows both numbers and the verdict
+        if s["picture"]:
+            assert Path(s["picture"]).is_file()
+    index = (out / "index.md").read_text()
+    assert all(f"## {i}. {s['key']}" in index for i, s in enumerate(steps, 1))
+    assert data["seconds"] < 180
