@@ -63,9 +63,10 @@ class Figure:
     @property
     def rule(self) -> str:
         """The agreement rule in words: "= exactly", "= within 10 %", "<= (+5 %)"."""
+        pct = f"{self.tolerance * 100:.2g} %"
         if self.relation == "=":
-            return "= exactly" if self.tolerance == 0 else f"= within {self.tolerance:.0%}"
-        slack = f" (+{self.tolerance:.0%} slack)" if self.tolerance else ""
+            return "= exactly" if self.tolerance == 0 else f"= within {pct}"
+        slack = f" ({'+' if self.relation == '<=' else '−'}{pct} slack)" if self.tolerance else ""
         return f"{self.relation}{slack}"
 
 
