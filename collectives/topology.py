@@ -21,6 +21,11 @@ starts when the link a->b is free, occupies it for B / bandwidth, and is deliver
     start = max(t, busy[a->b]);   busy[a->b] = start + B / bw;   due = busy[a->b] + latency
 
 so back-to-back messages share the bandwidth and a pipeline of segments pays the latency once, as on a wire.
+With `nic = True` a rank has ONE network card per link class instead of a private wire to every peer: everything
+it sends of a class leaves through one outgoing link (busy[a->*]), and everything it receives of a class enters
+through one incoming link, one message at a time (at b: arrive = max(due, in_busy + B / bw); in_busy = arrive).
+Then N senders into one rank -- a parameter server's N pushes -- queue at its card and its N replies leave one
+after another: the server's traffic, 2·N·S a step, costs 2·N·S / bw, the bottleneck per-pair wires would hide.
 The sender stamps `due` (and its total delay `dly`) into the message's header meta (`LinkEmulator.stamp`, on the
 send path: it never blocks the sender, like a NIC with deep queues); the receiver does not hand the message to
 its caller before `due` (`LinkEmulator.hold`). Both ranks read one clock, `time.monotonic()` (CLOCK_MONOTONIC is
@@ -66,6 +71,7 @@ class Topology:
     inter_bandwidth_Bps: float = math.inf
     placement: str = "packed"
     host_of: tuple[int, ...] | None = None     # placement "explicit": the host of each rank, in rank order
+    nic: bool = False                          # one card per rank and link class (True) or a wire per rank pair
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -86,6 +92,9 @@ class Topology:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
                 raise TopologyError(f"topology {name} must be a number of bytes/s > 0 (inf: unlimited), got {v!r}")
+        if type(self.nic) is not bool:
+            raise TopologyError(f"topology nic must be true (one network card per rank) or false (a link per rank "
+                                f"pair), got {self.nic!r}")
         if self.host_of is not None:
             if not isinstance(self.host_of, (list, tuple)):
                 raise TopologyError(f"topology host_of must be a list of hosts, one per rank; got {self.host_of!r:.40}")
@@ -179,28 +188,35 @@ class Link:
 
 
 class LinkEmulator:
-    """One rank's outgoing links: one `Link` per destination, the delivery holds and the byte counts."""
+    """One rank's outgoing links (one `Link` per destination, or per link class with `nic`), its incoming card
+    (`nic`), the delivery holds and the byte counts."""
 
     def __init__(self, topology: Topology, rank: int, world_size: int) -> None:
         topology.check_world(world_size)
         self.topology, self.rank = topology, rank
-        self.links: dict[int, Link] = {}                       # dst -> the link rank -> dst
+        self.links: dict[Any, Link] = {}                       # dst (nic: link class) -> the outgoing link
+        self.in_busy = {c: 0.0 for c in LINKS}                 # nic: when this rank's incoming link is free
         self.bytes = {c: 0 for c in LINKS}                     # tensor payload bytes sent per link class
         self.messages = {c: 0 for c in LINKS}
         self.held_s = 0.0                                      # total time receives were held back
 
-    def stamp(self, dst: int, tensors: Any) -> tuple[float, float]:
-        """(due, delay) of a message to `dst` carrying `tensors`, sent now; advances the link's busy clock."""
+    def stamp(self, dst: int, tensors: Any) -> dict[str, Any]:
+        """The header fields of a message to `dst` carrying `tensors`, sent now: due (when it may be delivered), dly
+        (its modelled delay) and, with `nic`, nb and lc (its bytes and link class, for the receiver's card);
+        advances the link's busy clock."""
         nbytes = sum(int(t.nbytes) for t in tensors)
         cls = self.topology.link(self.rank, dst)
-        link = self.links.get(dst)
+        key = cls if self.topology.nic else dst
+        link = self.links.get(key)
         if link is None:
-            link = self.links[dst] = Link(*self.topology.params(self.rank, dst))
+            link = self.links[key] = Link(*self.topology.params(self.rank, dst))
         now = time.monotonic()
         due = link.due(nbytes, now)
         self.bytes[cls] += nbytes
         self.messages[cls] += 1
-        return due, due - now
+        if self.topology.nic:
+            return {"due": due, "dly": due - now, "nb": nbytes, "lc": cls}
+        return {"due": due, "dly": due - now}
 
     def hold(self, header: dict) -> None:
         """Sleep until the message with this header is due (at most its stamped delay)."""
@@ -208,6 +224,13 @@ class LinkEmulator:
         due, dly = meta.get("due"), meta.get("dly")
         if type(due) is not float or type(dly) is not float:
             return
+        nb, cls = meta.get("nb"), meta.get("lc")
+        if self.topology.nic and type(nb) is int and nb >= 0 and cls in self.in_busy:   # this rank's card
+            bw = self.topology.intra_bandwidth_Bps if cls == "intra" else self.topology.inter_bandwidth_Bps
+            arrive = max(due, self.in_busy[cls] + nb / bw)
+            self.in_busy[cls] = arrive
+            dly += arrive - due                  # a queue at the card is part of this message's modelled delay
+            due = arrive
         wait = min(due - time.monotonic(), dly)
         if wait > 0:
             time.sleep(wait)

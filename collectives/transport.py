@@ -210,7 +210,7 @@ class Transport:
         if meta:
             m.update(meta)
         if self.links is not None:                 # emulated topology: stamp when it may be delivered
-            m["due"], m["dly"] = self.links.stamp(dst, tensors)
+            m.update(self.links.stamp(dst, tensors))
         if mode == "shm":
             box = self._outbox.get(dst)
             if box is not None and box.size:

@@ -13,11 +13,11 @@ N workers (a sub-group without the server) run the ring, 2(N−1) steps of one S
     out 2(N−1)/N·S,   in 2(N−1)/N·S  per rank        time ≈ 2(N−1)·(S/(N·bw) + latency) < 2·S/bw
 
 Bytes come from the transport's counters (collectives/traffic.py), exactly. Times come from an EMULATED network
-card per rank (`_NicEmulator`, below): on 2 CPU cores nine processes cannot show a wire's limits, so every message
-is delivered when a link of `bw` bytes/s would deliver it — one outgoing and one incoming serialising link per rank,
-whatever the peer (the collectives' own `Topology` models one link per rank *pair*, which gives the server N links
-and hides exactly the bottleneck this claim is about). Regime: bandwidth — S of a few MiB over a 12.5 MB/s link, so
-the wire's S/bw (tens of ms) dwarfs the latency and the CPU's memcpy and sums.
+card per rank (collectives/topology.py with `nic=True`): on 2 CPU cores nine processes cannot show a wire's limits,
+so every message is delivered when a link of `bw` bytes/s would deliver it — one outgoing and one incoming
+serialising link per rank, whatever the peer (per-pair wires, the default, would give the server N links and hide
+exactly the bottleneck this claim is about). Regime: bandwidth — S of a few MiB over a 12.5 MB/s link, so the
+wire's S/bw (tens of ms) dwarfs the latency and the CPU's memcpy and sums.
 
 The ring's phases ("over N−1 steps each GPU sends one chunk ... reduce-scatter, and after it finishes every GPU
 holds one chunk that represents the fully summed value ... then all-gather, another N−1 steps"): zmq's
@@ -31,68 +31,15 @@ Inputs are integer-valued floats, so every summation order gives the same bits a
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Any
 
-from .core import Context, Figure, Outcome, Step
+from .core import Context, Figure, Outcome, pyplot, save, Step
 
 LATENCY_S = 50e-6          # the emulated link's latency (a data-centre Ethernet hop)
 BANDWIDTH_BPS = 12.5e6     # its bandwidth, bytes/s (100 Mbit/s): the wire, not the 2 cores, sets the time
 PS_REPS, RING_REPS = 3, 5  # timed repetitions (the server's times vary by < 1 %, the ring's by a few %)
-
-
-def _nic_emulator(topology: Any, rank: int, world: int) -> Any:
-    """A `collectives.topology.LinkEmulator` whose rank has ONE network card: every message it sends, to whichever
-    peer, queues on one outgoing link, and every message it takes queues on one incoming link (full duplex, both
-    at the topology's inter-host latency and bandwidth). A parameter server's N pushes then arrive one after the
-    other, and its N replies leave one after the other — what the per-pair links of `Topology` cannot show."""
-    from pslab.collectives.topology import Link, LinkEmulator
-
-    class _NicEmulator(LinkEmulator):
-        def __init__(self) -> None:
-            super().__init__(topology, rank, world)
-            self.lat, self.bw = topology.inter_latency_s, topology.inter_bandwidth_Bps
-            self.out = Link(self.lat, self.bw)
-            self.in_busy = 0.0
-
-        def stamp(self, dst: int, tensors: Any) -> tuple[float, float]:
-            nbytes = sum(int(t.nbytes) for t in tensors)
-            cls = self.topology.link(self.rank, dst)
-            now = time.monotonic()
-            due = self.out.due(nbytes, now)
-            self.bytes[cls] += nbytes
-            self.messages[cls] += 1
-            return due, due - now
-
-        def hold(self, header: dict) -> None:
-            meta = header.get("meta", {})
-            due = meta.get("due")
-            if type(due) is not float:
-                return
-            nbytes = _payload_bytes(header)
-            arrive = max(due, self.in_busy + nbytes / self.bw)     # the incoming link takes one message at a time
-            self.in_busy = arrive
-            wait = arrive - time.monotonic()
-            if wait > 0:
-                time.sleep(min(wait, 30.0))
-                self.held_s += wait
-
-    return _NicEmulator()
-
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "int32": 4,
-             "int64": 8, "uint8": 1, "bool": 1}
-
-
-def _payload_bytes(header: dict) -> int:
-    """Tensor bytes a message carries, from its header: frames' descriptors, or its shared-memory descriptor."""
-    descs = [(d[1], d[2]) for d in header.get("t", ())]
-    shm = header.get("meta", {}).get("shm")
-    if shm:
-        descs.append((shm[3], shm[4]))
-    return sum(_ITEMSIZE.get(dt, 4) * math.prod(shape) for dt, shape in descs)
 
 
 def _size(nbytes: float) -> str:
@@ -110,8 +57,6 @@ def ps_ring_rank(group: Any, n: int, seed: int) -> dict[str, Any]:
     """One rank of the PS-vs-ring experiment (rank 0 the server, 1..N the workers); see the module docstring."""
     import torch
     torch.set_num_threads(1)
-    tr = group.tr
-    tr.links = _nic_emulator(tr.links.topology, tr.rank, group.world_size)
     N, r = group.world_size - 1, group.rank
     ring = group.new_group(list(range(1, N + 1)))          # the workers alone (None on the server)
     xs = _inputs(n, N, seed) if r > 0 else []
@@ -152,7 +97,7 @@ def _ps_ring(N: int, n: int, seed: int) -> dict[str, Any]:
     the server's bytes in and out, the busiest ring rank's bytes out and in, the largest error against the sum."""
     from pslab import collectives
     from pslab.collectives.topology import Topology
-    topo = Topology(hosts=N + 1, per_host=1, inter_latency_s=LATENCY_S, inter_bandwidth_Bps=BANDWIDTH_BPS)
+    topo = Topology(hosts=N + 1, per_host=1, inter_latency_s=LATENCY_S, inter_bandwidth_Bps=BANDWIDTH_BPS, nic=True)
     res = collectives.launch(ps_ring_rank, world_size=N + 1, backend="zmq", args=(n, seed), timeout=120,
                              start_method="fork", topology=topo)
     workers = [q for q in res if q["rank"] > 0]
@@ -228,9 +173,7 @@ def ps_vs_ring(ctx: Context) -> Outcome:
 
 
 def _draw_ps_ring(path: Any, rows: list[dict], S: int, ps_model: Any, ring_model: Any) -> Any:
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     Ns = [q["N"] for q in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(Ns, [(q["server_in"] + q["server_out"]) / S for q in rows], "o", color="C3", label="PS server in+out (counted)")
@@ -245,10 +188,7 @@ def _draw_ps_ring(path: Any, rows: list[dict], S: int, ps_model: Any, ring_model
     b.plot(Ns, [ring_model(N) * 1e3 for N in Ns], "-", color="C0", alpha=0.5, label="2(N−1)/N·S/bw")
     b.set(xlabel="workers N", ylabel="ms per all-reduce (median)", title="step time, emulated link", xticks=Ns)
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 
@@ -328,9 +268,7 @@ def ring_phases(ctx: Context) -> Outcome:
 
 
 def _draw_phases(path: Any, rs: list[int], ag: list[int], N: int, S: int) -> Any:
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ranks = list(range(N))
     ax.bar([r - 0.2 for r in ranks], [b / S for b in rs], 0.4, label="reduce-scatter (counted)", color="C0")
@@ -339,10 +277,7 @@ def _draw_phases(path: Any, rs: list[int], ag: list[int], N: int, S: int) -> Any
     ax.set(xlabel="rank", ylabel="bytes sent ÷ S", xticks=ranks, ylim=(0, 1.15),
            title=f"ring all-reduce = reduce-scatter + all-gather, N = {N}")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 STEPS = [

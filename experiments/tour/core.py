@@ -204,6 +204,33 @@ def run_steps(steps: Iterable[Step], ctx: Context, out: TextIO, keep_going: bool
     return results
 
 
+def run_summary(config: Path | str | None, overrides: list[str], root: str, label: str) -> dict[str, Any]:
+    """One real run (experiments.runner.execute: real processes on 127.0.0.1, each one thread) of a config file or
+    a shipped example's name, into `root`; its summary.json."""
+    from pslab.experiments.config import example_config, load_config
+    from pslab.experiments.runner import execute
+    path = example_config(config) if isinstance(config, str) and not config.endswith(".toml") else config
+    rd = execute(load_config(path, overrides), root, label=label, quiet=True)
+    return json.loads((rd.path / "summary.json").read_text())
+
+
+def kinds(summary: dict[str, Any]) -> dict[str, float]:
+    """A run summary's measured bytes per step by kind (dp, tp, pp, zero, cp, ep, ps)."""
+    return {k: float(v["measured_per_step"]) for k, v in summary.get("bytes_by_kind", {}).items()}
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (results/plots.py's): every step's picture is drawn with it."""
+    from pslab.experiments.results.plots import plt
+    return plt
+
+
+def save(fig: Any, path: Path | str) -> str:
+    """Lay out, write (110 dpi) and close a step's figure (results/plots.py's save_figure); its path."""
+    from pslab.experiments.results.plots import save_figure
+    return str(save_figure(fig, Path(path)))
+
+
 def write_json(results: list[Result], path: str, quick: bool, seconds: float) -> None:
     data = {"quick": quick, "seconds": seconds, "steps": [r.as_json() for r in results],
             "agree": sum(r.agrees for r in results), "total": len(results)}

@@ -23,10 +23,10 @@ fixed cost per call, and small matrices run below the large-matrix rate), so
     t(m) = (m+p−1) · t_mb(B/m)          (the bubble's slots times the micro-batch time)
 
 falls with m while the bubble dominates and rises once the per-micro-batch cost does: an interior optimum. Measured
-parts: t_mb on each stage's own module alone (a device of its own), and t_mb,all with every stage computing at once;
-the p−1 fill and drain slots run alone and the m steady-state slots at once, so the prediction is
-(p−1)·t_mb(B/m) + m·t_mb,all(B/m) — the formula above when the stages do not share cores. t(m) itself is measured
-on real, unpadded pipeline steps; the formula leaves out each micro-batch's messages.
+parts: t_mb(B/m), one stage's forward + backward in one thread's CPU time (what a device of its own would take,
+whatever else this machine runs); the pipeline's own cost o(m) (messages, scheduling) from the same 1F1B pipeline
+with empty actions. t(m) is measured on p processes whose every action lasts its micro-batch's measured cost
+(emulated devices: the figure holds on a busy machine), against (m+p−1)·t_mb(B/m) + o(m).
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .core import Context, Figure, Outcome, Step
+from .core import Context, Figure, Outcome, pyplot, save, Step
 
 SECTION = "The pipeline bubble problem"
 STAGES = 4
-_PING_TAG = 990_001          # microbatch-size's ping-pong, apart from the pipeline executor's tags
 
 
 def _tf(ctx: Context) -> float:
@@ -127,9 +126,7 @@ def micro_batches(ctx: Context) -> Outcome:
 
 
 def _draw_bubbles(path: Path, ms: list[int], measured: list[float], p: int) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     grid = list(range(1, max(ms) * 2 + 1))
     ax.plot(grid, [_bubble(p, m) for m in grid], color="black", lw=1, label=f"(p−1)/(m+p−1), p = {p}")
@@ -140,10 +137,7 @@ def _draw_bubbles(path: Path, ms: list[int], measured: list[float], p: int) -> P
     ax.set_ylim(0, 1)
     ax.set_title("micro-batches shrink the pipeline bubble")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 # ---- 7. 1F1B ----------------------------------------------------------------------------------------------------
@@ -233,9 +227,7 @@ def one_f_one_b(ctx: Context) -> Outcome:
 
 def _draw_1f1b(path: Path, p: int, m: int, in_g: list[int], in_1: list[int], act: dict, model: dict, mb: int
                ) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), gridspec_kw={"width_ratios": [3, 2]})
     ks = list(range(p))
     a1.bar([k - 0.2 for k in ks], in_g, width=0.4, color="#4C9BE8", label="GPipe (measured)")
@@ -256,167 +248,125 @@ def _draw_1f1b(path: Path, p: int, m: int, in_g: list[int], in_1: list[int], act
     a2.set_ylabel("saved activations, kB")
     a2.set_title(f"tiny transformer, p = {pp}, m = {mb}", fontsize=9)
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 # ---- 8. micro-batch size vs count -------------------------------------------------------------------------------
 
-def _mbs_worker(group: Any, width: int, layers_per_stage: int, batch: int, ms: list[int], reps: int
-                ) -> dict[str, Any]:
-    """One rank of a real, unpadded 1F1B pipeline of an MLP (layers_per_stage Linear+Tanh per stage). Per m, in
-    turns (a drift in the machine's load hits every m alike): one pipeline step (its makespan, from the executor's
-    spans); this stage's forward + backward of m micro-batches of batch/m rows alone (the other stages wait: a
-    device of its own), and with every stage computing at once (as in the pipeline's steady state). Medians."""
+def _stage_costs(width: int, layers: int, batch: int, ms: list[int], reps: int) -> dict[int, tuple[float, float]]:
+    """One stage's forward and backward time per micro-batch of batch/m rows, for each m: medians of `reps`
+    rounds (every m in turn), in this thread's CPU time (one torch thread): what the work costs a device of its
+    own, whatever else the machine runs."""
     import torch
-    from pslab.parallelism.mesh import DeviceMesh
     from pslab.parallelism.models import mlp
-    from pslab.parallelism.pipeline import PipelineEngine
     torch.set_num_threads(1)
-    p, me = group.world_size, group.rank
-    mesh = DeviceMesh(group, pp=p)
-    factory = lambda: mlp([width] * (p * layers_per_stage + 1), seed=0)    # noqa: E731
-    torch.manual_seed(0)
-    x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
-    engines = {}
-    for m in ms:
-        engines[m] = PipelineEngine("1f1b", m, report_loss=False, measure=True).build(factory, mesh)
-        engines[m].forward_backward(x, y)                          # warm-up: connections, shape headers
-    stage = engines[ms[0]].stage
+    stage = mlp([width] * (layers + 1), seed=0)
     parts = {m: torch.randn(batch // m, width, requires_grad=True) for m in ms}
-
-    def micro_batches(m: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(m):
-            stage(parts[m]).sum().backward()
-        return (time.perf_counter() - t0) / m
-
-    def hop(m: int) -> float:
-        """One-way time of a micro-batch's activation between ranks 0 and 1 (half a ping-pong; others idle)."""
-        buf = torch.empty(batch // m, width)
-        t0 = time.perf_counter()
-        if me == 0:
-            group.send(buf, 1, tag=_PING_TAG)
-            group.recv(buf, 1, tag=_PING_TAG)
-        elif me == 1:
-            group.recv(buf, 0, tag=_PING_TAG)
-            group.send(buf, 0, tag=_PING_TAG)
-        return (time.perf_counter() - t0) / 2
-
-    steps: dict[int, list[float]] = {m: [] for m in ms}
-    alone: dict[int, list[float]] = {m: [] for m in ms}
-    together: dict[int, list[float]] = {m: [] for m in ms}
-    hops: dict[int, list[float]] = {m: [] for m in ms}
+    fw: dict[int, list[float]] = {m: [] for m in ms}
+    bw: dict[int, list[float]] = {m: [] for m in ms}
+    clock = time.thread_time
     for r in range(reps + 1):
         for m in (ms if r % 2 == 0 else ms[::-1]):
-            engines[m].forward_backward(x, y)
-            step = max(e for _, _, e in engines[m].spans)
-            for turn in range(p):                        # one stage at a time
-                group.barrier()
-                if turn == me:
-                    t = micro_batches(m)
-            group.barrier()
-            t_all = micro_batches(m)                     # every stage at once
-            group.barrier()
-            h = hop(m)
-            if r:                                        # the first round warms up
-                steps[m].append(step)
-                alone[m].append(t)
-                together[m].append(t_all)
-                hops[m].append(h)
-    group.barrier()
-    med = statistics.median
-    return {"step": {m: med(v) for m, v in steps.items()}, "alone": {m: med(v) for m, v in alone.items()},
-            "together": {m: med(v) for m, v in together.items()}, "hop": {m: med(v) for m, v in hops.items()}}
+            f = b = 0.0
+            for _ in range(m):
+                t0 = clock()
+                out = stage(parts[m]).sum()
+                t1 = clock()
+                out.backward()
+                t2 = clock()
+                f, b = f + t1 - t0, b + t2 - t1
+            if r:                                     # the first round warms up
+                fw[m].append(f / m)
+                bw[m].append(b / m)
+    return {m: (statistics.median(fw[m]), statistics.median(bw[m])) for m in ms}
+
+
+def _mbs_worker(group: Any, runs: list[tuple[int, tuple[float, float]]], reps: int) -> list[list[dict]]:
+    """One rank of a 1F1B pipeline whose actions last a micro-batch's measured cost (`_stage_costs`), and of the
+    same pipeline with empty actions (its own cost: messages, scheduling): per m, `reps` steps of each, in turns
+    (`pipeline_measure.measure_step`)."""
+    import torch
+    from pslab.parallelism.pipeline_measure import measure_step
+    torch.set_num_threads(1)
+    return [[measure_step(group, "1f1b", m, c) for _ in range(reps) for c in (cost, (0.0, 0.0))] for m, cost in runs]
 
 
 def microbatch_size(ctx: Context) -> Outcome:
     from pslab import collectives
-    p = 2                                             # one stage per core of a 2-core machine
-    width, layers, batch = 512, 2, 512
+    from pslab.parallelism.pipeline_measure import gather_spans
+    p = 2
+    width, layers, batch = 1024, 2, 512
     ms = [1, 2, 4, 8, 16]
-    reps = 4 if ctx.quick else 7
-    ranks = collectives.launch(_mbs_worker, p, backend="zmq", args=(width, layers, batch, ms, reps), timeout=300)
-    t_mb = {m: max(r["alone"][m] for r in ranks) for m in ms}      # the slower stage sets the pace
-    t_conc = {m: max(r["together"][m] for r in ranks) for m in ms}
-    share = statistics.median(t_mb[m] / t_conc[m] for m in ms)     # 1: each stage had a core of its own
-    hop = statistics.median(max(r["hop"][m] for r in ranks) for m in ms)
-    measured = {m: max(r["step"][m] for r in ranks) for m in ms}
-    predicted = {m: (p - 1) * t_mb[m] + m * t_conc[m] for m in ms}
+    reps = 3 if ctx.quick else 5
+    cost = _stage_costs(width, layers, batch, ms, reps)
+    t_mb = {m: sum(cost[m]) for m in ms}
+    ranks = collectives.launch(_mbs_worker, p, backend="zmq", args=([(m, cost[m]) for m in ms], 2 if ctx.quick else 3),
+                               timeout=300)
+    measured, empty = {}, {}
+    for i, m in enumerate(ms):
+        steps: list[list[float]] = [[], []]                # [with the costs, empty actions]
+        for k in range(len(ranks[0][i])):
+            spans = gather_spans([r[i][k] for r in ranks])
+            steps[k % 2].append(max(e for row in spans for _, _, e in row) - min(b for row in spans for _, b, _ in row))
+        measured[m], empty[m] = statistics.median(steps[0]), statistics.median(steps[1])
+    predicted = {m: (m + p - 1) * t_mb[m] + empty[m] for m in ms}
     best_m, best_p = min(ms, key=measured.get), min(ms, key=predicted.get)
     rate = {m: batch / m / t_mb[m] for m in ms}                     # samples/s of one stage at micro-batch B/m
     big, small = ms[0], ms[-1]
     pic = _draw_mbs(ctx.picture("microbatch-size"), ms, batch, rate, measured, predicted, p)
-    model = "(p−1)·t_mb(B/m) + m·t_mb,all(B/m)"
-    interior = best_m not in (big, small)
-    shape = ("with an optimum in between" if interior else
-             f"though here the measured optimum sits at the edge of the range, m = {best_m}")
-    busy = ("" if share >= 0.8 else
-            f" Here the stages computed at only {share:.0%} of their solo speed when running at once — the machine "
-            f"is busy and they share cores — so the model's steady-state slots are slower than its fill and drain, "
-            f"and the optimum moves to fewer micro-batches.")
+    model = "(m+p−1)·t_mb(B/m) + the pipeline's own cost"
+    interior = best_p not in (big, small)
     return Outcome(
         figures=[
             Figure(f"samples/s of a stage at micro-batch {batch // small} ÷ at {batch // big}",
                    rate[small] / rate[big], 1.0, "×", "<=", 0.0,
-                   "measured forward + backward of one stage alone; 1 = a rate that did not depend on the "
-                   "micro-batch size"),
-            Figure(f"step time at the predicted best m (= {best_p}) ÷ measured best (m = {best_m})",
-                   measured[best_p] / measured[best_m], 1.0, "×", "<=", 0.15,
-                   f"real pipeline steps (medians); predicted best: argmin over m of {model}"),
-            Figure(f"step time, m = {big} ÷ m = {best_p}", measured[big] / measured[best_p],
-                   predicted[big] / predicted[best_p], "×", "=", 0.25,
-                   f"measured medians vs {model}: the bubble side"),
-            Figure(f"step time, m = {small} ÷ m = {best_p}", measured[small] / measured[best_p],
-                   predicted[small] / predicted[best_p], "×", ">=", 0.10,
-                   f"measured medians vs {model}: the utilisation side, at least what compute predicts (each "
-                   "micro-batch's messages come on top)"),
+                   "one stage's forward + backward in CPU time; 1 = a rate that did not depend on the micro-batch "
+                   "size"),
+            *[Figure(f"pipeline step, m = {m}", measured[m] * 1e3, predicted[m] * 1e3, "ms", "=", 0.10,
+                     f"1F1B on {p} processes, each action as long as its measured cost, vs (m+p−1)·t_mb(B/m) "
+                     f"= {(m + p - 1) * t_mb[m] * 1e3:.1f} ms + the same pipeline with empty actions "
+                     f"({empty[m] * 1e3:.1f} ms: messages, scheduling)")
+              for m in (big, best_p, small)],
+            Figure(f"step at the predicted best m (= {best_p}) ÷ the measured best (m = {best_m})",
+                   measured[best_p] / measured[best_m], 1.0, "×", "<=", 0.05,
+                   f"argmin over m of {model} with the measured t_mb"),
         ],
         explanation=(
-            f"A batch of {batch} rows goes through a real {p}-stage pipeline (1F1B) in m micro-batches. More "
+            f"A batch of {batch} rows goes through a {p}-stage pipeline (1F1B) in m micro-batches. More "
             f"micro-batches shrink the bubble, but each one gets smaller, and a stage does not process a small "
-            f"micro-batch proportionally faster: alone, a stage handles {rate[big]:,.0f} samples/s at micro-batch "
-            f"{batch // big} and only {rate[small]:,.0f} at {batch // small} (a fixed cost per call, small matrices "
-            f"below the big-matrix rate). The step is p−1 bubble slots plus m busy slots, each as long as one "
-            f"micro-batch takes — the article's (m+p−1)·t_mb(B/m) when each stage has a device of its own — and "
-            f"with the measured micro-batch times that predicts the best m = {best_p}. The real step times bottom "
-            f"out at m = {best_m} ({measured[best_m] * 1e3:.1f} ms, against {measured[big] * 1e3:.1f} ms at m = "
-            f"{big} and {measured[small] * 1e3:.1f} ms at m = {small}): the tension between micro-batch count and "
-            f"size, {shape}.{busy}"),
+            f"micro-batch proportionally faster: measured alone, a stage handles {rate[big]:,.0f} samples/s at "
+            f"micro-batch {batch // big} and only {rate[small]:,.0f} at {batch // small} (a fixed cost per call, "
+            f"small matrices below the big-matrix rate). The step is p−1 bubble slots plus m busy slots, each as long "
+            f"as one micro-batch takes: (m+p−1)·t_mb(B/m) (plus the pipeline's own messages, measured with empty "
+            f"actions), which with the measured micro-batch times is smallest at m = "
+            f"{best_p}{' — an optimum in between' if interior else ''}. The pipeline run with those times bottoms out "
+            f"at m = {best_m} ({measured[best_m] * 1e3:.0f} ms, against {measured[big] * 1e3:.0f} ms at m = {big} "
+            f"and {measured[small] * 1e3:.0f} ms at m = {small}): the tension between micro-batch count and size."),
         picture=str(pic),
-        notes=[f"timing-based: medians of {reps} rounds, every m in turn; t_mb = a stage's micro-batch alone, "
-               f"t_mb,all = with every stage computing at once (= t_mb on dedicated devices; measured "
-               f"{share:.0%} of solo speed here); tolerances for an idle 2-core machine",
-               f"the formula leaves out each micro-batch's 2 messages per slot ({hop * 1e3:.2f} ms one way here, "
-               "ping-pong median): the small-micro-batch side is a lower bound",
+        notes=[f"the costs are measured (one thread's CPU time, medians of {reps} rounds, every m in turn); the "
+               f"pipeline's {p} devices are emulated — each action lasts its micro-batch's measured cost — so the "
+               "step holds on a busy machine as on p free cores (with two free cores, an unpadded run of "
+               "`pslab run ... --set parallel.pp=2 --set parallel.micro_batches=M` shows the same shape)",
                "the planner (parallelism/step_model.py) has no per-micro-batch cost: its compute time does not "
                "depend on the micro-batch size, so it cannot see this optimum"])
 
 
-def _draw_mbs(path: Path, ms: list[int], batch: int, rate: dict, measured: dict, predicted: dict, p: int) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _draw_mbs(path: Path, ms: list[int], batch: int, rate: dict, measured: dict, predicted: dict, p: int) -> str:
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
     a1.plot([batch // m for m in ms], [rate[m] for m in ms], "o-", color="#4C9BE8")
     a1.set_xscale("log", base=2)
     a1.set_xlabel("micro-batch size (rows)")
     a1.set_ylabel("samples/s of one stage (fwd + bwd)")
     a1.set_title("utilisation falls as micro-batches shrink", fontsize=9)
-    a2.plot(ms, [measured[m] * 1e3 for m in ms], "o-", color="#E15759", label="measured step")
-    a2.plot(ms, [predicted[m] * 1e3 for m in ms], "s--", color="black",
-            label="(p−1)·t_mb + m·t_mb,all (measured parts)")
+    a2.plot(ms, [measured[m] * 1e3 for m in ms], "o-", color="#E15759", label="pipeline step (measured)")
+    a2.plot(ms, [predicted[m] * 1e3 for m in ms], "s--", color="black", label="(m+p−1)·t_mb(B/m)")
     a2.set_xscale("log", base=2)
     a2.set_xlabel("micro-batches m")
     a2.set_ylabel("ms per step")
     a2.set_title(f"p = {p}, B = {batch}: bubble vs per-micro-batch cost", fontsize=9)
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 STEPS = [

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .core import Context, Figure, Modelled, Outcome, Step
+from .core import Context, Figure, Modelled, Outcome, pyplot, save, Step
 
 DP_WORKLOAD = "digits-mlp"            # 4,810 parameters = 19,240 B: one direct-exchange all-reduce per step
 
@@ -131,9 +131,7 @@ def data_parallel(ctx: Context) -> Outcome:
 
 
 def _draw_dp(path: Path, joined: Any, drift: list[list[float]], spread: list[float], N: int) -> Path:
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for w in range(N):
         d = joined[joined["worker"] == w].sort_values("step")
@@ -146,10 +144,7 @@ def _draw_dp(path: Path, joined: Any, drift: list[list[float]], spread: list[flo
     b.axhline(0, color="C0", lw=2, label="all-reduce: replicas = reference (measured 0)")
     b.set(xlabel="step", ylabel="max |θ_i − θ_j|", title="replicas drift apart without the average")
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def _axis_run(axis: str, steps: int, seed: int, tmp: str) -> Any:
@@ -228,9 +223,7 @@ def tp_vs_pp(ctx: Context) -> Outcome:
 
 
 def _draw_tp_pp(path: Path, tp: dict, pp: dict, L: int) -> Path:
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
     names = ["tensor (T=2)", "pipeline (P=2)"]
     a.bar(names, [tp["measured_per_step"] / 1e3, pp["measured_per_step"] / 1e3], color=["C3", "C0"])
@@ -239,10 +232,7 @@ def _draw_tp_pp(path: Path, tp: dict, pp: dict, L: int) -> Path:
     a.legend(fontsize=8)
     b.bar(names, [tp["sends_per_step"], pp["sends_per_step"]], color=["C3", "C0"])
     b.set(ylabel="messages per step", title=f"messages, counted ({L} layers)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 STEPS = [

@@ -228,3 +228,25 @@ def w_late_rank(group) -> float:
 
 def test_first_hierarchical_call_while_a_rank_is_still_busy():
     assert collectives.launch(w_late_rank, 4, "zmq", timeout=60, group_timeout=10, topology=FAST) == [6.0] * 4
+
+
+def test_a_network_card_serialises_a_ranks_flows_that_per_pair_wires_keep_apart() -> None:
+    """nic=True: one outgoing link per rank and class (two sends to different peers queue), and one incoming link
+    (two messages due at once are taken one after the other); nic=False: a private wire per pair."""
+    from pslab.collectives.topology import LinkEmulator
+    msg = torch.zeros(25_000)                                  # 100 kB: 0.05 s on a 2 MB/s link
+    for nic in (False, True):
+        topo = Topology(hosts=3, per_host=1, inter_latency_s=0.0, inter_bandwidth_Bps=2e6, nic=nic)
+        out = LinkEmulator(topo, 0, 3)
+        a, b = out.stamp(1, [msg]), out.stamp(2, [msg])
+        gap = b["due"] - a["due"]
+        assert (abs(gap - 0.05) < 1e-9) if nic else (abs(gap) < 0.01), (nic, gap)
+        assert ("nb" in a) == nic
+    inbox = LinkEmulator(Topology(hosts=3, per_host=1, inter_bandwidth_Bps=2e6, nic=True), 2, 3)
+    now = time.monotonic()
+    for _ in range(2):                                         # both due now, from two different senders
+        inbox.hold({"meta": {"due": now, "dly": 0.0, "nb": 100_000, "lc": "inter"}})
+    assert inbox.in_busy["inter"] >= now + 0.05 and inbox.held_s >= 0.04     # the second waited for the first
+    with pytest.raises(TopologyError, match="nic must be true"):
+        Topology(hosts=2, per_host=1, nic="yes")               # type: ignore[arg-type]
+    assert Topology.from_json(Topology(hosts=2, per_host=1, nic=True).to_json()).nic is True
