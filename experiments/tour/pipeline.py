@@ -360,7 +360,7 @@ def _draw_mbs(path: Path, ms: list[int], batch: int, rate: dict, measured: dict,
     a1.set_ylabel("samples/s of one stage (fwd + bwd)")
     a1.set_title("utilisation falls as micro-batches shrink", fontsize=9)
     a2.plot(ms, [measured[m] * 1e3 for m in ms], "o-", color="#E15759", label="pipeline step (measured)")
-    a2.plot(ms, [predicted[m] * 1e3 for m in ms], "s--", color="black", label="(m+p−1)·t_mb(B/m)")
+    a2.plot(ms, [predicted[m] * 1e3 for m in ms], "s--", color="black", label="(m+p−1)·t_mb(B/m) + o(m)")
     a2.set_xscale("log", base=2)
     a2.set_xlabel("micro-batches m")
     a2.set_ylabel("ms per step")
