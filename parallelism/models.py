@@ -10,6 +10,8 @@ Every factory seeds torch itself, so each rank builds bit-identical initial weig
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,20 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, self.heads, hd).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.d))
+
+
+class NaiveAttention(Attention):
+    """`Attention` with the scores materialised (a math kernel): the softmax probabilities, B·H·S² numbers, are kept
+    for backward — what a flash-style kernel avoids (`ring_attention.measure_attention_memory` counts both)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split(self.d, dim=-1)
+        hd = self.d // self.heads
+        q, k, v = (t.view(b, s, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+        causal = torch.full((s, s), float("-inf")).triu(1)      # added: an add saves nothing for backward
+        p = ((q @ k.transpose(-2, -1)) * (1 / math.sqrt(hd)) + causal).softmax(-1)
+        return self.proj((p @ v).transpose(1, 2).reshape(b, s, self.d))
 
 
 class MLP(nn.Module):

@@ -205,3 +205,29 @@ def attention_memory(batch: int, seq: int, d: int, heads: int, cp: int, elt: int
         "full_naive": (4 * batch * seq * d + batch * heads * seq * seq) * elt,
         "full_flash": (4 * batch * seq * d + batch * heads * seq) * elt,
     }
+
+
+def measure_attention_memory(seqs: list[int], batch: int = 1, d: int = 32, heads: int = 8, seed: int = 0
+                             ) -> list[dict[str, Any]]:
+    """Saved-for-backward bytes of one attention layer at each sequence length, measured (autograd's saved-tensor
+    hooks: `checkpointing.ActivationMeter`, each storage once) for the naive kernel (`models.NaiveAttention`) and the
+    flash-style one (`models.Attention`, PyTorch's SDPA), next to `attention_memory`'s full_naive / full_flash; and
+    the largest difference between their outputs (the same weights). fp32, one process."""
+    from .checkpointing import ActivationMeter
+    from .models import Attention, NaiveAttention
+    rows = []
+    for s in seqs:
+        x = torch.randn(batch, s, d, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        saved, outs = {}, []
+        for kind, cls in (("naive", NaiveAttention), ("flash", Attention)):
+            torch.manual_seed(seed)                     # the same weights for both
+            layer = cls(d, heads)
+            with ActivationMeter() as meter:
+                y = layer(x)
+                y.sum().backward()
+            saved[kind] = meter.peak
+            outs.append(y.detach())
+        model = attention_memory(batch, s, d, heads, 1)
+        rows.append({"seq": s, "naive": saved["naive"], "flash": saved["flash"], "naive_model": model["full_naive"],
+                     "flash_model": model["full_flash"], "max_diff": float((outs[0] - outs[1]).abs().max())})
+    return rows

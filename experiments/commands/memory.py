@@ -6,7 +6,8 @@ every term with its formula and source (`parallelism.memory_model`), and measure
     pslab memory --layers 96 --hidden 12288 --heads 96 --seq 2048 --vocab 51200 --tp 8 --pp 8 --sp \\
                  --recompute selective --json               # GPT-3 175B, Korthikanti et al.'s layout
     pslab memory --params 70e9 --plot mem.png               # stacked bars of a few layouts side by side
-    pslab memory --measure                                  # the engines here: measured vs modelled, per rank
+    pslab memory --measure                                  # the engines here: measured vs modelled, per rank,
+                                                            # and attention's saved bytes over S (naive vs flash)
 
 Precisions: fp32 (4+4+8 B/param with Adam), mixed (2+2+12: bf16 weights/grads, fp32 master + moments), bf16-pure
 (2+2+4), fp32-sgd (4+4+4), fp32-sgd0 (4+4+0). --measure runs the text-transformer workload (fp32, Adam) through
@@ -81,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure", action="store_true", help="run the engines here and compare with the model")
     p.add_argument("--configs", default=None, help=f"with --measure: comma-separated subset of: {', '.join(MEASURE)}")
     p.add_argument("--backend", default="zmq", choices=("zmq", "torch"), help="with --measure: collectives backend")
+    p.add_argument("--attention-seqs", default="128,256,512,1024", metavar="S,S,...",
+                   help="with --measure: sequence lengths of the attention rows (naive vs flash-style saved bytes of "
+                        "one layer; default 128,256,512,1024)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -334,9 +338,12 @@ def _run_measure(args: argparse.Namespace) -> int:
     bad = [c for c in labels if c not in MEASURE]
     if bad or not labels:
         raise ConfigError(f"unknown --configs {', '.join(bad) or '(empty)'}; choose from: {', '.join(MEASURE)}")
+    seqs = _seqs(args.attention_seqs)
     rows = measure(labels, args.backend, args.quiet or args.json)
+    from pslab.parallelism.ring_attention import measure_attention_memory
+    attention = measure_attention_memory(seqs)
     if args.json:
-        print(json.dumps({"rows": rows, "meters": METERS}))
+        print(json.dumps({"rows": rows, "meters": METERS, "attention": attention}))
         return 0
     print("measured (here, per rank) vs modelled (parallelism.memory_model, fp32 Adam, the workload's shapes), "
           "bytes:")
@@ -348,7 +355,34 @@ def _run_measure(args: argparse.Namespace) -> int:
     print(f"\n{METERS}")
     worst = max(abs(v - 1) for r in rows for v in r["ratio"].values() if v is not None)
     print(f"largest deviation from the model: {worst:.1%}")
+    _print_attention(attention)
     return 0
+
+
+def _seqs(text: str) -> list[int]:
+    try:
+        seqs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seqs = []
+    if len(seqs) < 2 or any(not 8 <= s <= 8192 for s in seqs):
+        raise ConfigError(f"--attention-seqs takes two or more sequence lengths in 8..8192, like 128,256,512; "
+                          f"got {text!r}")
+    return sorted(set(seqs))
+
+
+def _print_attention(rows: list[dict[str, Any]]) -> None:
+    """Naive vs flash-style attention's saved bytes over S (one layer, B = 1, d = 32, 8 heads, fp32): measured /
+    modelled, and how each grows (S² vs S)."""
+    print("\nattention, one layer (B=1, d=32, 8 heads, fp32): saved for backward, measured / modelled "
+          "(ring_attention.attention_memory)")
+    print(f"{'S':>6}{'naive (probabilities kept)':>36}{'flash-style (SDPA)':>30}")
+    for r in rows:
+        print(f"{r['seq']:>6}{r['naive']:>18,} / {r['naive_model']:>14,}{r['flash']:>14,} / {r['flash_model']:>12,}")
+    a, b = rows[0], rows[-1]
+    grow = b["seq"] / a["seq"]
+    print(f"S x{grow:g}: naive x{b['naive'] / a['naive']:.1f} (4·B·S·d + B·H·S²: quadratic once S ≫ 4d/H), "
+          f"flash-style x{b['flash'] / a['flash']:.1f} (4·B·S·d + B·H·S: linear); outputs equal to "
+          f"{max(r['max_diff'] for r in rows):.1e}")
 
 
 def _num(x: float | None) -> str:

@@ -24,9 +24,10 @@ fixed cost per call, and small matrices run below the large-matrix rate), so
 
 falls with m while the bubble dominates and rises once the per-micro-batch cost does: an interior optimum. Measured
 parts: t_mb(B/m), one stage's forward + backward in one thread's CPU time (what a device of its own would take,
-whatever else this machine runs); the pipeline's own cost o(m) (messages, scheduling) from the same 1F1B pipeline
-with empty actions. t(m) is measured on p processes whose every action lasts its micro-batch's measured cost
-(emulated devices: the figure holds on a busy machine), against (m+p−1)·t_mb(B/m) + o(m).
+whatever else this machine runs); the pipeline's own cost o(m) (messages, scheduling, wake-ups) from the same 1F1B
+pipeline with near-empty actions (less the EPS they sleep on the critical path). t(m) is measured on p processes
+whose every action lasts its micro-batch's measured cost (emulated devices: the figure holds on a busy machine),
+against (m+p−1)·t_mb(B/m) + o(m).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 from .core import Context, Figure, Outcome, pyplot, save, Step
 
 SECTION = "The pipeline bubble problem"
+EPS = 2e-4                   # microbatch-size: the near-empty actions' forward (backward 2·EPS), seconds
 STAGES = 4
 
 
@@ -283,12 +285,14 @@ def _stage_costs(width: int, layers: int, batch: int, ms: list[int], reps: int) 
 
 def _mbs_worker(group: Any, runs: list[tuple[int, tuple[float, float]]], reps: int) -> list[list[dict]]:
     """One rank of a 1F1B pipeline whose actions last a micro-batch's measured cost (`_stage_costs`), and of the
-    same pipeline with empty actions (its own cost: messages, scheduling): per m, `reps` steps of each, in turns
+    same pipeline with near-empty actions (EPS forward, 2·EPS backward: they sleep, and wake up, like the real ones)
+    — its own cost o(m): messages, scheduling, wake-ups. Per m, `reps` steps of each, in turns
     (`pipeline_measure.measure_step`)."""
     import torch
     from pslab.parallelism.pipeline_measure import measure_step
     torch.set_num_threads(1)
-    return [[measure_step(group, "1f1b", m, c) for _ in range(reps) for c in (cost, (0.0, 0.0))] for m, cost in runs]
+    return [[measure_step(group, "1f1b", m, c) for _ in range(reps) for c in (cost, (EPS, 2 * EPS))]
+            for m, cost in runs]
 
 
 def microbatch_size(ctx: Context) -> Outcome:
@@ -309,7 +313,8 @@ def microbatch_size(ctx: Context) -> Outcome:
             spans = gather_spans([r[i][k] for r in ranks])
             steps[k % 2].append(max(e for row in spans for _, _, e in row) - min(b for row in spans for _, b, _ in row))
         measured[m], empty[m] = statistics.median(steps[0]), statistics.median(steps[1])
-    predicted = {m: (m + p - 1) * t_mb[m] + empty[m] for m in ms}
+    # the near-empty run slept 3·EPS per slot of the critical path: the rest of it is the pipeline's own cost
+    predicted = {m: (m + p - 1) * (t_mb[m] - 3 * EPS) + empty[m] for m in ms}
     best_m, best_p = min(ms, key=measured.get), min(ms, key=predicted.get)
     rate = {m: batch / m / t_mb[m] for m in ms}                     # samples/s of one stage at micro-batch B/m
     big, small = ms[0], ms[-1]
@@ -324,8 +329,8 @@ def microbatch_size(ctx: Context) -> Outcome:
                    "size"),
             *[Figure(f"pipeline step, m = {m}", measured[m] * 1e3, predicted[m] * 1e3, "ms", "=", 0.10,
                      f"1F1B on {p} processes, each action as long as its measured cost, vs (m+p−1)·t_mb(B/m) "
-                     f"= {(m + p - 1) * t_mb[m] * 1e3:.1f} ms + the same pipeline with empty actions "
-                     f"({empty[m] * 1e3:.1f} ms: messages, scheduling)")
+                     f"= {(m + p - 1) * t_mb[m] * 1e3:.1f} ms + the pipeline's own cost (the same pipeline with "
+                     f"near-empty actions, {empty[m] * 1e3:.1f} ms: messages, scheduling, wake-ups)")
               for m in (big, best_p, small)],
             Figure(f"step at the predicted best m (= {best_p}) ÷ the measured best (m = {best_m})",
                    measured[best_p] / measured[best_m], 1.0, "×", "<=", 0.05,
@@ -337,8 +342,8 @@ def microbatch_size(ctx: Context) -> Outcome:
             f"micro-batch proportionally faster: measured alone, a stage handles {rate[big]:,.0f} samples/s at "
             f"micro-batch {batch // big} and only {rate[small]:,.0f} at {batch // small} (a fixed cost per call, "
             f"small matrices below the big-matrix rate). The step is p−1 bubble slots plus m busy slots, each as long "
-            f"as one micro-batch takes: (m+p−1)·t_mb(B/m) (plus the pipeline's own messages, measured with empty "
-            f"actions), which with the measured micro-batch times is smallest at m = "
+            f"as one micro-batch takes: (m+p−1)·t_mb(B/m) (plus the pipeline's own messages and wake-ups, measured with "
+            f"near-empty actions), which with the measured micro-batch times is smallest at m = "
             f"{best_p}{' — an optimum in between' if interior else ''}. The pipeline run with those times bottoms out "
             f"at m = {best_m} ({measured[best_m] * 1e3:.0f} ms, against {measured[big] * 1e3:.0f} ms at m = {big} "
             f"and {measured[small] * 1e3:.0f} ms at m = {small}): the tension between micro-batch count and size."),

@@ -43,46 +43,14 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 # ---- 3. attention memory: S² vs S -----------------------------------------------------------------------------
-def _naive_attention(d: int, heads: int) -> Any:
-    """models.Attention with the scores materialised (softmax probabilities kept for backward: a math kernel)."""
-    import torch
-    from pslab.parallelism.models import Attention
-
-    class NaiveAttention(Attention):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, _ = x.shape
-            q, k, v = self.qkv(x).split(self.d, dim=-1)
-            hd = self.d // self.heads
-            q, k, v = (t.view(b, s, self.heads, hd).transpose(1, 2) for t in (q, k, v))
-            causal = torch.full((s, s), float("-inf")).triu(1)      # added: an add saves nothing for backward
-            p = ((q @ k.transpose(-2, -1)) * (1 / math.sqrt(hd)) + causal).softmax(-1)
-            return self.proj((p @ v).transpose(1, 2).reshape(b, s, self.d))
-    return NaiveAttention(d, heads)
-
-
 def attention_memory(ctx: Context) -> Outcome:
-    import torch
-    from pslab.parallelism.checkpointing import ActivationMeter
-    from pslab.parallelism.models import Attention
-    from pslab.parallelism.ring_attention import attention_memory as formula
-    torch.set_num_threads(1)
+    from pslab.parallelism.ring_attention import measure_attention_memory
     B, d, H = 1, 32, 8
     seqs = [128, 256, 512] if ctx.quick else [128, 256, 512, 1024]
-    saved: dict[str, list[int]] = {"naive": [], "flash": []}
-    diff = 0.0
-    for S in seqs:
-        x = torch.randn(B, S, d, generator=torch.Generator().manual_seed(ctx.seed), requires_grad=True)
-        outs = []
-        for kind in ("naive", "flash"):
-            torch.manual_seed(ctx.seed)                 # the same weights for both
-            layer = _naive_attention(d, H) if kind == "naive" else Attention(d, H)
-            with ActivationMeter() as meter:
-                y = layer(x)
-                y.sum().backward()
-            saved[kind].append(meter.peak)
-            outs.append(y.detach())
-        diff = max(diff, float((outs[0] - outs[1]).abs().max()))
-    theory = {k: [formula(B, S, d, H, 1)[f"full_{k}"] for S in seqs] for k in saved}
+    rows = measure_attention_memory(seqs, B, d, H, ctx.seed)
+    saved = {k: [r[k] for r in rows] for k in ("naive", "flash")}
+    theory = {k: [r[f"{k}_model"] for r in rows] for k in saved}
+    diff = max(r["max_diff"] for r in rows)
     slope = {k: _slope(seqs, v) for k, v in saved.items()}
     _draw_attention(ctx.picture("attention-memory"), seqs, saved, theory)
     mod = _long_context_rows()

@@ -70,6 +70,7 @@ def test_interleaving_holds_p_plus_p_minus_1_over_v_micro_batches_on_the_first_s
     (["--precision", "fp8"], "unknown precision"),
     (["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "16", "--tp", "3"], "divide"),
     (["--measure", "--configs", "dp=9"], "unknown --configs"),
+    (["--measure", "--attention-seqs", "12"], "--attention-seqs takes two or more"),
     (["--virtual-stages", "2"], "--virtual-stages > 1 interleaves 1F1B"),
     (["--pp", "4", "--micro-batches", "6", "--virtual-stages", "2"], "must be a multiple of 4"),
 ])
@@ -181,3 +182,14 @@ def test_measure_relations_between_layouts(measured):
     # SP and CP cut the saved activations (tp = 2: sbh(16 + 48/t) + ... -> sbh(8 + 56/t) + ...; cp: s/C)
     act = {label: measured[label][0]["measured"]["activations"] for label in ("dp=2", "tp=2", "tp=2 sp", "cp=2")}
     assert act["tp=2 sp"] < act["tp=2"] < act["dp=2"] and act["cp=2"] == (act["dp=2"] - 4) // 2 + 4
+
+
+def test_attention_rows_naive_is_quadratic_and_flash_linear_to_the_byte():
+    from pslab.parallelism.ring_attention import measure_attention_memory
+    rows = measure_attention_memory([64, 128, 256], batch=1, d=32, heads=8)
+    for r in rows:
+        assert r["naive"] == r["naive_model"] and r["flash"] == r["flash_model"] and r["max_diff"] < 1e-5
+    a, b = rows[0], rows[-1]
+    probs = lambda r: r["naive"] - r["flash"]           # noqa: E731  B·H·(S² − S)·4: the probabilities kept
+    assert probs(b) / probs(a) == pytest.approx((256 ** 2 - 256) / (64 ** 2 - 64))
+    assert b["flash"] / a["flash"] == pytest.approx(4.0)
