@@ -1,9 +1,9 @@
 """`pslab tour`: the article, claim by claim, in its order — each claim a small real experiment whose measured
 figure is printed next to the theory that predicts it, with a paragraph on what it shows and a picture.
 
-    pslab tour                       # every step (about 10 minutes on 2 cores); pictures + index.md in tour/
+    pslab tour                       # every step (about 2.5 minutes on 2 cores); pictures + index.md in tour/
     pslab tour --list                # the steps: key, section, claim, the command that shows it in depth
-    pslab tour ps-vs-ring zero       # only these steps
+    pslab tour ps-vs-ring zero-stages    # only these steps
     pslab tour --quick --json -      # small sizes (the test's), the results as JSON on stdout
     pslab tour -o docs/img/tour --index docs/tour.md     # how docs/tour.md was made
 
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("steps", nargs="*", metavar="STEP", help="run only these steps (default: all; see --list)")
     p.add_argument("--list", action="store_true", help="list the steps and exit")
-    p.add_argument("--quick", action="store_true", help="small sizes: the whole tour in about two minutes")
+    p.add_argument("--quick", action="store_true", help="small sizes: the whole tour in about a minute and a quarter (the test's)")
     p.add_argument("-o", "--out", default="tour", help="folder for the pictures and index.md (default ./tour)")
     p.add_argument("--index", metavar="FILE", help="write the index page here (default OUT/index.md); its picture "
                                                    "links are relative to it")

@@ -310,7 +310,7 @@ def _draw_ep(path: Path, moe: dict, a2a: float, ar: float) -> None:
 
 STEPS = [
     Step("attention-memory", SECTION, "Attention's memory scales quadratically with sequence length",
-         "pslab memory --layers 32 --hidden 4096 --heads 32 --seq 32768 --vocab 32000", attention_memory, 10),
+         "pslab memory --measure --configs dp=2 --attention-seqs 128,256,512,1024,2048", attention_memory, 10),
     Step("context-parallel", SECTION, "Sequence/context parallelism splits the sequence dimension for very long "
          "contexts", "pslab run transformer_tp --set parallel.tp=1 --set parallel.cp=2", context_parallel, 15),
     Step("expert-parallel", SECTION, "Expert parallelism routes tokens to experts on different GPUs: an all-to-all, "
