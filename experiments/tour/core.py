@@ -244,8 +244,8 @@ def write_json(results: list[Result], path: str, quick: bool, seconds: float) ->
 INTRO = """Every claim of the article, in its order, shown by a small real experiment on this machine: real processes,
 real sockets, counters and clocks. Each step prints what it **measured** next to what **theory** predicts, and the
 rule by which they must agree: "= exactly" for counters and parity (bytes, parameters, saved tensors), "= within x %"
-for times (with the regime said), "<=" / ">=" for bounds. Rows marked *model* are numbers only a model can give here
-(a 70B model, an H100): they are shown, never counted as agreement. Run one step with `pslab tour KEY`, all of them
+for times (with the regime said), "<=" / ">=" for bounds. Lines "(model, not measured here)" are numbers only a
+model can give here (a 70B model, an H100): they are shown, never counted as agreement. Run one step with `pslab tour KEY`, all of them
 with `pslab tour` (about 2.5 minutes on 2 cores; `--quick`: about one), and go further with each step's command."""
 
 

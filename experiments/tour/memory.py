@@ -180,12 +180,12 @@ def zero3_bytes(ctx: Context) -> Outcome:
         explanation=(
             f"The same model and batches, trained for real on 2 ranks, with the backend counting every byte it "
             f"sends. Plain data parallelism all-reduces the gradients once per step: a reduce-scatter and an "
-            f"all-gather, 2(N−1)/N·Ψ per rank ({got[0][0]:,.0f} B). ZeRO-1 and -2 move the same bytes in another "
+            f"all-gather, 2(N−1)/N·4Ψ B per rank ({got[0][0]:,.0f} B). ZeRO-1 and -2 move the same bytes in another "
             f"order (reduce-scatter the gradients, update the own shard, all-gather the weights). ZeRO-3 keeps only "
             f"a shard of the weights, so it gathers every layer's weights before its forward and again before its "
-            f"backward: 3(N−1)/N·Ψ per rank ({got[3][0]:,.0f} B), {got[3][0] / got[0][0]:.3g}× — and it sends "
-            f"them as {got[3][1]:.0f} messages per rank per step instead of {got[0][1]:.0f} (a reduce-scatter and two "
-            f"all-gathers per parameter tensor): memory redundancy traded for more, and more frequent, "
+            f"backward: 3(N−1)/N·4Ψ B per rank ({got[3][0]:,.0f} B), {got[3][0] / got[0][0]:.3g}× — and it sends "
+            f"them as {got[3][1]:.0f} messages per rank per step instead of {got[0][1]:.0f} (for each parameter tensor a "
+            f"reduce-scatter and two all-gathers, each a ring of messages): memory redundancy traded for more, and more frequent, "
             f"communication."),
         notes=["bytes are the payload the zmq backend counted on a real 4-step run (summary bytes_by_kind), "
                "per step and per rank; the formula is the textbook ring volume with 4-byte elements"])
@@ -259,8 +259,9 @@ def zero3_link(ctx: Context) -> Outcome:
             f"({ms(comm[('slow', 3)])} on the slow link vs {ms(comm[('slow', 0)])} for plain DP's one all-reduce). "
             f"Sharding the weights is worth it only where the interconnect makes that communication cheap enough to "
             f"hide: the same model of a 7.5B GPT on 8 H100s says ZeRO-3 costs {big['NVLink (one node)']:.2f}× "
-            f"plain DP's step inside one NVLink node and {big['InfiniBand (8 nodes)']:.1f}× across 8 InfiniBand "
-            f"nodes."),
+            f"plain DP's step inside one NVLink node (the memory saved at about no time) and "
+            f"{big['InfiniBand (8 nodes)']:.1f}× across 8 InfiniBand nodes (plain DP is the yardstick there, not an "
+            f"option: it needs 120 GB per GPU)."),
         picture=str(pic),
         notes=[f"timing-based: medians of {repeats} run(s) per config × {steps - 2} steps after warm-up (summary "
                "step_time_s, max over ranks); 30 %: emulated delays are lower bounds (scheduler wake-ups) and ZeRO-3 "
@@ -388,7 +389,8 @@ def checkpointing(ctx: Context) -> Outcome:
             f"({mem['peak_bytes_plain'] / mem['peak_bytes_checkpointed']:.1f}× less), both to the byte what the "
             f"model counts. The price is compute: each block runs its forward twice, and the step takes "
             f"{ratio:.2f}× as long, as one more forward of the recomputed part predicts from the measured forward "
-            f"and backward ({theory:.2f}×; backward is {B / F:.1f}× forward here, ≈ 2 in the textbook's 4/3). At "
+            f"and backward ({theory:.2f}×; backward is {B / F:.1f}× forward here; with backward = 2 × forward and the whole model recomputed, the "
+            f"textbook's 4/3). At "
             f"GPT-3's size the same trade turns {big['none'] / 1e9:.0f} GB of activations per GPU into "
             f"{big['full'] / 1e9:.0f} GB — compute is cheap next to the memory wall."),
         picture=str(pic),

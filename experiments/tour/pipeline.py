@@ -328,9 +328,10 @@ def microbatch_size(ctx: Context) -> Outcome:
                    "one stage's forward + backward in CPU time; 1 = a rate that did not depend on the micro-batch "
                    "size"),
             *[Figure(f"pipeline step, m = {m}", measured[m] * 1e3, predicted[m] * 1e3, "ms", "=", 0.10,
-                     f"1F1B on {p} processes, each action as long as its measured cost, vs (m+p−1)·t_mb(B/m) "
-                     f"= {(m + p - 1) * t_mb[m] * 1e3:.1f} ms + the pipeline's own cost (the same pipeline with "
-                     f"near-empty actions, {empty[m] * 1e3:.1f} ms: messages, scheduling, wake-ups)")
+                     f"1F1B on {p} processes, each action as long as its measured cost (emulated devices), vs "
+                     f"(m+p−1)·(t_mb(B/m) − 3ε) = {(m + p - 1) * (t_mb[m] - 3 * EPS) * 1e3:.1f} ms + o(m) = "
+                     f"{empty[m] * 1e3:.1f} ms, the same pipeline with near-empty actions (ε, 2ε: messages, "
+                     f"scheduling, wake-ups)")
               for m in (big, best_p, small)],
             Figure(f"step at the predicted best m (= {best_p}) ÷ the measured best (m = {best_m})",
                    measured[best_p] / measured[best_m], 1.0, "×", "<=", 0.05,

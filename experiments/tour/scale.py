@@ -74,8 +74,9 @@ def attention_memory(ctx: Context) -> Outcome:
             f"{S // seqs[0]}× the sequence (slope {slope['naive']:.2f} on log-log axes), to the byte what the formula "
             f"says. A flash-style kernel (PyTorch's fused CPU attention) computes the same output (max difference "
             f"{diff:.1e}) but keeps only q, k, v, the output and one log-sum-exp per row, and recomputes the scores "
-            f"in backward: slope {slope['flash']:.2f}. Quadratic memory is what makes long contexts the reason to "
-            f"split the sequence itself — context parallelism, next."),
+            f"in backward: slope {slope['flash']:.2f}. Quadratic memory made long contexts impossible; with "
+            f"flash-style kernels they are linear but still large (the model rows below: hundreds of GB at 128k "
+            f"tokens), the reason to split the sequence itself — context parallelism, next."),
         picture=str(ctx.picture("attention-memory")),
         notes=["saved bytes are counted from tensor storages (each storage once, parameters and the leaf input "
                "excluded): exact; the naive slope over these sizes is a little under 2 because 4·B·S·d is linear"])
@@ -133,8 +134,8 @@ def context_parallel(ctx: Context) -> Outcome:
     model = {c: bytes_by_kind(step_comm(shape, Layout(cp=c), _free_cluster(c), algorithm="pslab", act_bytes=4,
                                         grad_bytes=4, steps=steps)).get("cp ring + grads", 0.0) for c in cps}
     figs = [Figure(f"cp={c}: ring + grads bytes/step", cp_bytes[c], model[c], "B", "=", 0.0,
-                   "cp group's counters, all ranks; planner comm_model: L·(6C−4) K/V blocks of b·(S/C)·d·4 B + "
-                   "AR_C(grads) + AR_C(8 B loss)") for c in cps if c > 1]
+                   "cp group's counters, all ranks; planner comm_model: per rank L·(6C−4) blocks (K, V forward; "
+                   "dK, dV backward) of b·(S/C)·d·4 B, × C ranks, + AR_C(grads) + AR_C(8 B loss)") for c in cps if c > 1]
     figs += [Figure(f"cp={c}: saved activations per rank", mem[c], want[c], "B", "=", 0.0,
                     "ActivationMeter peak, max over ranks; " + ("M₁ (Korthikanti per layer + embedding, head)"
                                                                if c == 1 else f"(M₁ − 4)/{c} + 4"))
@@ -269,8 +270,6 @@ def expert_parallel(ctx: Context) -> Outcome:
                    "counted; (ep−1)·S direct (≤ 32 KiB) or 2(ep−1)/ep·S ring, over (ep−1)/ep·S"),
             Figure("tokens routed (all MoE layers)", moe["routed"], routed_want, "tokens", "=", 0.0,
                    "the routers' counts over the run; sequences × S × top_k × L"),
-            Figure("tokens admitted ≤ expert capacity", admitted, moe["sequences"] * w.experts * C * L, "tokens",
-                   "<=", 0.0, f"capacity C = ceil({w.capacity_factor}·top_k·S/E) = {C} per (sequence, expert)"),
         ],
         explanation=(
             f"A mixture-of-experts transformer, {w.experts} experts per layer split over ep = {ep} ranks (×{D} data-"
@@ -279,9 +278,11 @@ def expert_parallel(ctx: Context) -> Outcome:
             f"buffer — {a2a_meas / 1e3:.1f} kB per rank per step, exactly as counted; only the replicated "
             f"parameters' gradients are all-reduced. An all-to-all is a permutation: each token crosses once, to the "
             f"one rank that needs it; all-reducing the same buffers would send {ar_meas / a2a_meas:.0f}× the bytes "
-            f"and sum tokens that must stay apart. Its cost is set by the routing: the busiest expert got "
-            f"{hot:.1f}× the mean load and {moe['drop_fraction']:.0%} of assignments were dropped beyond capacity "
-            f"C = {C} — the all-to-all's 'own can of worms': load balance decides who waits."),
+            f"and sum tokens that must stay apart. The buffers are padded to a capacity of C = {C} tokens per "
+            f"(sequence, expert), so the bytes do not depend on the routing; the routing decides what is lost: the "
+            f"busiest expert got {hot:.1f}× the mean load and {moe['drop_fraction']:.0%} of the assignments "
+            f"({admitted:,} of {moe['routed']:,} admitted) were dropped beyond capacity — the all-to-all's 'own can "
+            f"of worms' (with dropless routing the same imbalance would decide who waits)."),
         picture=str(ctx.picture("expert-parallel")),
         notes=[f"run: experiments/configs/moe_ep.toml, {steps} steps; the per-op split from a 2-rank launch of the "
                "same engine on the worker's first batch (the run's counters sum all ops of the ep group)",

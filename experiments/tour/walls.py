@@ -63,16 +63,19 @@ def memory_wall(ctx: Context) -> Outcome:
     return Outcome(
         figures=[
             Figure("fp32 Adam state per parameter", per_param, 16.0, "B/param", "=", 0.0,
-                   f"storage of {len(params)} weights + grads + exp_avg + exp_avg_sq ÷ {n:,} params; 4 + 4 + 8"),
+                   f"storage of {len(params)} parameter tensors + their grads + exp_avg + exp_avg_sq ÷ {n:,} params; "
+                   f"4 + 4 + 8 (fp32)"),
         ],
         modelled=[Modelled("70B model's state, mixed precision", state / 1e12, "TB",
                            "memory_model.estimate(params=70e9, 'mixed'): 70e9 × (2 + 2 + 12) B")],
         explanation=(
             f"Before a single activation, a model trained with Adam carries weights, gradients and two moments per "
             f"parameter: counted on a real {n:,}-parameter model after one Adam step, {per_param:g} bytes per "
-            f"parameter (fp32 on CPU). In mixed precision the article's 12–16 B/param becomes 16 with the fp32 "
-            f"master copy, so a 70B model needs {state / 1e12:.2f} TB for its state alone — {gpus:.0f} GPUs of "
-            f"80 GB before activations: memory, not speed, is the first reason to distribute."),
+            f"parameter — 4 + 4 + 8, everything in fp32 on this CPU. The article's mixed precision is 2 (bf16 "
+            f"weights) + 2 (grads) + 8 (fp32 moments) = 12, and 16 again with the fp32 master copy of the weights "
+            f"most recipes keep (2 + 2 + 12: the same total for another reason), so a 70B model needs "
+            f"{state / 1e12:.2f} TB for its state alone — {gpus:.0f} GPUs of 80 GB before activations: memory, not "
+            f"speed, is the first reason to distribute."),
         notes=[f"Adam's step counters add {steps} B (one per tensor), not counted per parameter"])
 
 
@@ -128,8 +131,9 @@ def compute_wall(ctx: Context) -> Outcome:
                   Modelled("70B × 15T tokens on one H100", years, "years",
                            "6·N·D ÷ (989 TFLOP/s dense bf16 × 40 % utilisation)")],
         explanation=(
-            f"Training costs about 6 FLOPs per parameter per sample (2 forward, 4 backward), which torch's own "
-            f"counter confirms on a real step to the FLOP. Time is FLOPs divided by a rate: this CPU does "
+            f"Training costs about 6 FLOPs per parameter per sample (2 forward, 4 backward): torch's own counter, "
+            f"summing the matmuls a real step dispatched, finds exactly 6·N·B less the first layer's input gradient, "
+            f"which nobody needs (2·N₁·B). Time is FLOPs divided by a rate: this CPU does "
             f"{rate / 1e9:.1f} GFLOP/s on one thread, and the step takes about what that predicts. At that rate a "
             f"70B model on 15 trillion tokens would take {cpu_years:.2g} years; on one H100 at 40 % utilisation, "
             f"{years:.0f} years — the compute wall: a run that must end in weeks needs thousands of GPUs."),
