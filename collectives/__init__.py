@@ -47,6 +47,7 @@ Where each mechanism lives:
     flight.py        the flight recorder: every process's last N calls of every group (both backends, recorded by
                      ProcessGroup's wrapper), in a memory-mapped ring that outlives a killed process; written as
                      JSON on a failed call, SIGUSR1, a launched rank's end
+    flight_wrap.py   that wrapper: generated with each backend method's own signature, one slot per call
     diagnose.py      matches flight records across ranks: missing ranks, type / size / dtype / state mismatches,
                      receives nobody sent, a PS shard's own words (`pslab diagnose`; a timed-out launch's verdict)
     trace.py         the timeline (off unless started): spans of compute, communication, padding and waiting per

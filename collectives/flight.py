@@ -14,8 +14,8 @@ Like PyTorch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE), one entry pe
 
 The entries live in fixed 64-byte binary slots of a memory map (`Recorder`), a file in PSLAB_FLIGHT_DIR when it is
 set, so they outlive a killed or aborted process. They are written by the wrapper `ProcessGroup.__init_subclass__`
-puts around each public call of a backend (so both backends record alike), generated with the method's own
-signature. Each entry is one call a user made: a backend's public calls do not call each other (send waits on its
+puts around each public call of a backend (flight_wrap.py; both backends record alike), generated with the method's
+own signature. Each entry is one call a user made: a backend's public calls do not call each other (send waits on its
 own _isend), and a hierarchical all-reduce's sub-groups are quiet (`_flight_quiet`). Cost per call: one 64-byte
 slot packed, one clock read, a tensor's numel and dtype, one state byte (a completed call's end time is taken only
 while a timeline is recorded): ~0.6 µs in a tight loop, ~1.3 µs inside a real call on a 2-core VM, where caches and
@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import inspect
 import itertools
 import json
 import os
@@ -385,142 +383,3 @@ def install_signal() -> None:
         RECORDER.dump("SIGUSR1 (asked by the launcher, or by hand: kill -USR1)")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, handler)
-
-
-class _RecordedWork:
-    """An isend/irecv handle whose wait() completes its entry."""
-
-    def __init__(self, work: Any, i: int, rec: Recorder) -> None:
-        self._work, self._i, self._rec, self._done = work, i, rec, False
-
-    def wait(self, timeout: float | None = None) -> Any:
-        try:
-            out = self._work.wait(timeout) if timeout is not None else self._work.wait()
-        except Exception as exc:
-            self._rec.end(self._i, exc)
-            _dump_on(exc, self._rec, self._i)
-            raise
-        if not self._done:
-            self._done = True
-            self._rec.end(self._i)
-        return out
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-def _dump_on(exc: Exception, rec: Recorder, i: int) -> None:
-    _, _, seq, op, *_ = rec.slot(i)
-    rec.dump(f"{rec.ops[op]} #{seq} failed: {type(exc).__name__}: {exc}")
-
-
-def _paramlists(fn: Callable) -> tuple[str, str, list[str], dict[str, Any]] | None:
-    """(the parameter list after self, the call's argument list, the parameter names, the defaults by name) of a
-    backend method, for a wrapper with its own signature; None when it takes *args or **kwargs."""
-    params, args, names, defaults = [], [], [], {}
-    keyword_only = False
-    for k, prm in enumerate(inspect.signature(fn).parameters.values()):
-        if k == 0:
-            continue
-        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD, prm.POSITIONAL_ONLY):
-            return None
-        if prm.kind == prm.KEYWORD_ONLY and not keyword_only:
-            keyword_only = True
-            params.append("*")
-        text = prm.name
-        if prm.default is not prm.empty:
-            defaults[f"_default_{prm.name}"] = prm.default
-            text += f"=_default_{prm.name}"
-        params.append(text)
-        args.append(f"{prm.name}={prm.name}" if keyword_only else prm.name)
-        names.append(prm.name)
-    return ", ".join(params), ", ".join(args), names, defaults
-
-
-# The wrapper of one backend call, generated with the method's own signature (a *args / **kwargs wrapper costs a
-# tuple and a dict per call, ~0.2 µs: half the recorder's price). {tensor}: the parameter whose numel and dtype are
-# recorded; {peer}: the peer's global rank; {seq}: the group's next collective number, or the p2p count.
-_TEMPLATE = """
-def make(fn, code, pack_slot, now, HEADER{defaults}):
-    def {name}(self{comma}{params}):
-        mine = self._flight_gi
-        if mine is None or mine[0] is not RECORDER:
-            mine = _cache(self)
-            if mine is None:
-                return fn(self{comma}{args})
-        rec, gi, seqs, dtcodes, mm, cap = mine
-        {fields}
-        peer = {peer}
-        seq = {seq}
-        i = next(rec.count)
-        rec.written = i + 1
-        off = HEADER + (i % cap) * SLOT_BYTES
-        pack_slot(mm, off, i, gi, seq, code, numel, dtype, peer, now(), 0, 0.0)
-        try:
-            out = fn(self{comma}{args})
-        except Exception as exc:
-            rec.end(i, exc)
-            _dump_on(exc, rec, i)
-            raise
-        {finish}
-    return {name}
-"""
-_FIELDS = """try:
-            numel = {tensor}.numel()
-            dtype = dtcodes[{tensor}.dtype]
-        except (AttributeError, KeyError, TypeError):   # not a torch tensor, or a dtype first seen
-            numel, dtype = rec.fields({tensor})"""
-_FINISH_SYNC = """if rec.on_call is None and rec.written - i <= cap:   # Recorder.end's common case, inlined
-        mm[off + END_AT] = 1
-    else:
-        rec.end(i)
-    return out"""
-
-
-def _cache(group: Any) -> tuple | None:
-    """The wrapper's slow path: (recorder, group index, the group's collective counter, dtype codes) cached on the
-    group; None when calls pass unrecorded (a sub-group of a hierarchical all-reduce, or the recorder paused)."""
-    rec = RECORDER
-    if not rec.enabled or getattr(group, "_flight_quiet", False):
-        return None
-    rec.group_index(group)
-    return group._flight_gi
-
-
-def recorded(op: str, fn: Callable) -> Callable:
-    """Wrap a backend's public `op` so every call leaves an entry (ProcessGroup.__init_subclass__ applies it).
-    Kept to the bone: it runs on every call of every group (the bench's "noflight" peer prices it). A backend's
-    public calls must not call each other (send calls its own _isend, not isend): each entry is one call a user made."""
-    lists = _paramlists(fn)
-    if lists is None:
-        raise TypeError(f"{fn.__qualname__}: a recorded backend call takes named parameters (no *args, **kwargs)")
-    params, args, names, defaults = lists
-    p2p = ("s" if op in ("send", "isend") else "r") if op in P2P_OPS else ""
-    tensor = ("input" if op in ("reduce_scatter", "all_gather") else "output" if op == "all_to_all" else
-              "tensor") if names else "None"
-    if tensor != "None" and tensor not in names:
-        tensor = names[0]
-    who = "dst" if p2p == "s" else "src"
-    peer = f"_peer(self, {who})" if (p2p or op == "broadcast") and who in names else "-1"
-    seq = f'rec.p2p_seq(gi, "{p2p}", peer)' if p2p else "next(seqs)"
-    finish = "return _RecordedWork(out, i, rec)" if op in ("isend", "irecv") else _FINISH_SYNC
-    fields = "numel, dtype = 1, 0" if tensor == "None" else _FIELDS.format(tensor=tensor)
-    src = _TEMPLATE.format(name=op, comma=", " if params else "", params=params, args=args, tensor=tensor,
-                           peer=peer, seq=seq, finish=finish.replace("\n", "\n    "), fields=fields,
-                           defaults="".join(f", {d}" for d in defaults))
-    scope: dict[str, Any] = {}
-    # run in this module's namespace: the wrapper reads the live RECORDER (set_identity replaces it)
-    exec(compile(src, f"<flight wrapper of {fn.__qualname__}>", "exec"), globals(), scope)
-    call = scope["make"](fn, TRACED_OPS.index(op), RING_SLOT.pack_into, time.time, RING_HEADER.size,
-                         *defaults.values())
-    return functools.wraps(fn)(call)
-
-
-def _peer(group: Any, r: Any) -> int:
-    try:
-        return int(group.ranks[int(r)])
-    except (IndexError, TypeError, ValueError):
-        return -1

@@ -57,7 +57,8 @@ class ProcessGroup(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every backend's public calls leave a flight-recorder entry (flight.py): both backends record alike."""
         super().__init_subclass__(**kwargs)
-        from .flight import TRACED_OPS, recorded
+        from .flight import TRACED_OPS
+        from .flight_wrap import recorded
         for op in TRACED_OPS:
             fn = cls.__dict__.get(op)
             if fn is not None and not getattr(fn, "__isabstractmethod__", False):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pslab import collectives
-from pslab.collectives import flight
+from pslab.collectives import flight, flight_wrap
 from pslab.collectives.diagnose import FlightRecordError, diagnose_dir
 
 BACKENDS = ("zmq", "torch")
@@ -231,4 +231,4 @@ def test_the_wrapper_keeps_the_signature_and_records_each_call_once(monkeypatch)
                    ("send", 0, 6, "float64", 7, "completed"), ("isend", 1, 6, "float64", 7, "completed"),
                    ("barrier", 2, 1, "", -1, "completed"), ("broadcast", 3, 3, "int32", 7, "completed")]
     with pytest.raises(TypeError, match="named parameters"):
-        flight.recorded("all_reduce", lambda self, *args: None)
+        flight_wrap.recorded("all_reduce", lambda self, *args: None)
