@@ -129,11 +129,15 @@ class Topology:
         """'intra' when ranks a and b share a host, else 'inter'."""
         return "intra" if self.host(a) == self.host(b) else "inter"
 
-    def params(self, a: int, b: int) -> tuple[float, float]:
-        """(latency s, bandwidth bytes/s) of the link a -> b."""
-        if self.link(a, b) == "intra":
+    def class_params(self, cls: str) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of a link class, "intra" or "inter"."""
+        if cls == "intra":
             return self.intra_latency_s, self.intra_bandwidth_Bps
         return self.inter_latency_s, self.inter_bandwidth_Bps
+
+    def params(self, a: int, b: int) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of the link a -> b."""
+        return self.class_params(self.link(a, b))
 
     def delay(self, a: int, b: int, nbytes: int) -> float:
         """latency + bytes / bandwidth of one message on an idle link a -> b."""
@@ -226,7 +230,7 @@ class LinkEmulator:
             return
         nb, cls = meta.get("nb"), meta.get("lc")
         if self.topology.nic and type(nb) is int and nb >= 0 and cls in self.in_busy:   # this rank's card
-            bw = self.topology.intra_bandwidth_Bps if cls == "intra" else self.topology.inter_bandwidth_Bps
+            bw = self.topology.class_params(cls)[1]
             arrive = max(due, self.in_busy[cls] + nb / bw)
             self.in_busy[cls] = arrive
             dly += arrive - due                  # a queue at the card is part of this message's modelled delay

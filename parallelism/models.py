@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def mlp(sizes: list[int] | tuple[int, ...], seed: int = 0, act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
-    """Linear(sizes[0]→sizes[1]), act, …, Linear(→sizes[-1])."""
+def mlp(sizes: list[int] | tuple[int, ...], seed: int = 0, act: type[nn.Module] = nn.Tanh,
+        bias: bool = True) -> nn.Sequential:
+    """Linear(sizes[0]→sizes[1]), act, …, Linear(→sizes[-1]) (bias=False: weights only)."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(nn.Linear(a, b))
+        layers.append(nn.Linear(a, b, bias=bias))
         if i < len(sizes) - 2:
             layers.append(act())
     return nn.Sequential(*layers)

@@ -204,13 +204,12 @@ def run_steps(steps: Iterable[Step], ctx: Context, out: TextIO, keep_going: bool
     return results
 
 
-def run_summary(config: Path | str | None, overrides: list[str], root: str, label: str) -> dict[str, Any]:
-    """One real run (experiments.runner.execute: real processes on 127.0.0.1, each one thread) of a config file or
-    a shipped example's name, into `root`; its summary.json."""
-    from pslab.experiments.config import example_config, load_config
+def run_summary(config: Path | None, overrides: list[str], root: str, label: str) -> dict[str, Any]:
+    """One real run (experiments.runner.execute: real processes on 127.0.0.1, each one thread) of a config file
+    (None: the default one) with `overrides`, into `root`; its summary.json."""
+    from pslab.experiments.config import load_config
     from pslab.experiments.runner import execute
-    path = example_config(config) if isinstance(config, str) and not config.endswith(".toml") else config
-    rd = execute(load_config(path, overrides), root, label=label, quiet=True)
+    rd = execute(load_config(config, overrides), root, label=label, quiet=True)
     return json.loads((rd.path / "summary.json").read_text())
 
 

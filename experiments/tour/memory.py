@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .core import Context, Figure, Modelled, Outcome, pyplot, save, Step
+from pslab.experiments.config import example_config
+
+from .core import Context, Figure, Modelled, Outcome, Step, pyplot, run_summary, save
 
 SECTION = "Memory optimization: ZeRO and activation checkpointing"
 KINDS = ("params", "grads", "optimizer")
@@ -137,16 +139,6 @@ def _draw_zero(path: Path, rows: dict[int, tuple[dict, dict]]) -> Path:
 
 # ---- 2. ZeRO-3's bytes ----------------------------------------------------------------------------------------
 
-def _run(overrides: list[str], root: str, label: str) -> dict[str, Any]:
-    """One real run of the tiny transformer (experiments.runner.execute); its summary.json."""
-    import json
-    from pslab.experiments.config import example_config, load_config
-    from pslab.experiments.runner import execute
-    cfg = load_config(example_config("transformer_tp.toml"), overrides)
-    rd = execute(cfg, root, label=label, quiet=True)
-    return json.loads((rd.path / "summary.json").read_text())
-
-
 def _psi(seed: int = 0) -> int:
     """Ψ: the text-transformer workload model's parameter count."""
     from pslab.experiments.workloads import get_workload
@@ -164,7 +156,8 @@ def zero3_bytes(ctx: Context) -> Outcome:
     got: dict[int, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pslab-tour-") as root:
         for s in stages:
-            summ = _run(base + [f"parallel.zero={s}"], root, f"zero{s}")
+            summ = run_summary(example_config("transformer_tp.toml"), base + [f"parallel.zero={s}"], root,
+                               f"zero{s}")
             kinds = summ.get("bytes_by_kind") or {}
             kind = kinds["dp gradient sync" if s == 0 else "zero RS + AG"]
             got[s] = (kind["measured_per_step"] / N, kind["sends_per_step"] / N)

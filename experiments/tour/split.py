@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pslab.experiments.config import example_config
+
 from .core import Context, Figure, Modelled, Outcome, pyplot, save, Step
 
 DP_WORKLOAD = "digits-mlp"            # 4,810 parameters = 19,240 B: one direct-exchange all-reduce per step
@@ -150,14 +152,9 @@ def _draw_dp(path: Path, joined: Any, drift: list[list[float]], spread: list[flo
 def _axis_run(axis: str, steps: int, seed: int, tmp: str) -> Any:
     from pslab.experiments.api import run as pslab_run
     tp, pp = (2, 1) if axis == "tp" else (1, 2)
-    return pslab_run(_shipped("transformer_tp.toml"),
+    return pslab_run(example_config("transformer_tp.toml"),
                      set=[f"parallel.tp={tp}", f"parallel.pp={pp}", "train.workers=1", f"train.steps={steps}",
                           "train.eval_every=1000000", f"workload.seed={seed}"], out=tmp, progress=False)
-
-
-def _shipped(name: str) -> str:
-    import pslab.experiments
-    return str(Path(pslab.experiments.__file__).parent / "configs" / name)
 
 
 def tp_vs_pp(ctx: Context) -> Outcome:
@@ -171,7 +168,7 @@ def tp_vs_pp(ctx: Context) -> Outcome:
         runs = {axis: _axis_run(axis, steps, ctx.seed, tmp) for axis in ("tp", "pp")}
     tp = runs["tp"].summary["bytes_by_kind"]["tp activations"]
     pp = runs["pp"].summary["bytes_by_kind"]["pp boundaries"]
-    cfg = load_config(_shipped("transformer_tp.toml"), [])
+    cfg = load_config(example_config("transformer_tp.toml"), [])
     T = P = 2
     m, b = cfg.parallel.micro_batches, cfg.workload.batch_size
     wl = get_workload("text-transformer", 1, b, ctx.seed)

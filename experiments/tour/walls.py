@@ -26,24 +26,14 @@ LLAMA_TOKENS = 15e12         # Llama 3's pre-training tokens
 SECONDS_PER_YEAR = 365.25 * 86400
 
 
-def _mlp(widths: list[int], bias: bool = True):
-    import torch
-    layers: list = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
-        layers.append(torch.nn.Linear(a, b, bias=bias))
-        if i < len(widths) - 2:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
-
-
 def memory_wall(ctx: Context) -> Outcome:
     import torch
     from pslab.parallelism.memory_model import Layout, estimate
+    from pslab.parallelism.models import mlp
 
-    torch.manual_seed(ctx.seed)
     torch.set_num_threads(1)
     widths = [64, 256, 256, 10] if ctx.quick else [784, 1024, 1024, 10]
-    model = _mlp(widths)
+    model = mlp(widths, seed=ctx.seed, act=torch.nn.ReLU)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, widths[0]), torch.randint(0, widths[-1], (32,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -83,10 +73,11 @@ def compute_wall(ctx: Context) -> Outcome:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    torch.manual_seed(ctx.seed)
+    from pslab.parallelism.models import mlp
+
     torch.set_num_threads(1)
     widths, batch = [512, 1024, 1024, 1024, 512], 256      # quick too: the step is ~60 ms, small ones are Python
-    model = _mlp(widths, bias=False)
+    model = mlp(widths, seed=ctx.seed, act=torch.nn.ReLU, bias=False)
     x = torch.randn(batch, widths[0])
     n = sum(p.numel() for p in model.parameters())
     first = widths[0] * widths[1]
