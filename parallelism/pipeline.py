@@ -369,7 +369,7 @@ class PipelineReplica:
         per chunk, each done before the next chunk's starts). A stage split over tp gets one bucket (so nothing
         overlaps): its backward's own collectives and a bucket thread's would share the transport, which is not
         for two threads at once."""
-        if not self.reducers:
+        if not self.reducers and self.dp.size > 1:      # (one data-parallel replica: nothing to reduce)
             from .data import DEFAULT_BUCKET_BYTES, GradReducer
             from .tensor import SHARD_ATTR
             split = (any(getattr(q, SHARD_ATTR, False) for q in self.stage.parameters()) or self.sp is not None

@@ -5,17 +5,22 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
 
     stage 0  plain DP: all-reduce full gradients, every rank updates everything              (p+g+K)Ψ per rank
     stage 1  full gradients; reduce-scatter them; update own chunk; all-gather parameters     (p+g)Ψ + KΨ/N
-             (one packed reduce-scatter and one packed all-gather for all parameters: `_pack`)
-    stage 2  as 1, but each gradient is reduce-scattered from its autograd hook as soon as
-             it is ready and the full gradient freed: only the gradient shard persists        pΨ + (g+K)Ψ/N
-    stage 3  as 2, and parameters live as shards: a layer's full weights are all-gathered just
-             before its forward (and again before its backward) and freed right after; the
-             next layer's gather is issued early on the communication thread (prefetch)         (p+g+K)Ψ/N
+             (gradients are reduce-scattered from autograd hooks in buckets of units -- a unit
+             is a module's own parameters -- as soon as a bucket's are all ready, behind the
+             rest of backward on the communication thread: DDP's buckets, 25 MB by default)
+    stage 2  as 1, and the full gradients are freed once reduced, a unit at a time (FSDP's
+             granularity): only the gradient shard persists                                  pΨ + (g+K)Ψ/N
+    stage 3  as 2, and parameters live as shards: a unit's full weights are all-gathered (one
+             packed collective) just before its forward (and again before its backward) and
+             freed right after; the next unit's gather is issued early on the communication
+             thread (prefetch)                                                              (p+g+K)Ψ/N
 
 (p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
-Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total
-(stage 2 all-gathers the parameters packed, stage 1 both; a packed buffer is N·L elements, L = Σ_p ⌈n_p/N⌉);
-stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements.
+Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
+stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements. Every collective is packed
+(`_Pack`): the reduce-scatters per bucket, stage 3's all-gathers per unit, stages 1–2's all-gather over all
+parameters; the packed buffers of all parameters, or of all buckets or units, add up to N·L elements,
+L = Σ_p ⌈n_p/N⌉, so each rank sends (N−1)·L elements per reduce-scatter or all-gather of all of them.
 Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
 Parameter object itself, so the gather before that layer's backward puts the full data back where backward looks.
 `state_bytes()` counts the bytes actually allocated (unique storages) for parameters, gradients and optimizer state;
@@ -36,6 +41,7 @@ from torch import nn
 from pslab.collectives import chunk_bounds, trace
 
 from .comm import Comm, CommLog, CommThread
+from .data import DEFAULT_BUCKET_BYTES
 from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
 from .mesh import DeviceMesh
 from .zero_memory import StateBytes
@@ -55,6 +61,58 @@ class _Unit:
         self.state = "full"
         self.future: Future | None = None
         self.grads_pending = 0
+        self.pack: _Pack | None = None          # its parameters' packed layout (stage 3: one all-gather per unit)
+
+
+class _Bucket:
+    """Consecutive units (in backward's order) whose gradients are reduce-scattered together, once all are ready."""
+
+    def __init__(self, units: list[_Unit], pack: bool, all_bounds: dict[str, list[tuple[int, int]]]) -> None:
+        self.units = units
+        self.params = [(n, p) for u in units for n, p in u.params]
+        self.name = units[0].name if len(units) == 1 else f"{units[-1].name}..{units[0].name}"
+        self.pack = _Pack([all_bounds[n] for n, _ in self.params]) if pack else None
+        self.pending = len(self.params)
+        self.reduced = False                    # its reduce-scatter issued this step
+
+
+class _Pack:
+    """Rank j's chunks of some parameters, back to back, padded to one length: the buffer of one packed collective.
+
+    N segments of `length` = Σ_p |chunk 0 of p| elements (chunk 0 is the largest): segment j holds chunk j of each
+    parameter in order, then zeros. Its equal split is exactly the per-parameter chunking, so one reduce-scatter
+    (all-gather) of it moves what one per parameter did, plus at most one element per parameter and rank of padding
+    -- one collective's fixed cost instead of one per parameter (gloo: ~1 ms each)."""
+
+    def __init__(self, bounds: list[list[tuple[int, int]]]) -> None:
+        self.bounds = bounds                                 # per parameter, every rank's [a, b)
+        self.length = sum(bs[0][1] - bs[0][0] for bs in bounds)
+
+    def places(self, ranks: Any) -> Any:
+        """(parameter index, start in a buffer of `ranks`' segments, chunk [a, b) of that parameter) per chunk."""
+        for i, j in enumerate(ranks):
+            at = i * self.length
+            for k, bs in enumerate(self.bounds):
+                a, b = bs[j]
+                yield k, at, a, b
+                at += b - a
+
+    def pack(self, tensors: list[torch.Tensor], ranks: Any) -> torch.Tensor:
+        """The segments of `ranks` (all: the whole packed buffer; [r]: this rank's) cut from full `tensors`."""
+        packed = torch.zeros(len(ranks) * self.length, dtype=tensors[0].dtype)
+        for k, at, a, b in self.places(ranks):
+            packed[at:at + b - a] = tensors[k].reshape(-1)[a:b]
+        return packed
+
+    def pack_own(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's segment from its own chunks (`shards`, chunk r of each parameter), padded to `length`."""
+        flat = torch.cat([t.reshape(-1) for t in shards])
+        return torch.cat([flat, flat.new_zeros(self.length - flat.numel())]) if flat.numel() < self.length else flat
+
+    def unpack(self, packed: torch.Tensor, tensors: list[torch.Tensor], ranks: Any) -> None:
+        """The inverse of `pack`: the segments of `ranks` in `packed` written into full `tensors`."""
+        for k, at, a, b in self.places(ranks):
+            tensors[k].view(-1)[a:b] = packed[at:at + b - a]
 
 
 class ZeroReplica:
@@ -62,13 +120,17 @@ class ZeroReplica:
 
     def __init__(self, module: nn.Module, dp: Comm, stage: int, optimizer_factory: OptimizerFactory, rank: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 prefetch: bool = True, name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+                 prefetch: bool = True, name_of: Callable[[str, torch.Tensor], str] | None = None,
+                 bucket_bytes: int | None = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise EngineError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.module, self.dp, self.log, self.stage, self.rank = module, dp, dp.log, stage, rank
         self.name_of = name_of or (lambda name, p: name)     # + "#tp{t}/{T}" for a tensor-parallel shard
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        # a reduce-scatter per bucket of units: stage 1 keeps the full gradients anyway, so DDP's 25 MB buckets cost
+        # no memory and save collectives (gloo: ~1 ms each); stages 2-3 free them per unit (bucket 0), FSDP's way
         self.prefetch = prefetch
+        self.bucket_bytes = (DEFAULT_BUCKET_BYTES if stage == 1 else 0) if bucket_bytes is None else bucket_bytes
         self.n, self.r = dp.size, dp.rank
         self.thread = CommThread()
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -95,16 +157,21 @@ class ZeroReplica:
                 self.shards[n].grad = self.grad_shard[off:off + b - a]
             off += b - a
         self.optimizer = optimizer_factory(list(self.shards.values()))
-        # stages 1-2: one packed collective for all parameters instead of one per parameter (see `_pack`)
-        self.packed = stage in (1, 2) and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
-        self.pack_len = sum(bs[0][1] - bs[0][0] for bs in self.all_bounds.values())   # chunk 0 is the largest
+        # packed collectives (`_Pack`) instead of one per parameter: a reduce-scatter per bucket of units (a unit: a
+        # module's own parameters) once its gradients are all ready, stage 3 an all-gather per unit, stages 1-2 one
+        # all-gather of all parameters after the step
+        self.packed = stage > 0 and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
+        self.pack = _Pack([self.all_bounds[n] for n, _ in self.named])
+        self.pack_len = self.pack.length
         self.packed_bytes = self.pack_len * self.named[0][1].element_size() if self.packed else 0
         self.units: list[_Unit] = []
-        if stage >= 2:
+        self.buckets: list[_Bucket] = []
+        self.reducing: list[Future] = []       # this step's reduce-scatters still on the communication thread
+        if stage >= 1:
+            self._setup_units()
+        if stage >= 2 or self.packed:          # (stage 1 unpacked: one reduce-scatter per parameter in step())
             for n, p in self.named:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(n))
-        if stage == 3:
-            self._setup_units()
 
     # ---- communication helpers (everything goes through one thread, so the order is the same on all ranks) ----
     def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -118,25 +185,87 @@ class ZeroReplica:
         return out.mul_(1.0 / self.n)
 
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        unit, bucket = self._unit_of[name], self._bucket_of[name]
+
         def hook(p: torch.Tensor) -> None:
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
-            self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
-            p.grad = None                      # the full gradient is freed as soon as it is reduced
-            if self.stage == 3:
-                unit = self._unit_of[name]
+            if bucket.pack is None:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
+                self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
+                p.grad = None                  # the full gradient is freed as soon as it is reduced
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._reduce_bucket(bucket)
+            if self.stage == 3:                # its parameters are not needed again this step
                 unit.grads_pending -= 1
                 if unit.grads_pending == 0:
                     self._free(unit)
         return hook
 
+    def _reduce_bucket(self, b: _Bucket) -> None:
+        """A bucket's gradients are all ready (or the step is ending): one packed reduce-scatter of them -- behind
+        the rest of backward on the communication thread when `prefetch` (waited in step()), else at once. Stage 1
+        keeps the full gradients and writes the reduced chunk into its own; stages 2-3 add it to the gradient
+        shards and free the full gradients."""
+        if b.pack is not None and (self.stage == 1 or any(p.grad is not None for _, p in b.params)):
+            for _, p in b.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif p.grad.is_sparse:                     # an embedding's sparse gradient
+                    p.grad = p.grad.to_dense()
+            grads = [p.grad for _, p in b.params]
+            pack = b.pack
+            packed = pack.pack(grads, range(self.n))
+            if self.stage == 1:
+                into = grads                               # the reduced chunk replaces this rank's own
+            else:
+                into = [self.shards[n].grad for n, _ in b.params]
+                for _, p in b.params:
+                    p.grad = None                          # the full gradients are freed once packed
+
+            def reduce() -> None:
+                out = torch.empty(pack.length, dtype=packed.dtype)
+                self.dp.reduce_scatter(out, packed, "sum", site=f"grads {b.name}")
+                out.mul_(1.0 / self.n)
+                at = 0
+                for t, (a, c) in zip(into, (bs[self.r] for bs in pack.bounds)):
+                    if self.stage == 1:
+                        t.view(-1)[a:c] = out[at:at + c - a]
+                    else:
+                        t.add_(out[at:at + c - a])
+                    at += c - a
+            if self.prefetch:
+                self.reducing.append(self.thread.submit(reduce))
+            else:
+                self._sync(reduce)
+        b.pending, b.reduced = len(b.params), True
+
     # ---- stage 3: gather just in time, free after use, prefetch the next unit ---------------------------------
     def _setup_units(self) -> None:
-        owner = {id(p): n for n, p in self.named}
+        """Units: each module that directly owns parameters (a parameter shared by two modules: the first's); stage 3
+        gathers before each unit's forward and backward and frees after them."""
+        owner, seen = {id(p): n for n, p in self.named}, set()
         for mname, mod in self.module.named_modules():
-            own = [(owner[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in owner]
+            own = [(owner[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in owner and id(p) not in seen]
+            seen.update(id(p) for _, p in own)
             if own:
-                self.units.append(_Unit(len(self.units), mname, mod, own))
+                u = _Unit(len(self.units), mname, mod, own)
+                u.grads_pending = len(own)
+                if self.packed:
+                    u.pack = _Pack([self.all_bounds[n] for n, _ in own])
+                self.units.append(u)
         self._unit_of = {n: u for u in self.units for n, _ in u.params}
+        self.buckets = []                           # backward's order: the last units' gradients are ready first
+        cur: list[_Unit] = []
+        for u in reversed(self.units):
+            if cur and sum(v.nbytes for v in cur) + u.nbytes > self.bucket_bytes:
+                self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
+                cur = []
+            cur.append(u)
+        if cur:
+            self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
+        self._bucket_of = {n: b for b in self.buckets for n, _ in b.params}
+        if self.stage < 3:
+            return
         self.gathered_bytes = sum(u.nbytes for u in self.units)
         for u in self.units:
             u.module.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
@@ -158,8 +287,13 @@ class ZeroReplica:
             u.state = "full"
 
     def _gather_unit(self, u: _Unit) -> None:
-        for n, p in u.params:
-            self.dp.all_gather(p.data.view(-1), self.shards[n].data, site=f"param {n}")
+        if u.pack is None:
+            for n, p in u.params:
+                self.dp.all_gather(p.data.view(-1), self.shards[n].data, site=f"param {n}")
+            return
+        full = torch.empty(self.n * u.pack.length, dtype=u.params[0][1].dtype)
+        self.dp.all_gather(full, u.pack.pack_own([self.shards[n].data for n, _ in u.params]), site=f"params {u.name}")
+        u.pack.unpack(full, [p.data for _, p in u.params], range(self.n))
 
     def _held_bytes(self) -> int:
         """Bytes of the distinct storages the full parameters point at now (stage 3: the gathered units')."""
@@ -186,7 +320,6 @@ class ZeroReplica:
             self._gather(self.units[u.index + 1], wait=False)
 
     def _after_forward(self, u: _Unit, out: Any) -> None:
-        u.grads_pending = len(u.params)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, u=u: self._before_backward(u))
         self._free(u)
@@ -207,63 +340,43 @@ class ZeroReplica:
         if self.stage == 0:
             from .engine import allreduce_grads
             allreduce_grads(self.dp, [ParamSlot(n, p, self.rank) for n, p in self.named])
-        elif self.stage == 1:
+        elif self.stage == 1 and not self.packed:
             for n, p in self.named:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 elif p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
-            if self.packed:                                       # one reduce-scatter for every gradient
-                grads = [p.grad for _, p in self.named]
-                out = torch.empty(self.pack_len, dtype=grads[0].dtype)
-                self._sync(self.dp.reduce_scatter, out, self._pack(grads, range(self.n)), "sum", "grads (packed)")
-                self._unpack(out.mul_(1.0 / self.n), grads, [self.r])
-            for n, p in self.named:
                 a, b = self.bounds[n]
                 flat = p.grad.view(-1)
-                if not self.packed:
-                    flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
-                self.shards[n].grad = flat[a:b]
-        for u in self.units:                                      # any unit whose grads never came (unused)
-            self._free(u)
+                flat[a:b] = self._reduce_scatter_grad(n, flat)   # the reduced chunk replaces the local one
+        for b in self.buckets:   # a bucket not reduced in backward (a parameter got no gradient): now, zeros for those
+            if not b.reduced and (b.pending != len(b.params) or (self.stage == 1 and self.packed)):
+                self._reduce_bucket(b)
+            b.reduced = False
+        for u in self.units:
+            if self.stage == 3:
+                self._free(u)
+            u.grads_pending = len(u.params)
+        with trace.waiting("reduce-scatter"):
+            for f in self.reducing:
+                f.result()
+        self.reducing = []
+        if self.stage == 1:
+            for n, p in self.named:
+                a, b = self.bounds[n]
+                self.shards[n].grad = p.grad.view(-1)[a:b]
         self.optimizer.step()
         self.last_state = self.state_bytes()
-        if self.packed:                                           # one all-gather for every parameter
+        if self.packed and self.stage in (1, 2):                  # one all-gather for every parameter
             params = [p.data for _, p in self.named]              # (stages 1-2: the shards are views of these)
-            mine = self._pack(params, [self.r])
+            mine = self.pack.pack(params, [self.r])
             full = torch.empty(self.n * self.pack_len, dtype=mine.dtype)
             self._sync(self.dp.all_gather, full, mine, "params (packed)")
-            self._unpack(full, params, range(self.n))
+            self.pack.unpack(full, params, range(self.n))
         elif self.stage in (1, 2):
             for n, p in self.named:
                 self._sync(self.dp.all_gather, p.data.view(-1), self.shards[n].data.clone(), f"param {n}")
         self.zero_grad()
-
-    # ---- packing: rank j's chunks of every parameter, back to back, padded to one length ------------------------
-    # The packed buffer is N segments of pack_len = Σ_p |chunk 0 of p| elements (chunk 0 is the largest): segment j
-    # holds chunk j of each parameter in order, then zeros. Its equal split is exactly the per-parameter chunking, so
-    # one reduce-scatter (all-gather) of it moves what one per parameter did, plus at most one element per parameter
-    # and rank of padding -- one collective's fixed cost instead of one per parameter (gloo: ~1 ms each).
-    def _places(self, ranks: Any) -> Any:
-        """(parameter index, start in a buffer of `ranks`' segments, chunk [a, b) of that parameter) per chunk."""
-        for i, j in enumerate(ranks):
-            at = i * self.pack_len
-            for k, (n, _) in enumerate(self.named):
-                a, b = self.all_bounds[n][j]
-                yield k, at, a, b
-                at += b - a
-
-    def _pack(self, tensors: list[torch.Tensor], ranks: Any) -> torch.Tensor:
-        """The segments of `ranks` (all: the whole packed buffer; [r]: this rank's) cut from full `tensors`."""
-        packed = torch.zeros(len(ranks) * self.pack_len, dtype=tensors[0].dtype)
-        for k, at, a, b in self._places(ranks):
-            packed[at:at + b - a] = tensors[k].reshape(-1)[a:b]
-        return packed
-
-    def _unpack(self, packed: torch.Tensor, tensors: list[torch.Tensor], ranks: Any) -> None:
-        """The inverse of `_pack`: the segments of `ranks` in `packed` written into full `tensors`."""
-        for k, at, a, b in self._places(ranks):
-            tensors[k].view(-1)[a:b] = packed[at:at + b - a]
 
     def zero_grad(self) -> None:
         for n, p in self.named:
@@ -324,16 +437,18 @@ class ZeroEngine:
     With tp the model is first split over the tp group (`compose.py`'s step 2); ZeRO then chunks what the rank holds
     (its shards, and the tensors tp replicates) over its dp group — the ranks with the same tp coordinate — exactly
     as it chunks a whole model. The replicated tensors' gradients are equal on every tp rank, so nothing more is
-    summed. Stage 3 gathers without prefetch under tp: the prefetch runs on the communication thread while tp's
-    collectives run on the training thread, and one process's transport is not shared by two threads at once.
+    summed. Under tp nothing runs behind compute (no prefetched gather, each reduce-scatter waited in its hook): the
+    communication thread's collectives would run while tp's run on the training thread, and one process's transport
+    is not shared by two threads at once.
     Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
     distributed optimizer), cp, ep or sequence parallelism (their gradient reductions after backward would meet
     gradients that stages 2–3 already reduce-scattered inside it)."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
-                 log: CommLog | None = None) -> None:
+                 log: CommLog | None = None, bucket_bytes: int | None = None) -> None:
         self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
             stage, optimizer_factory, loss_fn, prefetch, log)
+        self.bucket_bytes = bucket_bytes
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
         other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
@@ -349,4 +464,4 @@ class ZeroEngine:
                               "with the data, tensor, expert or pipeline engine for MoE models")
         prefetch = self.prefetch and c.tp.size == 1
         return ZeroReplica(c.module, c.dp, self.stage, self.optimizer_factory, c.rank, self.loss_fn, prefetch,
-                           c.name_of)
+                           c.name_of, self.bucket_bytes)

@@ -24,17 +24,24 @@ with the peer beside it in the same processes, alternating which goes first per 
 each, pslab ÷ peer per backend (the median of the per-repetition ratios), and bytes sent per step per rank:
 pslab's as its engine counted them, the peer's as the kernel counted its gloo sockets (collectives/sockmeter.py)
 in the zmq launch, where pslab's own traffic goes over ZeroMQ, so the gloo sockets carry the peer's bytes only.
-Peak memory per rank is not measured yet.
+Peak memory per rank (`peak_rss`): after the timed repetitions, each engine is built anew and runs max(warmup, 2)
+steps in a block of its own, and the busiest rank's growth of its resident set over the block is printed (in
+MB: the heap's freed memory handed back first, the kernel's high-water mark reset at the start) -- everything
+that engine allocated and touched, parameters to communication buffers, as the process sees it (Linux).
+The pipeline rows run pslab's engine with report_loss=False: the peer leaves each step's loss on the last stage,
+where pslab's training loop broadcasts it to every stage for its log (one more collective a step).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pslab.experiments.bench import free_port
 
@@ -145,7 +152,8 @@ def _pslab(row: str, group: Any) -> tuple[Callable[[int], None], Callable[[], fl
                                                                                   DeviceMesh(group, tp=world))
         strategy = AllReduceStrategy(_adam)
     else:
-        rep = PipelineEngine(row, 4).build(_mlp, DeviceMesh(group, pp=world))
+        rep = PipelineEngine(row, 4, report_loss=False).build(_mlp, DeviceMesh(group, pp=world))   # (as the peer:
+        # the loss stays on the last stage; pslab's training loop broadcasts it to every stage for its log)
         strategy = AllReduceStrategy(_adam)
     strategy.attach(rep)
 
@@ -240,6 +248,39 @@ def _peer_pp(row: str, group: Any, data: list[tuple[Any, Any]]) -> Callable[[int
     return step
 
 
+def _status_bytes(key: str) -> int:
+    """A /proc/self/status size (VmRSS, VmHWM) in bytes; 0 where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@contextlib.contextmanager
+def peak_rss() -> Iterator[list[int]]:
+    """Yields [bytes]: after the block, the highest resident set the process reached in it minus the one it
+    started from. Freed heap memory is handed back first (glibc's malloc_trim), so the start is what is live, and
+    the kernel's high-water mark (VmHWM) is reset to it (/proc/self/clear_refs, Linux >= 4.0). Measures whatever
+    the block allocated and touched: parameters, gradients, optimizer state, activations, communication buffers."""
+    out = [0]
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    start = _status_bytes("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        start = 0                                   # no reset: report nothing rather than the process's history
+    try:
+        yield out
+    finally:
+        out[0] = max(0, _status_bytes("VmHWM") - start) if start else 0
+
+
 def _worker(group: Any, port: int, backend: str, rows: list[str], steps: int, warmup: int, reps: int
             ) -> dict[str, Any]:
     import torch
@@ -282,7 +323,15 @@ def _worker(group: Any, port: int, backend: str, rows: list[str], steps: int, wa
             for name, fn in ([("pslab", ours), ("peer", theirs)] if rep % 2 == 0 else
                              [("peer", theirs), ("pslab", ours)]):
                 timed(name, fn)
-        out[row] = {"times": times, "sent": sent}
+        peak: dict[str, int] = {}       # after the timing (every import and first-call cost paid): each built anew
+        for name, build in (("pslab", lambda: _pslab(row, group)[0]), ("peer", lambda: _peer(row, group))):
+            with peak_rss() as m:           # and run for a few steps in a block of its own
+                fn = build()
+                for i in range(max(warmup, 2)):
+                    fn(i)
+            peak[name] = m[0]
+            del fn
+        out[row] = {"times": times, "sent": sent, "peak": peak}
     dist.destroy_process_group()
     return out
 
@@ -296,9 +345,12 @@ def measure(rows: list[str], worlds: list[int], steps: int, warmup: int, reps: i
         per_backend = {}
         for backend in BACKENDS:
             progress(f"world {world}, pslab on {backend} beside the peers ...")
-            per_backend[backend] = collectives.launch(_worker, world, backend=backend,
-                                                      args=(free_port(), backend, rows, steps, warmup, reps),
-                                                      timeout=1800)[0]
+            ranks = collectives.launch(_worker, world, backend=backend,
+                                       args=(free_port(), backend, rows, steps, warmup, reps), timeout=1800)
+            per_backend[backend] = ranks[0]
+            for row in rows:                       # peak memory: the busiest rank's
+                for who in ("pslab", "peer"):
+                    ranks[0][row]["peak"][who] = max(r[row]["peak"][who] for r in ranks)
         for row in rows:
             r: dict[str, Any] = {"row": row, "world": world}
             for backend in BACKENDS:
@@ -310,6 +362,9 @@ def measure(rows: list[str], worlds: list[int], steps: int, warmup: int, reps: i
             r["pslab_bytes_per_step"] = statistics.median(z["pslab"])
             r["pslab_torch_bytes_per_step"] = statistics.median(t["pslab"])
             r["peer_bytes_per_step"] = statistics.median(z["peer"]) if z["peer"] else None
+            for backend in BACKENDS:
+                r[f"pslab_{backend}_peak_bytes"] = per_backend[backend][row]["peak"]["pslab"]
+            r["peer_peak_bytes"] = per_backend["torch"][row]["peak"]["peer"]   # (gloo's own launch: no zmq beside)
             results.append(r)
     return results
 
@@ -340,14 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     print(f"pslab vs PyTorch {torch.__version__} (gloo, CPU), median step time over {args.reps} reps x "
           f"{args.steps} steps, rank 0; ratio = median of per-rep pslab / peer (< 1: pslab faster)")
+    print("bytes: sent per step per rank; peak MB: the busiest rank's resident-set growth while the engine is built "
+          "and runs its first steps (parameters, gradients, optimizer state, activations, buffers)")
     print(f"{'row':7s} {'N':>2s} {'pslab zmq':>10s} {'peer':>8s} {'ratio':>6s} {'pslab gloo':>11s} {'peer':>8s} "
-          f"{'ratio':>6s}   {'B/step pslab zmq':>16s} {'pslab gloo':>11s} {'peer':>11s}")
+          f"{'ratio':>6s}   {'B/step pslab zmq':>16s} {'pslab gloo':>11s} {'peer':>11s}   "
+          f"{'peak MB pslab zmq':>17s} {'gloo':>5s} {'peer':>5s}")
     for r in results:
         fmt = lambda v: "—" if v is None else f"{v:,.0f}"
+        mb = lambda v: "—" if not v else f"{v / 1e6:.1f}"
         print(f"{r['row']:7s} {r['world']:2d} {r['pslab_zmq_ms']:8.2f}ms {r['peer_zmq_ms']:6.2f}ms "
               f"{r['ratio_zmq']:5.2f}x {r['pslab_torch_ms']:9.2f}ms {r['peer_torch_ms']:6.2f}ms "
               f"{r['ratio_torch']:5.2f}x   {fmt(r['pslab_bytes_per_step']):>16s} "
-              f"{fmt(r['pslab_torch_bytes_per_step']):>11s} {fmt(r['peer_bytes_per_step']):>11s}")
+              f"{fmt(r['pslab_torch_bytes_per_step']):>11s} {fmt(r['peer_bytes_per_step']):>11s}   "
+              f"{mb(r['pslab_zmq_peak_bytes']):>17s} {mb(r['pslab_torch_peak_bytes']):>5s} "
+              f"{mb(r['peer_peak_bytes']):>5s}")
     return 0
 
 

@@ -126,7 +126,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
              packed_bytes: list[int] | None = None) -> dict[str, tuple[float, str]]:
     """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout; `steps` (default
     train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread;
-    `packed_bytes`: per rank, ZeRO 1-2's packed segment L (parallelism/zero.py `_pack`; 0: not packed)."""
+    `packed_bytes`: per rank, ZeRO's packed segment L (parallelism/zero.py `_Pack`; 0: not packed)."""
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.ps_periodic:               # ps-local / ps-diloco: Δ pushed and θ read every H steps
@@ -151,16 +151,15 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
             out["zero RS + AG"] = ((rs + 1) * (D - 1) / D * sum(slot_bytes),
                                    f"Σ_r {rs + 1}(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)"
                                    + gloo_rs)
-        elif p.zero in (1, 2) and packed_bytes and all(packed_bytes):
-            L = sum(packed_bytes)                # Σ_r L_r: every rank sends (D−1)·L per packed collective
-            if p.zero == 1:                      # reduce-scatter and all-gather, both packed
-                out["zero RS + AG"] = (rs * (D - 1) * L + (D - 1) * L,
-                                       f"Σ_r {rs + 1}(D−1)·L (one packed reduce-scatter + all-gather; L = Σ_p "
-                                       f"⌈S_p/D⌉, each parameter's largest chunk){gloo_rs}")
-            else:                                # per-parameter reduce-scatters in backward, one packed all-gather
-                out["zero RS + AG"] = (rs * (D - 1) * sum(slot_bytes) + (D - 1) * L,
-                                       f"Σ_r {rs}(D−1)·S_r + (D−1)·L (a reduce-scatter per parameter in backward, "
-                                       f"one packed all-gather; L = Σ_p ⌈S_p/D⌉){gloo_rs}")
+        elif p.zero and packed_bytes and all(packed_bytes):
+            L = sum(packed_bytes)                # Σ_r L_r: every rank sends (D−1)·L per packed pass over all parameters
+            k = rs + (2 if p.zero == 3 else 1)   # reduce-scatter, all-gather (stage 3: forward and backward)
+            what = {1: "a packed reduce-scatter per bucket in backward, one packed all-gather of all parameters",
+                    2: "a packed reduce-scatter per unit in backward, one packed all-gather of all parameters",
+                    3: "a packed reduce-scatter per unit in backward, a packed all-gather per unit before forward "
+                       "and backward"}[p.zero]
+            out["zero RS + AG"] = (k * (D - 1) * L, f"Σ_r {k}(D−1)·L ({what}; L = Σ_p ⌈S_p/D⌉, each parameter's "
+                                                    f"largest chunk){gloo_rs}")
         elif p.zero:
             k = (3 if p.zero == 3 else 2) + rs - 1
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes),

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pslab.experiments.bench.engines import ROWS, main
+from pslab.experiments.bench.engines import ROWS, main, peak_rss
 
 
 def test_every_row_runs_beside_its_peer_and_reports(capsys):
@@ -20,6 +20,8 @@ def test_every_row_runs_beside_its_peer_and_reports(capsys):
             assert r[f"pslab_{backend}_ms"] > 0 and r[f"peer_{backend}_ms"] > 0 and r[f"ratio_{backend}"] > 0
         assert r["pslab_bytes_per_step"] > 0 and r["pslab_torch_bytes_per_step"] > 0, r
         assert r["peer_bytes_per_step"] is not None and r["peer_bytes_per_step"] > 0, r
+        for key in ("pslab_zmq_peak_bytes", "pslab_torch_peak_bytes", "peer_peak_bytes"):   # (each at least holds
+            assert r[key] > 0, (key, r)                                                       # its model)
     dp = rows[0]                      # an all-reduce of the same gradients: the same payload on both sides, plus
     assert dp["peer_bytes_per_step"] >= dp["pslab_bytes_per_step"]     # gloo's 48 B headers
 
@@ -33,3 +35,16 @@ def test_bad_input_is_one_usage_error(capsys, argv, fragment):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_peak_rss_sees_what_a_block_touched_and_not_what_came_before():
+    """A block that fills 40 MB grows the resident set by about that much at its peak, even though the tensor is
+    freed inside it; the next block starts from what is live (the heap trimmed, the high-water mark reset)."""
+    import torch
+    with peak_rss() as m:
+        t = torch.ones(10_000_000)          # 40 MB, touched
+        del t
+    assert 38e6 <= m[0] <= 80e6, m
+    with peak_rss() as m:
+        pass
+    assert m[0] < 8e6, m

@@ -109,3 +109,47 @@ def test_zero1_matches_zero_redundancy_optimizer():
     for ours, theirs in out:
         for n, w in theirs.items():
             assert_close(ours["params"][n], w, n)
+
+
+class _WithUnused(torch.nn.Module):
+    """FACTORY's MLP plus a Linear that forward never calls (its gradient never comes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.unused = FACTORY(), torch.nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _bucket_worker(group, cases):
+    mesh = DeviceMesh(group, dp=group.world_size)
+    out = {}
+    for stage, bucket in cases:
+        rep = ZeroEngine(stage, adam, bucket_bytes=bucket).build(_WithUnused, mesh)
+        strategy = ZeroStrategy()
+        strategy.attach(rep)
+        for x, y in batches():
+            rep.forward_backward(dp_shard(x, group.rank, group.world_size), dp_shard(y, group.rank, group.world_size))
+            strategy.step(rep)
+        out[(stage, bucket)] = {"params": rep.full_parameters(), "buckets": len(rep.buckets),
+                                "reduce_scatters": rep.log.calls("reduce_scatter")}
+        rep.close()
+    return plain(out)
+
+
+def test_packed_buckets_with_an_unused_module_match_single_process():
+    """Gradients are reduce-scattered one packed collective per bucket of units (stage 1: DDP's 25 MB, one bucket
+    here; stages 2-3: one unit each; or 1400 B: the unused Linear (168 B) shares a bucket with the last one
+    (1176 B)), N = 4 so chunks are uneven and padded. A module forward never calls gets no gradient: a bucket
+    waiting for it is reduced at the step (zeros for it), a bucket of only it is never reduced (stages 2-3: its
+    gradient shard stays zero); the weights equal single-process Adam's, the unused ones untouched."""
+    _, ref_w = reference(_WithUnused, batches(), opt=adam)
+    cases = [(1, None), (1, 1400), (2, None), (2, 1400), (3, None), (3, 1400)]
+    out = collectives.launch(_bucket_worker, 4, backend="zmq", args=(cases,), timeout=120)
+    for stage, bucket in cases:
+        r = out[0][(stage, bucket)]
+        for n, w in ref_w.items():
+            assert_close(r["params"][n], w, f"stage {stage} bucket {bucket} {n}")
+        buckets, reduced = {(1, None): (1, 1), (2, None): (5, 4), (3, None): (5, 4)}.get((stage, bucket), (4, 4))
+        assert (r["buckets"], r["reduce_scatters"]) == (buckets, 5 * reduced), (stage, bucket, r)
