@@ -3,15 +3,15 @@
 gloo for CPU tensors, NCCL when the tensors live on CUDA. numpy arrays are wrapped zero-copy with `torch.from_numpy`.
 gloo has no `avg` and no uneven reduce-scatter/all-gather, so:
   avg            = sum, then divide by N
-  reduce_scatter = all_reduce of a copy, keep own chunk (same result; not bandwidth-optimal)  [gloo]
-                   reduce_scatter_single when chunks are equal                                  [nccl]
-  all_gather     = pad every chunk to the largest, all_gather_single (all_gather_into_tensor before torch 2.13),
-                   then unpad
+  reduce_scatter = a ring over gloo's p2p sends, (N−1)/N·S per rank (`_ring`)                     [gloo]
+                   reduce_scatter_single when chunks are equal, else all_reduce of a copy        [nccl]
+  all_gather     = the same ring, forwarding chunks                                               [gloo]
+                   pad every chunk to the largest, all_gather_single (all_gather_into_tensor before torch 2.13),
+                   then unpad                                                                     [nccl]
 Summation order is gloo's/NCCL's own: compare floats with the `zmq` backend to a tolerance, integers exactly.
 Traffic is what the kernel counted on the group's gloo connections (sockmeter.py: TCP payload written and received,
-gloo's 48-byte message headers included), claimed at the end of each op; gloo's algorithms set the figure (ring
-all-reduce 2(N−1)/N·S, all-gather (N−1)·chunk, a binomial-tree broadcast, ...), and the reduce-scatter above sends
-an all-reduce's bytes. Where it cannot be observed (NCCL, a group formed before pslab saw it, no TCP_INFO),
+gloo's 48-byte message headers included), claimed at the end of each op; the algorithms set the figure (gloo's ring
+all-reduce 2(N−1)/N·S, a binomial-tree broadcast, ...; the rings above (N−1)/N·S). Where it cannot be observed (NCCL, a group formed before pslab saw it, no TCP_INFO),
 `traffic()["observed"]` is False and no byte is counted: a report says "not observable" instead of a number.
 
 Two kinds of group: the job's default (world) group and its `new_group`s, driven through `torch.distributed.*`; or a
@@ -51,6 +51,7 @@ from .zmq_group import as_flat, write_back
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_RING_TAG = 1 << 30        # tags of the p2p rings inside reduce_scatter / all_gather (a user's p2p tags stay below)
 
 
 def store_ports(store: Any) -> tuple[int, ...]:
@@ -239,7 +240,9 @@ class TorchGroup(ProcessGroup):
         a, b = chunk_bounds(src.numel(), n)[self.rank]
         if out.numel() != b - a:
             raise ValueError(f"reduce_scatter: output has {out.numel()} elements, rank {self.rank}'s chunk is {b - a}")
-        if src.is_cuda and src.numel() % n == 0 and not self._standalone:
+        if not src.is_cuda:
+            self._ring("reduce_scatter", out, src, op)
+        elif src.numel() % n == 0 and not self._standalone:
             self._wait(_reduce_scatter_single(out, src, op=_OPS[op], group=self.pg, async_op=True),
                        "reduce_scatter")
         else:
@@ -260,6 +263,11 @@ class TorchGroup(ProcessGroup):
         if src.numel() != bounds[self.rank][1] - bounds[self.rank][0]:
             raise ValueError(f"all_gather: input has {src.numel()} elements, rank {self.rank}'s chunk is "
                              f"{bounds[self.rank][1] - bounds[self.rank][0]}")
+        if not src.is_cuda:
+            self._ring("all_gather", out, src)
+            self._count("all_gather")
+            write_back(out, orig)
+            return output
         width = max(b - a for a, b in bounds) if bounds else 0
         padded_in = torch.zeros(width, dtype=src.dtype, device=src.device)
         padded_in[:src.numel()] = src
@@ -274,6 +282,54 @@ class TorchGroup(ProcessGroup):
             out[a:b] = padded_out[i * width:i * width + (b - a)]
         write_back(out, orig)
         return output
+
+    def _ring(self, kind: str, out: torch.Tensor, src: torch.Tensor, op: str = "sum") -> None:
+        """A ring reduce-scatter or all-gather of CPU tensors over gloo's point-to-point sends (gloo has neither for
+        uneven chunks, and its reduce-scatter would all-reduce a copy): N−1 steps around the ring, (N−1)/N·S sent
+        per rank, as the zmq backend's ring (collectives/ring.py). Step s sends to rank r+1 and receives from rank
+        r−1: reduce-scatter sends the partial of chunk r−s−1 (its own at s = 0) and adds its own to the partial of
+        chunk r−s−2 it receives (the last: chunk r, complete); all-gather forwards chunk r−s and receives chunk
+        r−s−1 into `out`. Receives land in fresh buffers while `interrupt` is set (an abandoned op must not write
+        into the caller's tensors later)."""
+        n, r = self.world_size, self.rank
+        bounds = chunk_bounds(out.numel() if kind == "all_gather" else src.numel(), n)
+        part = lambda t, i: t[bounds[i][0]:bounds[i][1]]      # noqa: E731
+        private = self.interrupt is not None
+        if kind == "all_gather":
+            part(out, r).copy_(src)
+            send = part(out, r)
+        elif n == 1:
+            out.copy_(src)
+        else:
+            send = part(src, (r - 1) % n)
+        for s in range(n - 1):
+            i = (r - s - 1) % n if kind == "all_gather" else (r - s - 2) % n
+            into = part(out, i) if kind == "all_gather" else out if s == n - 2 else None   # (else a partial)
+            got = into if into is not None and not private else torch.empty(bounds[i][1] - bounds[i][0],
+                                                                              dtype=src.dtype)
+            works = [self._p2p(got, (r - 1) % n, _RING_TAG + s, send=False),
+                     self._p2p(send.contiguous(), (r + 1) % n, _RING_TAG + s, send=True)]
+            for w in works:
+                self._wait(w, kind, pollable=False)
+            if kind == "reduce_scatter":
+                own = part(src, i)
+                if op in ("sum", "avg"):
+                    got.add_(own)
+                elif op == "max":
+                    torch.maximum(got, own, out=got)
+                else:
+                    torch.minimum(got, own, out=got)
+            if into is not None and got is not into:
+                into.copy_(got)
+            send = got
+
+    def _p2p(self, buf: torch.Tensor, peer: int, tag: int, send: bool) -> Any:
+        """An unrecorded, unmetered gloo send or receive to / from this group's rank `peer` (a collective's part)."""
+        if self._standalone:
+            return self.pg.send([buf], peer, tag) if send else self.pg.recv([buf], peer, tag)
+        if send:
+            return dist.isend(buf, dst=self.ranks[peer], group=self.pg, tag=tag)
+        return dist.irecv(buf, src=self.ranks[peer], group=self.pg, tag=tag)
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)

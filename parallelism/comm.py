@@ -9,7 +9,7 @@ Every collective an engine issues goes through `Comm`, which records (kind, site
     wire     bytes this rank sent for it, as the backend counted them (`collectives.tally`: the zmq backend's slices,
              the kernel's count on gloo's connections); which algorithm the backend chose decides the figure: the
              zmq ring all-reduce 2(N−1)/N·S, its direct exchange of ≤ 32 KiB (N−1)·S, gloo's ring 2(N−1)/N·S plus
-             48 B a message, reduce-scatter and all-gather (N−1)/N·S (gloo's reduce-scatter: an all-reduce),
+             48 B a message, reduce-scatter and all-gather (N−1)/N·S (the torch backend's: rings over gloo's p2p),
              all-to-all (N−1)/N·S, broadcast S·(N−1) from the root (gloo: a tree), p2p S. The formulas live in
              experiments/results/bytes.py and parallelism/comm_model.py, not here.
 

@@ -50,7 +50,9 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
     dp gradient sync one flat all-reduce of the stage's gradients (engine.allreduce_grads), or with overlap (the
                      data-parallel and pipeline engines) one per DDP bucket (data.py: ≤ 25 MiB, parameters in
                      reverse order; a pipeline stage's in its last micro-batch's backward)
-    zero RS + AG     per parameter a ring reduce-scatter and all-gather (ZeRO 3: two all-gathers), zero.py
+    zero RS + AG     packed ring collectives (zero.py, `zero_packed`): a reduce-scatter per unit (a module's own
+                     parameters; ZeRO-1: per 25 MiB bucket of units), an all-gather of all parameters (ZeRO 1-2) or
+                     two per unit (ZeRO-3); a unit's buffer D·Σ_p ⌈n_p/D⌉ elements
     tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes, per stage) and the loss
                      (8 B, the last stage's tp ranks), once per step (sequence.py, pipeline.py)
     pp boundaries    + the loss broadcast from the last stage (4 B, 8 B under sp; direct: (P−1)·4 per pipeline)
@@ -158,6 +160,31 @@ def replicated_tensors(shape: Shape, layout: Layout, stage: int, algorithm: str)
     full = sum(stage_tensors(shape, layout, stage, algorithm))
     split = stage_blocks(shape, layout, stage, algorithm) * (12 * shape.hidden ** 2 + 7 * shape.hidden)
     return full - split // layout.tp
+
+
+def zero_packed(shape: Shape, layout: Layout, stage: int, D: int, e: int, zero: int) -> tuple[list[int], list[int]]:
+    """The elements of each packed reduce-scatter and all-gather pslab's ZeRO runs per step on a rank of `stage`
+    (zero.py): a module owning parameters is a unit (Embed's two embeddings one each, every Linear and LayerNorm its
+    weight and bias), its packed buffer D·Σ_p ⌈n_p/D⌉; reduce-scatters per unit (stage 1: per 25 MiB bucket of
+    units in reverse order), all-gathers of all parameters at once (stages 1-2) or per unit, twice (stage 3)."""
+    units: list[list[int]] = []
+    for u in stage_units(shape, layout, stage):
+        ts = _unit_tensors(shape, layout.tp, u)
+        units += [[n] for n in ts] if u == 0 else [ts[i:i + 2] for i in range(0, len(ts), 2)]
+    packed = [D * sum(-(-n // D) for n in unit) for unit in units]
+    if zero == 1:
+        rs: list[int] = []
+        cur, size = [], 0                               # zero.py's buckets: whole units, at most 25 MiB of them
+        for unit, n in zip(reversed(units), reversed(packed)):
+            if cur and size + sum(unit) * e > BUCKET_BYTES:
+                rs.append(sum(cur))
+                cur, size = [], 0
+            cur.append(n)
+            size += sum(unit) * e
+        rs += [sum(cur)] if cur else []
+    else:
+        rs = packed
+    return rs, (packed * 2 if zero == 3 else [sum(packed)])
 
 
 def buckets(tensors: list[int], e: int, bucket_bytes: int = BUCKET_BYTES) -> list[int]:
@@ -276,11 +303,18 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                      + (f" × {n_rs} micro-batches" if n_rs > 1 else "") + ", all-gather the parameters"
                      + (f" × {n_ag} (forward and backward of each micro-batch)" if n_ag > 1 and not pslab else "")
                      + (", twice" if lay.zero == 3 and pslab else "") + ")"
-                     + ("; per parameter, ring" if pslab else ""), True)
+                     + ("; packed per unit (a module's parameters), ring" if pslab else ""), True)
         for grp, times in pl.group_classes("dp"):
             c = Cost()
-            for n in (stage_tensors(shape, lay, stage(grp), algorithm) if pslab else [psi[stage(grp)]]):
-                c.add(ring(pl, grp, n, g, "rs", pslab), n_rs).add(ring(pl, grp, n, g, "ag", pslab), n_ag)
+            if pslab:
+                rs, ag = zero_packed(shape, lay, stage(grp), D, g, lay.zero)
+                for n in rs:
+                    c.add(ring(pl, grp, n, g, "rs", pslab))
+                for n in ag:
+                    c.add(ring(pl, grp, n, g, "ag", pslab))
+            else:
+                c.add(ring(pl, grp, psi[stage(grp)], g, "rs", pslab), n_rs).add(
+                    ring(pl, grp, psi[stage(grp)], g, "ag", pslab), n_ag)
             kind.group(c, times=times)
         out += kind.terms()
     elif D > 1:

@@ -41,7 +41,8 @@ For pslab's own fp32 `tiny_transformer` (no dropout, fused attention) the exact 
     checkpointed blocks  embed + max((L+1)·e·sbh + max(loss, recomputed head), L·e·sbh + recomputed block)
                          (`tiny_checkpointed_activation_bytes`: only block and head inputs stay saved)
     pipeline stage k     in_flight · (positions on stage 0 + n_k · layer − e·sbh on k > 0 [the received input is a
-                         leaf, not metered] + head on the last stage) + e·sbh (the received gradient, k < p − 1)
+                         leaf, not metered] + head on the last stage) [the received gradient is handed to autograd's
+                         engine, not saved: `pipeline.backward_from`]
                          + the whole batch's ids / targets once (`tiny_stage_activation_bytes`)
 """
 
@@ -293,8 +294,8 @@ def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, laye
     of the v·p-way cut (`pipeline.split_stages`: [Embed, Block × L, Head]'s parameterised children spread evenly),
     each saving per micro-batch what a stage with its blocks saves (`tiny_stage_activation_bytes`' terms: the
     positions on chunk 0, the head's on the last chunk, less the received input elsewhere), replayed along the
-    rank's schedule (`schedule.interleaved_1f1b`): a forward adds its chunk's bytes, a backward first holds the
-    received output gradient (e·sbh, every chunk but the last) and then frees them; the token ids (chunk 0) and
+    rank's schedule (`schedule.interleaved_1f1b`): a forward adds its chunk's bytes, a backward frees them (the
+    received output gradient goes to autograd's engine unsaved: `pipeline.backward_from`); the token ids (chunk 0) and
     targets (the last chunk) count once while a micro-batch of their chunk is in flight (views of one storage)."""
     from pslab.collectives.group import chunk_bounds
     from .schedule import interleaved_1f1b
@@ -322,7 +323,6 @@ def tiny_chunked_activation_bytes(batch: int, seq: int, d: int, heads: int, laye
             live[c] = live.get(c, 0) + 1
             peak = max(peak, cur + ids * sum(1 for k in (0, last) if live[k]))
         else:
-            peak = max(peak, cur + (e * sbh if c != last else 0) + ids * sum(1 for k in (0, last) if live[k]))
             cur -= per(c)
             live[c] -= 1
     return peak
@@ -333,10 +333,10 @@ def tiny_stage_activation_bytes(batch: int, seq: int, d: int, heads: int, layers
                                 t: int = 1, cp: int = 1) -> int:
     """Peak saved bytes on pipeline stage `stage` of `tiny_transformer` ([Embed, Block × L, Head] cut as
     `pipeline.split_stages`: the blocks spread evenly, Embed on stage 0, Head on the last), micro-batch b/m:
-    in_flight × (what one micro-batch saves on the stage) + the received output gradient that the backward's
-    (out·grad).sum() saves (e·sbh, stages before the last) + the token ids (stage 0) and targets (last stage)
+    in_flight × (what one micro-batch saves on the stage) + the token ids (stage 0) and targets (last stage)
     once: micro-batches are views of the whole batch, one storage. The received input of stages k > 0 is a leaf
-    that requires grad: the meter skips it. t: the stage's blocks split over t tensor-parallel ranks (3D; the
+    that requires grad: the meter skips it; the received output gradient goes to autograd's engine unsaved
+    (`pipeline.backward_from`). t: the stage's blocks split over t tensor-parallel ranks (3D; the
     embedding and head replicated, `sequence.layer_activation_bytes`). cp: the stage's rank holds S/C tokens of
     each sequence (pp × cp): the same terms on S/C, but its token ids and targets are per-micro-batch copies (the
     cp rank's slice) and its positions one tensor for the step."""
@@ -363,4 +363,4 @@ def tiny_stage_activation_bytes(batch: int, seq: int, d: int, heads: int, layers
         else:
             per += 8 * b * seq           # targets: the cp slice of each micro-batch
     k = micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
-    return k * per + once + (e * sbh if stage < pp - 1 else 0)
+    return k * per + once

@@ -52,6 +52,20 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 PP_CUTS_ATTR = "pp_cuts"   # a model's own stage cut: the child indices where stages 1, 2, ... begin (see split_stages)
 
 
+def backward_from(out: torch.Tensor, grad: torch.Tensor, extra: torch.Tensor | None = None) -> None:
+    """Backpropagate ∂L/∂out = `grad` (and a scalar `extra`'s own gradient, a MoE stage's aux loss) into the graph:
+    torch.autograd.backward((out, extra), (grad, 1)) straight on autograd's engine, without that function's Python
+    checks -- whose first call imports sympy (~1 s a process) -- or a (out·grad).sum() node (~0.1 ms a micro-batch
+    at 16 x 512). `grad` comes from the next stage's buffer of out's own shape."""
+    tensors, grads = ((out,), (grad,)) if extra is None else ((out, extra), (grad, torch.ones_like(extra)))
+    try:
+        run = torch.autograd.variable.Variable._execution_engine.run_backward
+    except AttributeError:                              # (a torch without it: the public call)
+        torch.autograd.backward(tensors, grads)
+        return
+    run(tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 def split_stages(model: nn.Sequential, stages: int) -> list[tuple[int, int]]:
     """[start, end) child indices of each stage: the model's own `pp_cuts` (the child indices where stages 1 … n−1
     begin, as torch.distributed.pipelining's split points) if it declares them; else parameterised children spread
@@ -302,8 +316,7 @@ class PipelineReplica:
                 else:
                     grad = self.pp.recv(torch.empty_like(out), (s + 1) % p, tag=self._tag(c + 1, i, True))
                     t0 = time.perf_counter()
-                    # == torch.autograd.backward(out, grad), whose first call imports sympy (~1 s per process)
-                    ((out * grad).sum() + (aux if aux is not None else 0)).backward()
+                    backward_from(out, grad, aux)
                 t1 = self._pad(a.phase, t0)
                 if c > 0:
                     sends.append(self.pp.isend(inp.grad.contiguous(), (s - 1) % p, tag=self._tag(c, i, True),

@@ -40,7 +40,8 @@ step; S_r = bytes of the parameters rank r holds, D/T/P the dp/tp/pp degrees, b 
 
 pslab's zmq all-reduce sends a tensor of at most 32 KiB in one direct exchange ((N−1)·S per rank instead of the
 ring's 2(N−1)/N·S): the modelled figure uses the rule the backend applies, and the formula text says which. gloo
-(backend torch) runs a ring at every size and reduce-scatters by all-reducing a copy.
+(backend torch) runs a ring all-reduce at every size; its reduce-scatters and all-gathers are pslab's rings over
+gloo's p2p sends (collectives/torch_group.py), (N−1)/N·S like the zmq backend's.
 
 Measured: the zmq backend counts each tensor slice it sends (frames, shared-memory slots and segments alike); a PS
 client the tensor payload its transport pushed (frames, or its shared segment) and read back (frames, the shard's
@@ -145,25 +146,22 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
                                        f"⌈n/H⌉/n · Σ_r {parts[0][1]} (one all-reduce of the parameters per H = {H} "
                                        f"steps, and after the last: {syncs} over n = {n} steps)")
     elif cfg.strategy.kind == "allreduce" and D > 1:
-        rs = 2 if _gloo(cfg) else 1             # gloo has no uneven reduce-scatter: the backend all-reduces a copy
-        gloo_rs = " (gloo: the reduce-scatter is an all-reduce, 2(D−1)/D)" if _gloo(cfg) else ""
         if p.distributed_optimizer:             # slot_bytes are whole slots, not ZeroEngine's shards
-            out["zero RS + AG"] = ((rs + 1) * (D - 1) / D * sum(slot_bytes),
-                                   f"Σ_r {rs + 1}(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)"
-                                   + gloo_rs)
+            out["zero RS + AG"] = (2 * (D - 1) / D * sum(slot_bytes),
+                                   "Σ_r 2(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)")
         elif p.zero and packed_bytes and all(packed_bytes):
             L = sum(packed_bytes)                # Σ_r L_r: every rank sends (D−1)·L per packed pass over all parameters
-            k = rs + (2 if p.zero == 3 else 1)   # reduce-scatter, all-gather (stage 3: forward and backward)
+            k = 3 if p.zero == 3 else 2          # reduce-scatter, all-gather (stage 3: forward and backward)
             what = {1: "a packed reduce-scatter per bucket in backward, one packed all-gather of all parameters",
                     2: "a packed reduce-scatter per unit in backward, one packed all-gather of all parameters",
                     3: "a packed reduce-scatter per unit in backward, a packed all-gather per unit before forward "
                        "and backward"}[p.zero]
             out["zero RS + AG"] = (k * (D - 1) * L, f"Σ_r {k}(D−1)·L ({what}; L = Σ_p ⌈S_p/D⌉, each parameter's "
-                                                    f"largest chunk){gloo_rs}")
+                                                    f"largest chunk)")
         elif p.zero:
-            k = (3 if p.zero == 3 else 2) + rs - 1
+            k = 3 if p.zero == 3 else 2
             out["zero RS + AG"] = (k * (D - 1) * sum(slot_bytes),
-                                   f"Σ_r {k}(D−1)/D·S (S: the full model's bytes){gloo_rs}")
+                                   f"Σ_r {k}(D−1)/D·S (S: the full model's bytes)")
         elif p.overlap and p.virtual_stages > 1:    # one overlapped reducer per model chunk (pipeline.py)
             from pslab.parallelism.pipeline import rank_chunks, stage_module
             model = wl.make_model()
@@ -334,8 +332,7 @@ def _tensor_blocks(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: l
     mtext = f" over {len(micro)} micro-batches (a_i = A·b_i/b)" if len(micro) > 1 else ""
     if p.sp:      # Korthikanti et al.: each all-reduce becomes an all-gather + a reduce-scatter
         per_region = 6 if ac else 4
-        rs = 2 if _gloo(cfg) else 1          # gloo reduce-scatters by all-reducing a copy: 2(T−1)/T·A
-        act = regions * per_region * (1 + rs) / 2 * (T - 1) / T * sum(micro)
+        act = regions * per_region * (T - 1) / T * sum(micro)     # ring all-gathers and reduce-scatters
         grads, grule = 0.0, ""
         if p.pp > 1:          # each stage sums its own replicated parameters' gradients over tp
             from pslab.parallelism.pipeline import rank_stages
@@ -348,7 +345,7 @@ def _tensor_blocks(cfg: RunConfig, wl: Workload, model: torch.nn.Module, acts: l
         total = D * T * (act + grads + loss)
         formula = (f"D·T ranks · ({regions * per_region} all-gathers / reduce-scatters (2 forward, 2 backward"
                    + (", 2 recomputed" if ac else "") + f" per attention and MLP) · (T−1)/T·A{mtext}"
-                   + (" (gloo: each reduce-scatter an all-reduce, 2(T−1)/T·A)" if rs == 2 else "") + " + the "
+                   + " + the "
                    f"replicated gradients {grule}" + (" per stage" if p.pp > 1 else "") + " + loss); "
                    "A = b·S·d·4 B")
     else:

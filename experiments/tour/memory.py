@@ -59,15 +59,25 @@ def _zero_stages_worker(group: Any, labels: list[str]) -> list[dict[str, Any]]:
     return [measure_worker(group, label) for label in labels]
 
 
-def _param_tensors(label: str) -> int:
-    """Parameter tensors of a MEASURE configuration's model. Each has its own Adam `step` counter (a 4-byte tensor,
-    ZeRO's per-parameter shards too) — bytes the formula's K leaves out — and, under ZeRO-3, its own reduce-scatter
-    and two all-gathers per step."""
+def _model(label: str) -> Any:
+    """A MEASURE configuration's model (`pslab memory --measure`'s)."""
     from pslab.experiments.commands.memory import _config
     from pslab.experiments.workloads import get_workload
     cfg = _config(label)
     wl = get_workload(cfg.workload.name, 1, cfg.workload.batch_size, cfg.workload.seed, **cfg.workload.overrides())
-    return sum(1 for q in wl.make_model().parameters() if q.requires_grad)
+    return wl.make_model()
+
+
+def _param_tensors(label: str) -> int:
+    """Parameter tensors of a MEASURE configuration's model. Each has its own Adam `step` counter (a 4-byte tensor,
+    ZeRO's per-parameter shards too): bytes the formula's K leaves out."""
+    return sum(1 for q in _model(label).parameters() if q.requires_grad)
+
+
+def _param_units(label: str) -> int:
+    """Modules that own parameters directly in a MEASURE configuration's model: ZeRO-3's units, each with its own
+    packed reduce-scatter and two all-gathers per step (parallelism/zero.py)."""
+    return sum(1 for mod in _model(label).modules() if any(True for _ in mod.parameters(recurse=False)))
 
 
 def zero_stages(ctx: Context) -> Outcome:
@@ -224,7 +234,7 @@ def zero3_link(ctx: Context) -> Outcome:
     extra = {z: comm[("slow", z)] - comm[("fast", z)] for z in (0, 3)}
     slow_ratio = t[("slow", 3)] / t[("slow", 0)]
     fast_ratio = t[("fast", 3)] / t[("fast", 0)]
-    collectives_per_step = 3 * _param_tensors(STAGE_LABELS[3])     # RS + 2 AG per parameter tensor
+    collectives_per_step = 3 * _param_units(STAGE_LABELS[3])       # RS + 2 AG per unit (zero.py)
     big = _big_model_ratios()
     pic = _draw_link(ctx.picture("zero3-link"), t, comm)
     ms = lambda x: f"{x * 1e3:.1f} ms"    # noqa: E731

@@ -132,10 +132,14 @@ def test_sp_matches_tp_and_single_process(backend):
             for site in layer_sites:
                 assert set(tp_wire[site]) == {"all_reduce"}
                 assert set(wire[site]) == {"all_gather", "reduce_scatter"}
-                if backend == "zmq":     # all-gather + reduce-scatter move an all-reduce's bytes
-                    assert wire[site]["all_gather"] + wire[site]["reduce_scatter"] == tp_wire[site]["all_reduce"]
-                else:                    # gloo reduce-scatters by all-reducing a copy: the same bytes as TP's
-                    assert wire[site]["reduce_scatter"] == tp_wire[site]["all_reduce"] > wire[site]["all_gather"]
+                # all-gather + reduce-scatter move an all-reduce's bytes (gloo: each op's framing apart, 48 B a
+                sp_bytes = wire[site]["all_gather"] + wire[site]["reduce_scatter"]    # message, at most 12 an op;
+                # the torch backend's reduce-scatter and all-gather are rings over gloo's p2p, collectives/torch_group)
+                if backend == "zmq":
+                    assert sp_bytes == tp_wire[site]["all_reduce"]
+                else:
+                    ar = tp_wire[site]["all_reduce"]        # (gloo's all-reduce frames more messages than the rings)
+                    assert ar - calls[site] * 12 * 48 <= sp_bytes <= ar, (site, sp_bytes, ar)
             assert _counted(sum(tp_wire[s]["all_reduce"] for s in layer_sites), formula["activations"],
                             sum(tp_calls[s] for s in layer_sites), backend)
             assert set(wire[GRAD_SITE]) == set(wire[LOSS_SITE]) == {"all_reduce"}
