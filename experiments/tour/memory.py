@@ -187,9 +187,9 @@ def zero3_bytes(ctx: Context) -> Outcome:
             f"order (reduce-scatter the gradients, update the own shard, all-gather the weights). ZeRO-3 keeps only "
             f"a shard of the weights, so it gathers every layer's weights before its forward and again before its "
             f"backward: 3(N−1)/N·4Ψ B per rank ({got[3][0]:,.0f} B), {got[3][0] / got[0][0]:.3g}× — and it sends "
-            f"them as {got[3][1]:.0f} messages per rank per step instead of {got[0][1]:.0f} (for each parameter tensor a "
-            f"reduce-scatter and two all-gathers, each a ring of messages): memory redundancy traded for more, and more frequent, "
-            f"communication."),
+            f"them as {got[3][1]:.0f} messages per rank per step instead of {got[0][1]:.0f} (for each layer -- a "
+            f"module's weight and bias, packed -- a reduce-scatter and two all-gathers, each a ring of messages): "
+            f"memory redundancy traded for more, and more frequent, communication."),
         notes=["bytes are the payload the zmq backend counted on a real 4-step run (summary bytes_by_kind), "
                "per step and per rank; the formula is the textbook ring volume with 4-byte elements"])
 
