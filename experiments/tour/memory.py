@@ -46,7 +46,7 @@ KINDS = ("params", "grads", "optimizer")
 STAGE_LABELS = {0: "dp=2", 1: "dp=2 zero1", 2: "dp=2 zero2", 3: "dp=2 zero3"}   # experiments/commands/memory.py
 # emulated links for zero3-link (collectives/topology.py): 2 hosts of 1 rank, so the dp pair crosses the link
 FAST = dict(latency_s=20e-6, bandwidth_Bps=2e9)     # NVLink's role, scaled to this machine
-SLOW = dict(latency_s=1e-3, bandwidth_Bps=50e6)     # a slow inter-node link: 50x the latency, 1/40 the bandwidth
+SLOW = dict(latency_s=3e-3, bandwidth_Bps=50e6)     # a slow inter-node link: 150x the latency, 1/40 the bandwidth
 
 
 # ---- 1. ZeRO stages: bytes per rank ---------------------------------------------------------------------------
