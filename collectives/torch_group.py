@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .errors import PeerFailedError, PeerTimeoutError
 from .group import ProcessGroup, check_op, chunk_bounds
+from .ring import combine
 from .sockmeter import SocketMeter, socket_fds
 from .traffic import TrafficCounter
 from .wire import Tensor
@@ -290,7 +291,9 @@ class TorchGroup(ProcessGroup):
         r−1: reduce-scatter sends the partial of chunk r−s−1 (its own at s = 0) and adds its own to the partial of
         chunk r−s−2 it receives (the last: chunk r, complete); all-gather forwards chunk r−s and receives chunk
         r−s−1 into `out`. Receives land in fresh buffers while `interrupt` is set (an abandoned op must not write
-        into the caller's tensors later)."""
+        into the caller's tensors later). Not ring.ring_pass: that pass works in place on one buffer (a copy of the
+        input for a reduce-scatter) and closes with an acknowledgement because its sends are untracked; gloo's are
+        waited here, so each step receives straight into its place and no ack message is needed."""
         n, r = self.world_size, self.rank
         bounds = chunk_bounds(out.numel() if kind == "all_gather" else src.numel(), n)
         part = lambda t, i: t[bounds[i][0]:bounds[i][1]]      # noqa: E731
@@ -312,19 +315,14 @@ class TorchGroup(ProcessGroup):
             for w in works:
                 self._wait(w, kind, pollable=False)
             if kind == "reduce_scatter":
-                own = part(src, i)
-                if op in ("sum", "avg"):
-                    got.add_(own)
-                elif op == "max":
-                    torch.maximum(got, own, out=got)
-                else:
-                    torch.minimum(got, own, out=got)
+                combine(got, part(src, i), op)
             if into is not None and got is not into:
                 into.copy_(got)
             send = got
 
     def _p2p(self, buf: torch.Tensor, peer: int, tag: int, send: bool) -> Any:
-        """An unrecorded, unmetered gloo send or receive to / from this group's rank `peer` (a collective's part)."""
+        """The backend's send or receive of `buf` to / from this group's rank `peer`: its raw work, unrecorded and
+        unmetered (`_isend` / `_irecv` wrap it; a ring step waits it as part of its collective)."""
         if self._standalone:
             return self.pg.send([buf], peer, tag) if send else self.pg.recv([buf], peer, tag)
         if send:
@@ -381,12 +379,8 @@ class TorchGroup(ProcessGroup):
 
     def _isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Any:
         buf, _ = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
-        work_buf = self._private(buf)
-        if self._standalone:
-            work = self.pg.send([work_buf], dst, tag)
-        else:
-            work = dist.isend(work_buf, dst=self.ranks[dst], group=self.pg, tag=tag)
-        return _TorchWork(self, work, "send", tensor, peer=self.ranks[dst])
+        return _TorchWork(self, self._p2p(self._private(buf), dst, tag, send=True), "send", tensor,
+                          peer=self.ranks[dst])
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         return self._irecv(tensor, src, tag)
@@ -394,11 +388,8 @@ class TorchGroup(ProcessGroup):
     def _irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
-        if self._standalone:
-            work = self.pg.recv([work_buf], src, tag)
-        else:
-            work = dist.irecv(work_buf, src=self.ranks[src], group=self.pg, tag=tag)
-        return _TorchWork(self, work, "recv", tensor, buf, orig, work_buf, peer=self.ranks[src])
+        return _TorchWork(self, self._p2p(work_buf, src, tag, send=False), "recv", tensor, buf, orig, work_buf,
+                          peer=self.ranks[src])
 
     def new_group(self, ranks: list[int] | tuple[int, ...]) -> TorchGroup | None:
         ranks = tuple(int(r) for r in ranks)

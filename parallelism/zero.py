@@ -256,11 +256,13 @@ class ZeroReplica:
         self._unit_of = {n: u for u in self.units for n, _ in u.params}
         self.buckets = []                           # backward's order: the last units' gradients are ready first
         cur: list[_Unit] = []
+        size = 0
         for u in reversed(self.units):
-            if cur and sum(v.nbytes for v in cur) + u.nbytes > self.bucket_bytes:
+            if cur and size + u.nbytes > self.bucket_bytes:
                 self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
-                cur = []
+                cur, size = [], 0
             cur.append(u)
+            size += u.nbytes
         if cur:
             self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
         self._bucket_of = {n: b for b in self.buckets for n, _ in b.params}
