@@ -87,14 +87,14 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
     if backend == "torch":
         from .torch_group import TorchGroup
         from .sockmeter import SocketMeter, socket_fds
-        from .torch_group import gloo_connections, store_ports
+        from .torch_group import group_meter
         tb = torch_backend or "gloo"
         meter = SocketMeter([], "torch.distributed was initialised before this group: its connections are unknown")
         if not dist.is_initialized():
             before = socket_fds()
             dist.init_process_group(tb, store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout))
-            meter = (SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
+            meter = (group_meter(before, store, rank, world_size, timeout)
                      if tb == "gloo" else SocketMeter([], f"{tb}'s traffic does not cross this process's sockets"))
         group = TorchGroup(None, range(world_size), rank, timeout, meter=meter)
         group.store = store

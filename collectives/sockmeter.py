@@ -23,10 +23,15 @@ the process reused for something else stops being read, never misread.
 
 `SocketMeter.claim()` returns the bytes written and received since the previous claim. The torch backend claims
 once at the end of each op it ran on the group (a group runs one collective at a time), so every byte is counted
-once and belongs to the op that sent it; p2p sends and receives are claimed when their waits return (several in
-flight on one group share their claims: the total is exact, the split between them is not). Where nothing can be observed (NCCL on
-GPUs, a kernel without these fields, no socket found) `observable` is False and the caller says so instead of
-printing a number.
+once and belongs to the op that sent it. p2p sends and receives are claimed when their waits return, on the
+peer's connection only once `label_peers` has learnt which connection leads to which rank: a connection is the same
+port pair seen from both ends, (local, remote) here and (remote, local) there, so each rank publishes its pairs in
+the rendezvous store under the pair's name and reads its peers' (one set and one read per connection, once per
+group). Reading one connection costs ~4 µs (a `getsockopt` and an `fstat`), so a pipeline's many p2p waits on a
+4-rank group pay a third of what reading all three did. Unlabelled (the store did not answer in time, a pair not
+found), a wait claims every connection: the total is still exact, the split between several in flight is not.
+Where nothing can be observed (NCCL on GPUs, a kernel without these fields, no socket found) `observable` is False
+and the caller says so instead of printing a number.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import os
 import socket
 import struct
 import threading
+from datetime import timedelta
+from typing import Any
 
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _INFO_LEN = 232                       # struct tcp_info up to tcpi_snd_wnd (Linux >= 5.4; 216 suffice)
@@ -43,6 +50,9 @@ LAZY_OFF = frozenset({"", "0", "false", "no", "off"})   # TORCH_GLOO_LAZY_INIT v
 _NOTSENT, _BYTES_RECEIVED, _BYTES_SENT, _BYTES_RETRANS = 144, 128, 200, 208   # offsets of the fields used
 _NEEDED = _BYTES_RETRANS + 8
 _ESTABLISHED, _LISTEN = 1, 10        # tcpi_state values (TCP_ESTABLISHED, TCP_LISTEN)
+# the four counters in one unpack, from _BYTES_RECEIVED on: received, notsent, sent, retrans (native order, no padding)
+_COUNTERS = struct.Struct(f"=Q{_NOTSENT - _BYTES_RECEIVED - 8}xI{_BYTES_SENT - _NOTSENT - 4}xQQ")
+_PAIR_KEY = "pslab_sockmeter/{}-{}"  # store key of a connection's (local port, remote port), valued its rank
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -52,14 +62,13 @@ except (OSError, AttributeError):     # not a libc platform: nothing observable
     _getsockopt = None
 
 
-def _tcp_info(fd: int, buf: ctypes.Array) -> bytes | None:
-    """The socket's tcp_info, or None if `fd` is not a TCP socket or the kernel's struct lacks the byte counters."""
+def _tcp_info(fd: int, buf: ctypes.Array) -> bool:
+    """Whether the socket's tcp_info was read into `buf` (False: `fd` is not a TCP socket or the kernel's struct lacks
+    the byte counters)."""
     if _getsockopt is None:
-        return None
+        return False
     n = ctypes.c_uint32(_INFO_LEN)
-    if _getsockopt(fd, socket.IPPROTO_TCP, _TCP_INFO, buf, ctypes.byref(n)) != 0 or n.value < _NEEDED:
-        return None
-    return buf.raw[:n.value]
+    return _getsockopt(fd, socket.IPPROTO_TCP, _TCP_INFO, buf, ctypes.byref(n)) == 0 and n.value >= _NEEDED
 
 
 def socket_fds() -> dict[int, int]:
@@ -99,15 +108,19 @@ def _tcp_table() -> dict[int, tuple[int, int, int]]:
 class SocketMeter:
     """Written / received TCP payload bytes of a fixed set of sockets, claimed as deltas (thread-safe)."""
 
-    def __init__(self, sockets: list[tuple[int, int]], why_not: str = "") -> None:
-        """why_not: why the group cannot be observed (then `sockets` is ignored)."""
+    def __init__(self, sockets: list[tuple[int, int]], why_not: str = "",
+                 ports: list[tuple[int, int]] | None = None) -> None:
+        """why_not: why the group cannot be observed (then `sockets` is ignored); ports: each socket's (local port,
+        remote port), for `label_peers`."""
         self.sockets = [] if why_not else list(sockets)       # (fd, inode)
+        self.ports = list(ports) if ports is not None and len(ports) == len(self.sockets) else []
+        self._of_peer: dict[int, list[tuple[int, int]]] = {}  # group rank -> its sockets, once labelled
         self._buf = ctypes.create_string_buffer(_INFO_LEN)
         self._lock = threading.Lock()
         self._last: dict[tuple[int, int], tuple[int, int]] = {}
         self.why_not = why_not or ("" if self.sockets else "no connection of the group was found")
         self.observable = not self.why_not
-        self._read_all()                       # the baseline: what formation itself sent is nobody's op
+        self._read_all(self.sockets)           # the baseline: what formation itself sent is nobody's op
 
     @classmethod
     def new_sockets(cls, before: dict[int, int], store_ports: tuple[int, ...] = (), expected: int | None = None
@@ -123,7 +136,7 @@ class SocketMeter:
         table = _tcp_table()
         held = set(socket_fds().values())
         serving = {lp for ino, (lp, _, st) in table.items() if st == _LISTEN and ino in held}
-        found = []
+        found, ports = [], []
         for fd, ino in sorted(socket_fds().items()):
             if before.get(fd) == ino or ino not in table:
                 continue
@@ -132,13 +145,38 @@ class SocketMeter:
                 continue
             if remote in store_ports or (local in store_ports and local in serving):
                 continue                        # the store's: a client connection, or one this process accepted
-            if _tcp_info(fd, buf) is None:
+            if not _tcp_info(fd, buf):
                 return cls([], "the kernel's TCP_INFO has no byte counters (Linux < 4.19)")
             found.append((fd, ino))
+            ports.append((local, remote))
         if expected is not None and len(found) != expected:
             return cls([], f"found {len(found)} new TCP connections where gloo opens {expected}: "
                            "TORCH_GLOO_LAZY_INIT, torch's debug wrapper group or another thread's socket")
-        return cls(found)
+        return cls(found, ports=ports)
+
+    def label_peers(self, store: Any, rank: int, world_size: int, timeout: float = 30.0) -> bool:
+        """Learn which group rank each socket leads to, through `store` (every member calls this once, right after
+        the group formed; `rank` is this process's rank in the group). Each connection must come out as a peer's,
+        every peer with as many as the others; else (or when the store does not answer within `timeout` seconds)
+        nothing is labelled and claims read every socket. Returns whether the sockets were labelled."""
+        if not self.observable or not self.ports:
+            return False
+        try:
+            for local, remote in self.ports:
+                store.set(_PAIR_KEY.format(local, remote), str(rank))
+            theirs = [_PAIR_KEY.format(remote, local) for local, remote in self.ports]
+            store.wait(theirs, timedelta(seconds=timeout))
+            peers = [int(store.get(k)) for k in theirs]
+        except Exception:               # noqa: BLE001 -- a store that fails or times out leaves claims whole
+            return False
+        of_peer: dict[int, list[tuple[int, int]]] = {}
+        for key, peer in zip(self.sockets, peers):
+            of_peer.setdefault(peer, []).append(key)
+        if (set(of_peer) != set(range(world_size)) - {rank}
+                or len({len(v) for v in of_peer.values()}) != 1):
+            return False
+        self._of_peer = of_peer
+        return True
 
     def _read(self, fd: int, ino: int) -> tuple[int, int] | None:
         try:
@@ -146,18 +184,16 @@ class SocketMeter:
                 return None
         except OSError:
             return None
-        info = _tcp_info(fd, self._buf)
-        if info is None:
+        buf = self._buf
+        if not _tcp_info(fd, buf):
             return None
-        (notsent,) = struct.unpack_from("I", info, _NOTSENT)
-        (received,) = struct.unpack_from("Q", info, _BYTES_RECEIVED)
-        sent, retrans = struct.unpack_from("QQ", info, _BYTES_SENT)
+        received, notsent, sent, retrans = _COUNTERS.unpack_from(buf, _BYTES_RECEIVED)
         return sent - retrans + notsent, received
 
-    def _read_all(self) -> tuple[int, int]:
-        """Bytes written and received since the last read, summed over the sockets still open."""
+    def _read_all(self, sockets: list[tuple[int, int]]) -> tuple[int, int]:
+        """Bytes written and received since the last read, summed over `sockets` still open."""
         dw = dr = 0
-        for key in self.sockets:
+        for key in sockets:
             now = self._read(*key)
             if now is None:                    # closed (a peer left, the group is gone): its last count stands
                 continue
@@ -166,10 +202,11 @@ class SocketMeter:
             self._last[key] = now
         return dw, dr
 
-    def claim(self) -> tuple[int, int]:
-        """(written, received) bytes since the previous claim."""
+    def claim(self, peer: int | None = None) -> tuple[int, int]:
+        """(written, received) bytes since the previous claim: on the connections to group rank `peer` if the sockets
+        are labelled (`label_peers`), else on all of them."""
         with self._lock:
-            return self._read_all()
+            return self._read_all(self._of_peer.get(peer, self.sockets) if peer is not None else self.sockets)
 
 
 __all__ = ["SocketMeter", "socket_fds"]

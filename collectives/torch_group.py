@@ -69,7 +69,15 @@ def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> t
     the connections it opened (sockmeter.py)."""
     before = socket_fds()
     pg = _standalone_gloo(store, rank, world_size, timeout)
-    return pg, SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
+    return pg, group_meter(before, store, rank, world_size, timeout)
+
+
+def group_meter(before: dict[int, int], store: Any, rank: int, world_size: int, timeout: float) -> SocketMeter:
+    """The meter of the gloo connections a group just opened (those not in `before`), its sockets labelled by peer
+    through `store` (sockmeter.py; every member calls this right after the group formed)."""
+    meter = SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
+    meter.label_peers(store, rank, world_size, min(timeout, _LABEL_S))
+    return meter
 
 
 def gloo_connections(world_size: int) -> int:
@@ -95,6 +103,7 @@ def _opts(cls: Any, **fields: Any) -> Any:
     return o
 
 
+_LABEL_S = 10.0     # how long a new group's members wait for each other's socket labels before claiming whole
 _ABANDONED: list[Any] = []      # standalone groups destroyed with work in flight (see the module docstring)
 
 
@@ -201,12 +210,11 @@ class TorchGroup(ProcessGroup):
             return self.pg.allreduce([buf], _opts(dist.AllreduceOptions, reduceOp=_OPS[op]))
         return dist.all_reduce(buf, op=_OPS[op], group=self.pg, async_op=True)
 
-    def _count(self, op: str, peer: int = -1) -> None:
-        """Claim the bytes the group's connections carried since the last claim for `op` (sockmeter.py)."""
+    def _count(self, op: str, peer: int = -1, local: int | None = None) -> None:
+        """Claim the bytes the group's connections carried since the last claim for `op` (sockmeter.py): those to
+        group rank `local` only, when given and the meter knows them."""
         if self.meter is not None:
-            sent, received = self.meter.claim()
-            self.traffic_counter.add_sent(peer, op, sent)
-            self.traffic_counter.add_recv(peer, op, received)
+            self.traffic_counter.add_both(peer, op, *self.meter.claim(local))
 
     @property
     def observable(self) -> bool:
@@ -380,7 +388,7 @@ class TorchGroup(ProcessGroup):
     def _isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Any:
         buf, _ = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         return _TorchWork(self, self._p2p(self._private(buf), dst, tag, send=True), "send", tensor,
-                          peer=self.ranks[dst])
+                          peer=self.ranks[dst], local=dst)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Any:
         return self._irecv(tensor, src, tag)
@@ -389,7 +397,7 @@ class TorchGroup(ProcessGroup):
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
         return _TorchWork(self, self._p2p(work_buf, src, tag, send=False), "recv", tensor, buf, orig, work_buf,
-                          peer=self.ranks[src])
+                          peer=self.ranks[src], local=src)
 
     def new_group(self, ranks: list[int] | tuple[int, ...]) -> TorchGroup | None:
         ranks = tuple(int(r) for r in ranks)
@@ -410,7 +418,7 @@ class TorchGroup(ProcessGroup):
         pg = dist.new_group(list(ranks))
         if self._grank not in ranks:
             return None
-        meter = (SocketMeter.new_sockets(before, store_ports(self.store), gloo_connections(len(ranks)))
+        meter = (group_meter(before, self.store, ranks.index(self._grank), len(ranks), self.timeout)
                  if self.meter is not None else SocketMeter([], self.unobserved_why or "the parent group's"))
         child = TorchGroup(pg, ranks, self._grank, self.timeout, meter=meter)
         child.store = self.store
@@ -432,13 +440,14 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))   # not even at interpr
 
 class _TorchWork:
     def __init__(self, group: TorchGroup, work: Any, op: str, tensor: Tensor, buf: torch.Tensor | None = None,
-                 orig: Tensor | None = None, work_buf: torch.Tensor | None = None, peer: int = -1) -> None:
+                 orig: Tensor | None = None, work_buf: torch.Tensor | None = None, peer: int = -1,
+                 local: int | None = None) -> None:
         self._group, self._work, self._op, self._tensor = group, work, op, tensor
-        self._buf, self._orig, self._work_buf, self._peer = buf, orig, work_buf, peer
+        self._buf, self._orig, self._work_buf, self._peer, self._local = buf, orig, work_buf, peer, local
 
     def wait(self, timeout: float | None = None) -> Tensor:
         self._group._wait(self._work, self._op, pollable=False)
-        self._group._count("p2p", self._peer)     # what the group's connections carried until now
+        self._group._count("p2p", self._peer, self._local)   # what the connection(s) to the peer carried until now
         if self._buf is not None:
             if self._work_buf is not None and self._work_buf is not self._buf:
                 self._buf.copy_(self._work_buf)

@@ -14,25 +14,27 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 _local = threading.local()
 
 
-@contextmanager
-def tally() -> Iterator[list[int]]:
-    """Bytes recorded as sent by this thread while the block runs, in the yielded one-element list."""
-    stack = _local.__dict__.setdefault("stack", [])
-    box = [0]
-    stack.append(box)
-    try:
-        yield box
-    finally:
+class tally:
+    """Bytes recorded as sent by this thread while the block runs, in the one-element list `with` yields (a class,
+    not a generator context manager: it sits on every p2p call's path, where contextlib's costs a few µs)."""
+
+    __slots__ = ("_box",)
+
+    def __enter__(self) -> list[int]:
+        self._box = [0]
+        _local.__dict__.setdefault("stack", []).append(self._box)
+        return self._box
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _local.stack
         stack.pop()
         if stack:
-            stack[-1][0] += box[0]
+            stack[-1][0] += self._box[0]
 
 
 class TrafficCounter:
@@ -57,6 +59,16 @@ class TrafficCounter:
         stack = getattr(_local, "stack", None)
         if stack:
             stack[-1][0] += nbytes
+
+    def add_both(self, peer: int, op: str, sent: int, received: int) -> None:
+        """add_sent(peer, op, sent) and add_recv(peer, op, received) under one lock (a metered op's claim)."""
+        with self._lock:
+            self._sent[peer][op] += sent
+            self._recv[peer][op] += received
+            self._messages += 1
+        stack = getattr(_local, "stack", None)
+        if stack:
+            stack[-1][0] += sent
 
     def add_recv(self, peer: int, op: str, nbytes: int) -> None:
         with self._lock:

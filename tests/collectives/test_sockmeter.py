@@ -10,10 +10,15 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+import torch
+import torch.distributed as dist
+
+from pslab import collectives
 from pslab.collectives.sockmeter import SocketMeter, socket_fds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +90,92 @@ def test_the_stores_connections_are_not_the_groups():
     finally:
         for s in (lst, a, b):
             s.close()
+
+
+def _ports(s: socket.socket) -> tuple[int, int]:
+    return s.getsockname()[1], s.getpeername()[1]
+
+
+def _label(meters: list[SocketMeter], store, timeout: float = 10.0) -> list[bool]:
+    out = [False] * len(meters)
+
+    def one(r):
+        out[r] = meters[r].label_peers(store, r, len(meters), timeout)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(meters))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_labelled_sockets_claim_a_peers_bytes_only():
+    """Three "ranks" in this process, one connection per pair: each learns through the store which socket leads to
+    which rank, a claim for one peer reads only its connection, and what the others carried waits for their claim."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)
+    ends: dict[tuple[int, int], socket.socket] = {}
+    try:
+        for a, b in ((0, 1), (0, 2), (1, 2)):
+            ends[a, b] = socket.create_connection(lst.getsockname(), timeout=5)
+            ends[b, a] = lst.accept()[0]
+        meters = []
+        for r in range(3):
+            mine = [ends[r, q] for q in range(3) if q != r]
+            meters.append(SocketMeter([(s.fileno(), os.fstat(s.fileno()).st_ino) for s in mine],
+                                      ports=[_ports(s) for s in mine]))
+        assert _label(meters, dist.HashStore()) == [True, True, True]
+        ends[0, 1].sendall(b"a" * 1000)
+        ends[0, 2].sendall(b"b" * 30)
+        assert ends[1, 0].recv(2000) and ends[2, 0].recv(100)
+        assert meters[0].claim(1) == (1000, 0)                  # the connection to rank 1 only
+        assert meters[0].claim(2) == (30, 0)                    # rank 2's bytes were left for its own claim
+        assert meters[0].claim(1) == (0, 0)
+        assert meters[2].claim(0) == (0, 30) and meters[2].claim(1) == (0, 0)
+        ends[1, 2].sendall(b"c" * 5)
+        assert ends[2, 1].recv(10)
+        assert meters[1].claim() == (5, 1000)                  # no peer: every connection
+    finally:
+        for s in (lst, *ends.values()):
+            s.close()
+
+
+def test_a_pair_no_peer_published_leaves_the_claims_whole():
+    """A peer that never publishes (it died, the store is slow): no label, claims read every socket as before."""
+    lst, a, b = _pair()
+    try:
+        meter = SocketMeter([(a.fileno(), os.fstat(a.fileno()).st_ino)], ports=[_ports(a)])
+        assert meter.label_peers(dist.HashStore(), 0, 2, timeout=0.2) is False
+        a.sendall(b"x" * 10)
+        assert b.recv(10) and meter.claim(1) == (10, 0)
+    finally:
+        for s in (lst, a, b):
+            s.close()
+
+
+def _p2p_split(group):
+    torch.set_num_threads(1)
+    if group.rank == 0:                 # both sends in flight before the first wait: each is claimed on its own
+        works = [group.isend(torch.ones(10_000), 1), group.isend(torch.ones(100_000), 2)]
+        for w in works:
+            w.wait()
+    else:
+        group.recv(torch.empty(10_000 if group.rank == 1 else 100_000), 0)
+    group.barrier()
+    t = group.traffic()["sent"]
+    return {peer: ops.get("p2p", 0) for peer, ops in t.items()}, group.meter._of_peer != {}
+
+
+@pytest.mark.timeout(120)
+def test_a_torch_groups_p2p_bytes_go_to_their_peer():
+    """On gloo, two sends in flight to two peers: each peer's p2p figure is its own payload (+ gloo's framing), not
+    whatever the connections carried until the first wait returned."""
+    out = collectives.launch(_p2p_split, 3, backend="torch", timeout=100)
+    sent0, labelled = out[0]
+    assert labelled and all(o[1] for o in out)
+    assert 40_000 <= sent0[1] < 40_000 + 1_000, sent0
+    assert 400_000 <= sent0[2] < 400_000 + 1_000, sent0
 
 
 @pytest.mark.timeout(180)
