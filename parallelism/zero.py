@@ -18,7 +18,7 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
 (p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
 Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
 stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements. Every collective is packed
-(`_Pack`): the reduce-scatters per bucket, stage 3's all-gathers per unit, stages 1–2's all-gather over all
+(`Pack`): the reduce-scatters per bucket, stage 3's all-gathers per unit, stages 1–2's all-gather over all
 parameters; the packed buffers of all parameters, or of all buckets or units, add up to N·L elements,
 L = Σ_p ⌈n_p/N⌉, so each rank sends (N−1)·L elements per reduce-scatter or all-gather of all of them.
 Stage 3 frees a parameter by pointing it at an empty tensor (`p.data = …`, as FSDP1 did): autograd saved the
@@ -45,74 +45,12 @@ from .data import DEFAULT_BUCKET_BYTES
 from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
 from .mesh import DeviceMesh
 from .zero_memory import StateBytes
+from .zero_pack import Bucket, Pack, Unit
 
 
 def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
-
-
-class _Unit:
-    """A module that directly owns parameters: the granularity of stage-3 gathering."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
-        self.index, self.name, self.module, self.params = index, name, module, params
-        self.nbytes = sum(p.numel() * p.element_size() for _, p in params)
-        self.state = "full"
-        self.future: Future | None = None
-        self.grads_pending = 0
-        self.pack: _Pack | None = None          # its parameters' packed layout (stage 3: one all-gather per unit)
-
-
-class _Bucket:
-    """Consecutive units (in backward's order) whose gradients are reduce-scattered together, once all are ready."""
-
-    def __init__(self, units: list[_Unit], pack: bool, all_bounds: dict[str, list[tuple[int, int]]]) -> None:
-        self.units = units
-        self.params = [(n, p) for u in units for n, p in u.params]
-        self.name = units[0].name if len(units) == 1 else f"{units[-1].name}..{units[0].name}"
-        self.pack = _Pack([all_bounds[n] for n, _ in self.params]) if pack else None
-        self.pending = len(self.params)
-        self.reduced = False                    # its reduce-scatter issued this step
-
-
-class _Pack:
-    """Rank j's chunks of some parameters, back to back, padded to one length: the buffer of one packed collective.
-
-    N segments of `length` = Σ_p |chunk 0 of p| elements (chunk 0 is the largest): segment j holds chunk j of each
-    parameter in order, then zeros. Its equal split is exactly the per-parameter chunking, so one reduce-scatter
-    (all-gather) of it moves what one per parameter did, plus at most one element per parameter and rank of padding
-    -- one collective's fixed cost instead of one per parameter (gloo: ~1 ms each)."""
-
-    def __init__(self, bounds: list[list[tuple[int, int]]]) -> None:
-        self.bounds = bounds                                 # per parameter, every rank's [a, b)
-        self.length = sum(bs[0][1] - bs[0][0] for bs in bounds)
-
-    def places(self, ranks: Any) -> Any:
-        """(parameter index, start in a buffer of `ranks`' segments, chunk [a, b) of that parameter) per chunk."""
-        for i, j in enumerate(ranks):
-            at = i * self.length
-            for k, bs in enumerate(self.bounds):
-                a, b = bs[j]
-                yield k, at, a, b
-                at += b - a
-
-    def pack(self, tensors: list[torch.Tensor], ranks: Any) -> torch.Tensor:
-        """The segments of `ranks` (all: the whole packed buffer; [r]: this rank's) cut from full `tensors`."""
-        packed = torch.zeros(len(ranks) * self.length, dtype=tensors[0].dtype)
-        for k, at, a, b in self.places(ranks):
-            packed[at:at + b - a] = tensors[k].reshape(-1)[a:b]
-        return packed
-
-    def pack_own(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's segment from its own chunks (`shards`, chunk r of each parameter), padded to `length`."""
-        flat = torch.cat([t.reshape(-1) for t in shards])
-        return torch.cat([flat, flat.new_zeros(self.length - flat.numel())]) if flat.numel() < self.length else flat
-
-    def unpack(self, packed: torch.Tensor, tensors: list[torch.Tensor], ranks: Any) -> None:
-        """The inverse of `pack`: the segments of `ranks` in `packed` written into full `tensors`."""
-        for k, at, a, b in self.places(ranks):
-            tensors[k].view(-1)[a:b] = packed[at:at + b - a]
 
 
 class ZeroReplica:
@@ -157,15 +95,15 @@ class ZeroReplica:
                 self.shards[n].grad = self.grad_shard[off:off + b - a]
             off += b - a
         self.optimizer = optimizer_factory(list(self.shards.values()))
-        # packed collectives (`_Pack`) instead of one per parameter: a reduce-scatter per bucket of units (a unit: a
+        # packed collectives (`Pack`) instead of one per parameter: a reduce-scatter per bucket of units (a unit: a
         # module's own parameters) once its gradients are all ready, stage 3 an all-gather per unit, stages 1-2 one
         # all-gather of all parameters after the step
         self.packed = stage > 0 and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
-        self.pack = _Pack([self.all_bounds[n] for n, _ in self.named])
+        self.pack = Pack([self.all_bounds[n] for n, _ in self.named])
         self.pack_len = self.pack.length
         self.packed_bytes = self.pack_len * self.named[0][1].element_size() if self.packed else 0
-        self.units: list[_Unit] = []
-        self.buckets: list[_Bucket] = []
+        self.units: list[Unit] = []
+        self.buckets: list[Bucket] = []
         self.reducing: list[Future] = []       # this step's reduce-scatters still on the communication thread
         if stage >= 1:
             self._setup_units()
@@ -201,7 +139,7 @@ class ZeroReplica:
                     self._free(unit)
         return hook
 
-    def _reduce_bucket(self, b: _Bucket) -> None:
+    def _reduce_bucket(self, b: Bucket) -> None:
         """A bucket's gradients are all ready (or the step is ending): one packed reduce-scatter of them -- behind
         the rest of backward on the communication thread when `prefetch` (waited in step()), else at once. Stage 1
         keeps the full gradients and writes the reduced chunk into its own; stages 2-3 add it to the gradient
@@ -248,23 +186,23 @@ class ZeroReplica:
             own = [(owner[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in owner and id(p) not in seen]
             seen.update(id(p) for _, p in own)
             if own:
-                u = _Unit(len(self.units), mname, mod, own)
+                u = Unit(len(self.units), mname, mod, own)
                 u.grads_pending = len(own)
                 if self.packed:
-                    u.pack = _Pack([self.all_bounds[n] for n, _ in own])
+                    u.pack = Pack([self.all_bounds[n] for n, _ in own])
                 self.units.append(u)
         self._unit_of = {n: u for u in self.units for n, _ in u.params}
         self.buckets = []                           # backward's order: the last units' gradients are ready first
-        cur: list[_Unit] = []
+        cur: list[Unit] = []
         size = 0
         for u in reversed(self.units):
             if cur and size + u.nbytes > self.bucket_bytes:
-                self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
+                self.buckets.append(Bucket(cur, self.packed, self.all_bounds))
                 cur, size = [], 0
             cur.append(u)
             size += u.nbytes
         if cur:
-            self.buckets.append(_Bucket(cur, self.packed, self.all_bounds))
+            self.buckets.append(Bucket(cur, self.packed, self.all_bounds))
         self._bucket_of = {n: b for b in self.buckets for n, _ in b.params}
         if self.stage < 3:
             return
@@ -275,7 +213,7 @@ class ZeroReplica:
             self._free(u)
         self.peak_gathered_bytes = 0
 
-    def _gather(self, u: _Unit, wait: bool = True) -> None:
+    def _gather(self, u: Unit, wait: bool = True) -> None:
         if u.state == "free":
             for n, p in u.params:
                 p.data = torch.empty(self.shapes[n], dtype=p.dtype)
@@ -288,7 +226,7 @@ class ZeroReplica:
                 u.future.result()
             u.state = "full"
 
-    def _gather_unit(self, u: _Unit) -> None:
+    def _gather_unit(self, u: Unit) -> None:
         if u.pack is None:
             for n, p in u.params:
                 self.dp.all_gather(p.data.view(-1), self.shards[n].data, site=f"param {n}")
@@ -306,7 +244,7 @@ class ZeroReplica:
                 seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
 
-    def _free(self, u: _Unit) -> None:
+    def _free(self, u: Unit) -> None:
         if u.state == "pending":
             with trace.waiting("all-gather of a unit"):
                 u.future.result()
@@ -316,17 +254,17 @@ class ZeroReplica:
             self.gathered_bytes -= u.nbytes
         u.state = "free"
 
-    def _before_forward(self, u: _Unit) -> None:
+    def _before_forward(self, u: Unit) -> None:
         self._gather(u)
         if self.prefetch and u.index + 1 < len(self.units):
             self._gather(self.units[u.index + 1], wait=False)
 
-    def _after_forward(self, u: _Unit, out: Any) -> None:
+    def _after_forward(self, u: Unit, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, u=u: self._before_backward(u))
         self._free(u)
 
-    def _before_backward(self, u: _Unit) -> None:
+    def _before_backward(self, u: Unit) -> None:
         self._gather(u)
         if self.prefetch and u.index > 0:
             self._gather(self.units[u.index - 1], wait=False)

@@ -127,7 +127,7 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
              packed_bytes: list[int] | None = None) -> dict[str, tuple[float, str]]:
     """{kind: (bytes sent per step, summed over ranks; formula)} for this run's layout; `steps` (default
     train.steps): the steps the run took, over which one-off bytes (the pipeline's shape headers) are spread;
-    `packed_bytes`: per rank, ZeRO's packed segment L (parallelism/zero.py `_Pack`; 0: not packed)."""
+    `packed_bytes`: per rank, ZeRO's packed segment L (parallelism/zero_pack.py `Pack`; 0: not packed)."""
     p, D = cfg.parallel, cfg.train.workers
     out: dict[str, tuple[float, str]] = {}
     if cfg.strategy.ps_periodic:               # ps-local / ps-diloco: Δ pushed and θ read every H steps
