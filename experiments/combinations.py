@@ -38,7 +38,7 @@ def _split(p: ParallelConfig) -> bool:
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
 # dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
-# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp (2D: FSDP + TP); overlap on dp and pp (without
+# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP); overlap on dp and pp (without
 # tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
@@ -77,10 +77,6 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                   f"its {p.micro_batches} micro-batches, so they stay whole until the last one (or are reduce-"
                   "scattered once per micro-batch): with pp use zero = 1, the distributed optimizer, which moves the "
                   "same bytes once a step"),
-    (lambda p, s, sim: p.zero > 1 and p.sp,
-     lambda p, s: f"parallel.zero = {p.zero} reduce-scatters each gradient inside backward, before sequence "
-                  "parallelism sums the replicated tensors' partial gradients over tp: not composed yet; drop "
-                  "parallel.sp (dp x tp with zero 2-3 runs) or use zero = 1"),
     (lambda p, s, sim: p.zero and p.activation_checkpointing and not p.distributed_optimizer,
      lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
     (lambda p, s, sim: p.virtual_stages > 1 and (p.pp == 1 or p.schedule != "1f1b"),

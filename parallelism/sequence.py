@@ -193,9 +193,7 @@ class SequenceParallelReplica(LocalReplica):
         self.tp, self.replicated = tp, replicated
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if y.dim() < 2 or y.shape[:2] != x.shape[:2]:
-            raise EngineError(f"sequence parallelism needs a target per token, shape (B, S) = {tuple(x.shape[:2])}, "
-                              f"got {tuple(y.shape)}; use it for language models only")
+        check_token_targets(x, y)
         a, b = sequence_bounds(x.shape[1], self.tp)
         earlier = take_grads(self.replicated)          # accumulated by earlier calls: already summed over tp
         local = self.loss_fn(self.forward(x), y[:, a:b])
@@ -209,6 +207,13 @@ class SequenceParallelReplica(LocalReplica):
     def after_backward(self) -> None:
         """Sum the replicated parameters' partial gradients of this call over tp (one flat all-reduce)."""
         sum_partial_grads(self.replicated, self.tp)
+
+
+def check_token_targets(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Sequence parallelism scores each tp rank's tokens: the targets must be one per token, (B, S) like x's."""
+    if y.dim() < 2 or y.shape[:2] != x.shape[:2]:
+        raise EngineError(f"sequence parallelism needs a target per token, shape (B, S) = {tuple(x.shape[:2])}, "
+                          f"got {tuple(y.shape)}; use it for language models only")
 
 
 def sum_partial_grads(params: list[torch.Tensor], tp: Comm) -> None:

@@ -59,10 +59,14 @@ class ZeroReplica:
     def __init__(self, module: nn.Module, dp: Comm, stage: int, optimizer_factory: OptimizerFactory, rank: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  prefetch: bool = True, name_of: Callable[[str, torch.Tensor], str] | None = None,
-                 bucket_bytes: int | None = None) -> None:
+                 bucket_bytes: int | None = None, sp: Comm | None = None,
+                 replicated: list[torch.Tensor] | None = None) -> None:
+        """sp: the tp group when the module runs sequence parallel (compose's step 2), with `replicated`, the tensors
+        whose gradients are partial per tp rank (summed over sp before they are reduce-scattered)."""
         if stage not in (0, 1, 2, 3):
             raise EngineError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.module, self.dp, self.log, self.stage, self.rank = module, dp, dp.log, stage, rank
+        self.sp = sp if sp is not None and sp.size > 1 else None
         self.name_of = name_of or (lambda name, p: name)     # + "#tp{t}/{T}" for a tensor-parallel shard
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         # a reduce-scatter per bucket of units: stage 1 keeps the full gradients anyway, so DDP's 25 MB buckets cost
@@ -75,6 +79,9 @@ class ZeroReplica:
         self.all_bounds = {n: chunk_bounds(p.numel(), self.n) for n, p in self.named}   # every rank's chunks
         self.bounds = {n: bs[self.r] for n, bs in self.all_bounds.items()}              # this rank's
         self.shapes = {n: p.shape for n, p in self.named}
+        ids = {id(t) for t in replicated or ()} if self.sp is not None else set()
+        self.deferred = [(n, p) for n, p in self.named if id(p) in ids]   # their hooks wait for the sp sum
+        self._hooks: dict[str, Callable[..., None]] = {}
         self.peak_gathered_bytes = 0
         self.gathered_bytes = 0
         self.last_state: StateBytes | None = None
@@ -109,7 +116,8 @@ class ZeroReplica:
             self._setup_units()
         if stage >= 2 or self.packed:          # (stage 1 unpacked: one reduce-scatter per parameter in step())
             for n, p in self.named:
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(n))
+                self._hooks[n] = self._make_grad_hook(n)
+                p.register_post_accumulate_grad_hook(self._hooks[n])
 
     # ---- communication helpers (everything goes through one thread, so the order is the same on all ranks) ----
     def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -124,8 +132,11 @@ class ZeroReplica:
 
     def _make_grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         unit, bucket = self._unit_of[name], self._bucket_of[name]
+        later = any(n == name for n, _ in self.deferred)
 
-        def hook(p: torch.Tensor) -> None:
+        def hook(p: torch.Tensor, now: bool = False) -> None:
+            if later and not now:              # a partial gradient (sp): forward_backward sums it over tp first
+                return
             if bucket.pack is None:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
                 self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
@@ -271,9 +282,27 @@ class ZeroReplica:
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = self.loss_fn(self.module(x), y)
-        loss.backward()
-        return float(loss.detach())
+        if self.sp is None:
+            loss = self.loss_fn(self.module(x), y)
+            loss.backward()
+            return float(loss.detach())
+        # sequence parallel (as SequenceParallelReplica): this tp rank scores its S/T tokens, L = Σ_t L_t / T; the
+        # replicated tensors' gradients are partial, so their hooks waited: summed over tp here, then reduced
+        from .engine import add_back_grads, take_grads
+        from .sequence import LOSS_SITE, check_token_targets, sequence_bounds, sum_partial_grads
+        check_token_targets(x, y)
+        a, b = sequence_bounds(x.shape[1], self.sp)
+        params = [p for _, p in self.deferred]
+        earlier = take_grads(params)                   # (stage 1: what earlier calls accumulated, already summed)
+        local = self.loss_fn(self.module(x), y[:, a:b])
+        (local / self.sp.size).backward()
+        sum_partial_grads([p for p in params if p.grad is not None], self.sp)   # (an unused one: on no tp rank)
+        add_back_grads(params, earlier)
+        for n, p in self.deferred:
+            self._hooks[n](p, now=True)
+        total = torch.tensor([float(local.detach())], dtype=torch.float64)
+        self.sp.all_reduce(total, "sum", site=LOSS_SITE)
+        return float(total[0]) / self.sp.size
 
     def step(self) -> None:
         """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
@@ -377,18 +406,21 @@ class ZeroEngine:
     With tp the model is first split over the tp group (`compose.py`'s step 2); ZeRO then chunks what the rank holds
     (its shards, and the tensors tp replicates) over its dp group — the ranks with the same tp coordinate — exactly
     as it chunks a whole model. The replicated tensors' gradients are equal on every tp rank, so nothing more is
-    summed. Under tp nothing runs behind compute (no prefetched gather, each reduce-scatter waited in its hook): the
+    summed -- except under sequence parallelism, where each tp rank's is the part from its own tokens: their hooks
+    wait, and after backward they are summed over tp (one flat all-reduce, as SequenceParallelReplica's) and then
+    reduce-scattered over dp like the rest (these few small tensors -- LayerNorms, row-parallel biases, the
+    embedding -- stay whole until backward ends). Under tp nothing runs behind compute (no prefetched gather, each reduce-scatter waited in its hook): the
     communication thread's collectives would run while tp's run on the training thread, and one process's transport
     is not shared by two threads at once.
     Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
-    distributed optimizer), cp, ep or sequence parallelism (their gradient reductions after backward would meet
-    gradients that stages 2–3 already reduce-scattered inside it)."""
+    distributed optimizer), cp or ep (their gradient reductions after backward would meet gradients that stages 2–3
+    already reduce-scattered inside it)."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
-                 log: CommLog | None = None, bucket_bytes: int | None = None) -> None:
+                 log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False) -> None:
         self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
             stage, optimizer_factory, loss_fn, prefetch, log)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.sequence_parallel = bucket_bytes, sequence_parallel
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
         other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
@@ -397,11 +429,12 @@ class ZeroEngine:
                               f"{', '.join(other)} (with pp: zero = 1, DistributedOptimizerStrategy)")
         from .compose import compose
         log = self.log if self.log is not None else CommLog()
-        c = compose(model_factory, mesh, log)
+        c = compose(model_factory, mesh, log, sequence_parallel=self.sequence_parallel)
         if c.moe:
             raise EngineError("ZeroEngine's replica trains on the task loss only and would drop a mixture-of-"
                               "experts model's load-balancing loss: use zero = 1 (DistributedOptimizerStrategy) "
                               "with the data, tensor, expert or pipeline engine for MoE models")
         prefetch = self.prefetch and c.tp.size == 1
         return ZeroReplica(c.module, c.dp, self.stage, self.optimizer_factory, c.rank, self.loss_fn, prefetch,
-                           c.name_of, self.bucket_bytes)
+                           c.name_of, self.bucket_bytes, sp=c.tp if c.sequence_parallel else None,
+                           replicated=c.replicated)

@@ -5,7 +5,7 @@
 
 Engines, chosen in this fixed order (the first that applies; config.py's table refuses what none serves):
     parallel.zero > 0   ZeroEngine(stage)           optimizer state (+ grads, + params) sharded over dp
-      (with tp: over each tp rank's shards, 2D; zero = 1 with tp, pp, cp or ep: the engine below and
+      (with tp: over each tp rank's shards, 2D, sp too; zero = 1 with tp, pp, cp or ep: the engine below and
        DistributedOptimizerStrategy, ZeRO-1 over each model-parallel rank's dp group)
     parallel.pp > 1     PipelineEngine(schedule, m) the model's layers cut into P stages (virtual_stages v: P·v
                                                     chunks, v per stage), then each stage split over tp (+ sp)
@@ -174,7 +174,7 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     p, loss = cfg.parallel, wl.loss_from_output
     if p.zero and not p.distributed_optimizer:
         spec = optimizer_spec(cfg.train)
-        return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss)
+        return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss, sequence_parallel=p.sp)
     if p.pp > 1:
         pad = (p.stage_ms / 1000, 2 * p.stage_ms / 1000) if p.stage_ms else None
         return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss, virtual_stages=p.virtual_stages,

@@ -72,6 +72,12 @@ LAYOUTS = {
                                      {"zero RS + AG", "tp activations"}),   # turns the key biases' 1e-10 noise into steps)
     "allreduce dp=2 x tp=2 zero=2 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=2", "train.backend=torch"],
                                            {"zero RS + AG", "tp activations"}),
+    # ... and with sequence parallelism: the replicated tensors' partial gradients summed over tp, then reduced
+    "allreduce dp=2 x tp=2 sp zero=2": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=2"],
+                                        {"zero RS + AG", "tp activations"}),
+    "allreduce dp=2 x tp=2 sp zero=3 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3",
+                                                               "train.backend=torch"],
+                                              {"zero RS + AG", "tp activations"}),
     # the distributed optimizer (ZeRO-1) on a cp replica: each cp rank chunks its slots over its dp group
     "allreduce dp=2 x cp=2 zero=1": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=1"],
                                      {"zero RS + AG", "cp ring + grads"}),

@@ -18,8 +18,6 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.zero=4", "train.strategy=allreduce"], "parallel.zero must be 0, 1, 2 or 3"),
     (["parallel.zero=1"], "use train.strategy = allreduce"),
     (["parallel.zero=2", "train.strategy=allreduce", "parallel.pp=2"], "with pp use zero = 1"),
-    (["parallel.zero=3", "train.strategy=allreduce", "parallel.tp=2", "parallel.sp=true"],
-     "before sequence parallelism sums"),
     (["parallel.zero=1", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
      "not available with parallel.zero"),
     (["parallel.overlap=true"], "needs train.strategy = allreduce"),

@@ -159,9 +159,9 @@ def _zero_tp_worker(group, case):
     import torch
     from pslab.parallelism.snapshot import capture, restore_into
     from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
-    stage, opt = case
+    stage, opt, sp = case
     mesh_shape = {"dp": 2, "tp": 2}
-    engine = ZeroEngine(stage, OPTS[opt], loss_fn=lm_loss)
+    engine = ZeroEngine(stage, OPTS[opt], loss_fn=lm_loss, sequence_parallel=sp)
     mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, strategy=ZeroStrategy())
     state = gather_full_state(replica, mesh)
     held = sum(s.param.numel() for s in replica.slots())
@@ -179,16 +179,21 @@ def _zero_tp_worker(group, case):
     same = first == again and all(torch.equal(a, s.param) for a, s in zip(after, replica.slots()))
     replica.close()
     return plain({"losses": losses, "state": state, "held": held, "tp_numel": tp_numel, "coords": mesh.coords,
-                  "restore_repeats": same, "stored": [(p["name"], p["sel"]["kind"]) for p in stored],
+                  "restore_repeats": same, "tp_sites": replica.log.by_site("all_reduce"),
+                  "deferred": [n for n, _ in replica.deferred], "stored": [(p["name"], p["sel"]["kind"]) for p in stored],
                   "peak": replica.peak_gathered_bytes, "unit_bytes": [u.nbytes for u in replica.units]})
 
 
-@pytest.mark.parametrize("backend,stage,opt", [("zmq", 2, "adam"), ("zmq", 3, "sgd"), ("torch", 3, "adam")])
-def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt):
+@pytest.mark.parametrize("backend,stage,opt,sp", [("zmq", 2, "adam", False), ("zmq", 3, "sgd", False),
+                                                  ("torch", 3, "adam", False), ("zmq", 2, "adam", True),
+                                                  ("torch", 3, "adam", True)])
+def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt, sp):
     """ZeRO-2/3 on dp 2 x tp 2 (FSDP + TP): each tp rank's shards (and the tensors tp replicates) are chunked over
     its dp group; losses and the gathered model equal one process; a rank holds 1/D of its tp share; stage 3 never
-    holds its whole share at once; a snapshot (chunks of tp shards: "index_flat") restores a step bitwise."""
-    out, ref_w = _launch_against_one_process(_zero_tp_worker, (stage, opt), {"dp": 2, "tp": 2}, opt, backend)
+    holds its whole share at once; a snapshot (chunks of tp shards: "index_flat") restores a step bitwise. With
+    sequence parallelism the replicated tensors' partial gradients are summed over tp before they are reduce-
+    scattered (their hooks wait: without the sum the model drifts from one process)."""
+    out, ref_w = _launch_against_one_process(_zero_tp_worker, (stage, opt, sp), {"dp": 2, "tp": 2}, opt, backend)
     for n, w in ref_w.items():
         assert_close(out[0]["state"][n], w, n)
     full = sum(w.numel() for w in ref_w.values())
@@ -202,3 +207,6 @@ def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt
             assert kinds == {"index_flat"}
         if stage == 3:
             assert 0 < r["peak"] < sum(r["unit_bytes"])
+        assert bool(r["deferred"]) == sp and ("sp replicated grads" in r["tp_sites"]) == sp, r["tp_sites"]
+        if sp:
+            assert any("norm" in n or "ln" in n for n in r["deferred"]), r["deferred"]
