@@ -38,8 +38,8 @@ def _split(p: ParallelConfig) -> bool:
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
 # dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
-# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP); overlap on dp and pp (without
-# tp).
+# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP), ZeRO 1-2 with activation
+# checkpointing; overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -77,8 +77,10 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                   f"its {p.micro_batches} micro-batches, so they stay whole until the last one (or are reduce-"
                   "scattered once per micro-batch): with pp use zero = 1, the distributed optimizer, which moves the "
                   "same bytes once a step"),
-    (lambda p, s, sim: p.zero and p.activation_checkpointing and not p.distributed_optimizer,
-     lambda p, s: "parallel.activation_checkpointing is not available with parallel.zero; drop one of them"),
+    (lambda p, s, sim: p.zero == 3 and p.activation_checkpointing,
+     lambda p, s: "parallel.zero = 3 gathers each unit's weights for its forward and its backward; with "
+                  "parallel.activation_checkpointing the recompute would gather them a third time, which pslab's "
+                  "ZeRO-3 does not count yet: use zero = 1 or 2 with checkpointing, or drop it"),
     (lambda p, s, sim: p.virtual_stages > 1 and (p.pp == 1 or p.schedule != "1f1b"),
      lambda p, s: f"parallel.virtual_stages = {p.virtual_stages} interleaves the stages of 1F1B: it needs "
                   f"parallel.pp > 1 and parallel.schedule = \"1f1b\" (got pp = {p.pp}, schedule = {p.schedule!r})"),

@@ -414,13 +414,20 @@ class ZeroEngine:
     is not shared by two threads at once.
     Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
     distributed optimizer), cp or ep (their gradient reductions after backward would meet gradients that stages 2–3
-    already reduce-scattered inside it)."""
+    already reduce-scattered inside it). Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire
+    as the recomputed blocks' backward accumulates each gradient, as without it."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
-                 log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False) -> None:
+                 log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False,
+                 checkpoint_activations: bool = False) -> None:
+        if checkpoint_activations and stage == 3:
+            raise EngineError("ZeRO-3 with activation checkpointing: a checkpointed block's recompute would gather "
+                              "its units a third time, which the engine's byte accounting does not count yet; use "
+                              "stage 1 or 2 with checkpointing")
         self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
             stage, optimizer_factory, loss_fn, prefetch, log)
         self.bucket_bytes, self.sequence_parallel = bucket_bytes, sequence_parallel
+        self.checkpoint_activations = checkpoint_activations
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
         other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
@@ -429,7 +436,8 @@ class ZeroEngine:
                               f"{', '.join(other)} (with pp: zero = 1, DistributedOptimizerStrategy)")
         from .compose import compose
         log = self.log if self.log is not None else CommLog()
-        c = compose(model_factory, mesh, log, sequence_parallel=self.sequence_parallel)
+        c = compose(model_factory, mesh, log, sequence_parallel=self.sequence_parallel,
+                    checkpoint_activations=self.checkpoint_activations)
         if c.moe:
             raise EngineError("ZeroEngine's replica trains on the task loss only and would drop a mixture-of-"
                               "experts model's load-balancing loss: use zero = 1 (DistributedOptimizerStrategy) "

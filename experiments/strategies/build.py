@@ -174,7 +174,8 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
     p, loss = cfg.parallel, wl.loss_from_output
     if p.zero and not p.distributed_optimizer:
         spec = optimizer_spec(cfg.train)
-        return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss, sequence_parallel=p.sp)
+        return ZeroEngine(p.zero, lambda params: torch_optimizer(spec, params), loss_fn=loss, sequence_parallel=p.sp,
+                          checkpoint_activations=p.activation_checkpointing)
     if p.pp > 1:
         pad = (p.stage_ms / 1000, 2 * p.stage_ms / 1000) if p.stage_ms else None
         return PipelineEngine(p.schedule, p.micro_batches, loss_fn=loss, virtual_stages=p.virtual_stages,

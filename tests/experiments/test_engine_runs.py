@@ -78,6 +78,12 @@ LAYOUTS = {
     "allreduce dp=2 x tp=2 sp zero=3 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3",
                                                                "train.backend=torch"],
                                               {"zero RS + AG", "tp activations"}),
+    # ZeRO 1-2 with activation checkpointing: the hooks fire in the recomputed blocks' backward
+    "allreduce zero=1 ckpt": ("allreduce", 2, ["parallel.zero=1", "parallel.activation_checkpointing=true"],
+                              {"zero RS + AG"}),
+    "allreduce dp=2 x tp=2 zero=2 ckpt torch": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=2", "train.backend=torch",
+                                                                 "parallel.activation_checkpointing=true"],
+                                                {"zero RS + AG", "tp activations"}),
     # the distributed optimizer (ZeRO-1) on a cp replica: each cp rank chunks its slots over its dp group
     "allreduce dp=2 x cp=2 zero=1": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=1"],
                                      {"zero RS + AG", "cp ring + grads"}),

@@ -159,9 +159,9 @@ def _zero_tp_worker(group, case):
     import torch
     from pslab.parallelism.snapshot import capture, restore_into
     from pslab.parallelism.zero import ZeroEngine, ZeroStrategy
-    stage, opt, sp = case
+    stage, opt, sp, *ac = case
     mesh_shape = {"dp": 2, "tp": 2}
-    engine = ZeroEngine(stage, OPTS[opt], loss_fn=lm_loss, sequence_parallel=sp)
+    engine = ZeroEngine(stage, OPTS[opt], loss_fn=lm_loss, sequence_parallel=sp, checkpoint_activations=bool(ac))
     mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, strategy=ZeroStrategy())
     state = gather_full_state(replica, mesh)
     held = sum(s.param.numel() for s in replica.slots())
@@ -180,20 +180,24 @@ def _zero_tp_worker(group, case):
     replica.close()
     return plain({"losses": losses, "state": state, "held": held, "tp_numel": tp_numel, "coords": mesh.coords,
                   "restore_repeats": same, "tp_sites": replica.log.by_site("all_reduce"),
-                  "deferred": [n for n, _ in replica.deferred], "stored": [(p["name"], p["sel"]["kind"]) for p in stored],
+                  "deferred": [n for n, _ in replica.deferred],
+                  "recomputed": sum(getattr(m, "forwards", 0) for m in replica.module.modules()), "stored": [(p["name"], p["sel"]["kind"]) for p in stored],
                   "peak": replica.peak_gathered_bytes, "unit_bytes": [u.nbytes for u in replica.units]})
 
 
-@pytest.mark.parametrize("backend,stage,opt,sp", [("zmq", 2, "adam", False), ("zmq", 3, "sgd", False),
-                                                  ("torch", 3, "adam", False), ("zmq", 2, "adam", True),
-                                                  ("torch", 3, "adam", True)])
-def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt, sp):
+@pytest.mark.parametrize("backend,stage,opt,sp,ac", [("zmq", 2, "adam", False, False), ("zmq", 3, "sgd", False, False),
+                                                     ("torch", 3, "adam", False, False), ("zmq", 2, "adam", True, False),
+                                                     ("torch", 3, "adam", True, False), ("zmq", 2, "adam", True, True),
+                                                     ("torch", 1, "sgd", False, True)])
+def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt, sp, ac):
     """ZeRO-2/3 on dp 2 x tp 2 (FSDP + TP): each tp rank's shards (and the tensors tp replicates) are chunked over
     its dp group; losses and the gathered model equal one process; a rank holds 1/D of its tp share; stage 3 never
     holds its whole share at once; a snapshot (chunks of tp shards: "index_flat") restores a step bitwise. With
     sequence parallelism the replicated tensors' partial gradients are summed over tp before they are reduce-
-    scattered (their hooks wait: without the sum the model drifts from one process)."""
-    out, ref_w = _launch_against_one_process(_zero_tp_worker, (stage, opt, sp), {"dp": 2, "tp": 2}, opt, backend)
+    scattered (their hooks wait: without the sum the model drifts from one process). With activation checkpointing
+    (stages 1-2) the blocks run twice a step and the hooks fire in the recomputed backward."""
+    case = (stage, opt, sp) + ((True,) if ac else ())
+    out, ref_w = _launch_against_one_process(_zero_tp_worker, case, {"dp": 2, "tp": 2}, opt, backend)
     for n, w in ref_w.items():
         assert_close(out[0]["state"][n], w, n)
     full = sum(w.numel() for w in ref_w.values())
@@ -207,6 +211,7 @@ def test_zero2_and_zero3_over_tp_shards_match_single_process(backend, stage, opt
             assert kinds == {"index_flat"}
         if stage == 3:
             assert 0 < r["peak"] < sum(r["unit_bytes"])
+        assert (r["recomputed"] > 0) == ac, r["recomputed"]
         assert bool(r["deferred"]) == sp and ("sp replicated grads" in r["tp_sites"]) == sp, r["tp_sites"]
         if sp:
             assert any("norm" in n or "ln" in n for n in r["deferred"]), r["deferred"]
