@@ -14,20 +14,18 @@ from pslab.experiments.errors import ConfigError
 from pslab.experiments.strategies.spec import Strategy
 
 
-def _others(p: ParallelConfig, ax: str) -> str:
-    """The other split axes that are set, e.g. "tp = 2, zero = 1" (for the refusals below)."""
-    out = [f"{o} = {getattr(p, o)}" for o in ("tp", "pp", "cp", "ep") if o != ax and getattr(p, o) > 1]
-    return ", ".join(out + ([f"zero = {p.zero}"] if p.zero > 1 else []))
-
-
 def _uncomposed(p: ParallelConfig) -> str | None:
-    """cp with ep or zero 2-3, or ep with cp or zero 2-3 (not composed yet), else None."""
-    if p.cp > 1 and (p.ep > 1 or p.zero > 1):
-        return "cp"
-    return "ep" if p.ep > 1 and (p.cp > 1 or p.zero > 1) else None
-
-
-_COMPOSES_WITH = {"cp": "data, tensor and pipeline parallelism", "ep": "data, tensor and pipeline parallelism"}
+    """Why cp with ep, or ep with ZeRO 2-3, do not run (one line), else None."""
+    if p.cp > 1 and p.ep > 1:
+        return (f"parallel.cp = {p.cp} with ep = {p.ep}: an MoE layer routes whole sequences (its capacity "
+                "⌈cf·k·S/E⌉ and load-balancing loss are per sequence) while cp gives each rank S/C tokens of each, "
+                "and the context-parallel step does not add the load-balancing loss: drop one of them")
+    if p.ep > 1 and p.zero > 1:
+        return (f"parallel.ep = {p.ep} with zero = {p.zero}: ZeRO 2-3 reduce-scatter each gradient inside backward, "
+                "but the non-expert tensors' gradients are partial per ep rank (its own samples) until they are "
+                "summed over ep after backward, and ZeroEngine trains on the task loss only (the MoE load-balancing "
+                "loss would be dropped): use zero = 1, the distributed optimizer")
+    return None
 
 
 def _split(p: ParallelConfig) -> bool:
@@ -38,7 +36,7 @@ def _split(p: ParallelConfig) -> bool:
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
 # dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
-# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP), ZeRO 1-2 with activation
+# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP) and with cp, ZeRO 1-2 with activation
 # checkpointing; overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
@@ -46,11 +44,10 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.sp and p.tp == 1,
      lambda p, s: "parallel.sp splits the tensor-parallel group's LayerNorm regions along the sequence: it needs "
                   "parallel.tp > 1"),
-    # context and expert parallelism compose with tp and pp (and zero = 1); with each other and ZeRO 2-3 not yet
+    # context and expert parallelism compose with tp and pp, cp also with ZeRO 1-3, ep with zero = 1; not with each
+    # other, nor ep with ZeRO 2-3
     (lambda p, s, sim: _uncomposed(p) is not None,
-     lambda p, s: f"parallel.{_uncomposed(p)} = {getattr(p, _uncomposed(p))} combines with "
-                  f"{_COMPOSES_WITH[_uncomposed(p)]} (and zero = 1) only, not with {_others(p, _uncomposed(p))}: "
-                  "set the others to 1 (zero to 0 or 1)"),
+     lambda p, s: _uncomposed(p)),
     (lambda p, s, sim: p.sp and p.cp > 1,
      lambda p, s: f"parallel.sp and parallel.cp = {p.cp} both split the sequence (over tp, over cp) and are not "
                   "composed with each other yet: drop parallel.sp (tp x cp runs)"),

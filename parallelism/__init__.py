@@ -41,6 +41,7 @@ Files, one idea each:
     pipeline_measure.py  one padded step of a toy pipeline, its spans and bubble (pslab schedule --run)
     zero.py          ZeRO stages 0–3;  zero_memory.py  the paper's (2+2+K)Ψ … (4+K)Ψ/N formulas
     zero_pack.py     ZeRO's units, buckets and packed buffers: one collective per bucket or unit, not per parameter
+    zero_partial.py  ZeRO under sp / cp: partial gradients summed (averaged) after backward, then reduce-scattered
     memory_model.py  bytes per GPU of a layout: model state (ZeRO), activations (Korthikanti et al.) — `pslab memory`
     cluster.py       a cluster for the planner: nodes of GPUs, memory, achieved FLOP/s, intra/inter links; presets
     comm_cost.py     where ranks sit (packed / spread) and the bytes per link and α-β seconds of each collective

@@ -60,13 +60,16 @@ class ZeroReplica:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  prefetch: bool = True, name_of: Callable[[str, torch.Tensor], str] | None = None,
                  bucket_bytes: int | None = None, sp: Comm | None = None,
-                 replicated: list[torch.Tensor] | None = None) -> None:
+                 replicated: list[torch.Tensor] | None = None, cp: Comm | None = None,
+                 context_layout: str = "zigzag") -> None:
         """sp: the tp group when the module runs sequence parallel (compose's step 2), with `replicated`, the tensors
-        whose gradients are partial per tp rank (summed over sp before they are reduce-scattered)."""
+        whose gradients are partial per tp rank (summed over sp before they are reduce-scattered); cp: the cp group
+        when it runs context parallel (step 3: every gradient is partial per cp rank, averaged over cp first)."""
         if stage not in (0, 1, 2, 3):
             raise EngineError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.module, self.dp, self.log, self.stage, self.rank = module, dp, dp.log, stage, rank
         self.sp = sp if sp is not None and sp.size > 1 else None
+        self.cp, self.context_layout = (cp if cp is not None and cp.size > 1 else None), context_layout
         self.name_of = name_of or (lambda name, p: name)     # + "#tp{t}/{T}" for a tensor-parallel shard
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         # a reduce-scatter per bucket of units: stage 1 keeps the full gradients anyway, so DDP's 25 MB buckets cost
@@ -80,7 +83,8 @@ class ZeroReplica:
         self.bounds = {n: bs[self.r] for n, bs in self.all_bounds.items()}              # this rank's
         self.shapes = {n: p.shape for n, p in self.named}
         ids = {id(t) for t in replicated or ()} if self.sp is not None else set()
-        self.deferred = [(n, p) for n, p in self.named if id(p) in ids]   # their hooks wait for the sp sum
+        # the parameters whose hooks wait for a sum after backward: sp's replicated tensors, or under cp every one
+        self.deferred = [(n, p) for n, p in self.named if id(p) in ids or self.cp is not None]
         self._hooks: dict[str, Callable[..., None]] = {}
         self.peak_gathered_bytes = 0
         self.gathered_bytes = 0
@@ -282,27 +286,17 @@ class ZeroReplica:
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.sp is None:
-            loss = self.loss_fn(self.module(x), y)
-            loss.backward()
-            return float(loss.detach())
-        # sequence parallel (as SequenceParallelReplica): this tp rank scores its S/T tokens, L = Σ_t L_t / T; the
-        # replicated tensors' gradients are partial, so their hooks waited: summed over tp here, then reduced
-        from .engine import add_back_grads, take_grads
-        from .sequence import LOSS_SITE, check_token_targets, sequence_bounds, sum_partial_grads
-        check_token_targets(x, y)
-        a, b = sequence_bounds(x.shape[1], self.sp)
-        params = [p for _, p in self.deferred]
-        earlier = take_grads(params)                   # (stage 1: what earlier calls accumulated, already summed)
-        local = self.loss_fn(self.module(x), y[:, a:b])
-        (local / self.sp.size).backward()
-        sum_partial_grads([p for p in params if p.grad is not None], self.sp)   # (an unused one: on no tp rank)
-        add_back_grads(params, earlier)
+        if self.sp is not None or self.cp is not None:     # some gradients partial: zero_partial.py
+            from .zero_partial import forward_backward_cp, forward_backward_sp
+            return (forward_backward_cp if self.cp is not None else forward_backward_sp)(self, x, y)
+        loss = self.loss_fn(self.module(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    def fire_deferred(self) -> None:
+        """Run the waiting hooks of `deferred` now that their gradients are whole (zero_partial.py)."""
         for n, p in self.deferred:
             self._hooks[n](p, now=True)
-        total = torch.tensor([float(local.detach())], dtype=torch.float64)
-        self.sp.all_reduce(total, "sum", site=LOSS_SITE)
-        return float(total[0]) / self.sp.size
 
     def step(self) -> None:
         """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
@@ -413,13 +407,16 @@ class ZeroEngine:
     communication thread's collectives would run while tp's run on the training thread, and one process's transport
     is not shared by two threads at once.
     Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
-    distributed optimizer), cp or ep (their gradient reductions after backward would meet gradients that stages 2–3
-    already reduce-scattered inside it). Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire
+    distributed optimizer) or ep (its sum of the replicated tensors' gradients over ep after backward would meet
+    gradients that stages 2–3 already reduce-scattered inside it; ZeroEngine also trains on the task loss only).
+    With cp (each cp rank's tokens, ring attention): every gradient is partial, so every hook waits until backward
+    ends; the gradients are averaged over cp, then reduce-scattered over dp -- so they stay whole through backward
+    (ZeRO-1's peak), and the cp ranks repeat their dp group's chunks (Megatron instead shards over dp × cp). Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire
     as the recomputed blocks' backward accumulates each gradient, as without it."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
                  log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False,
-                 checkpoint_activations: bool = False) -> None:
+                 checkpoint_activations: bool = False, context_layout: str = "zigzag") -> None:
         if checkpoint_activations and stage == 3:
             raise EngineError("ZeRO-3 with activation checkpointing: a checkpointed block's recompute would gather "
                               "its units a third time, which the engine's byte accounting does not count yet; use "
@@ -427,22 +424,23 @@ class ZeroEngine:
         self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
             stage, optimizer_factory, loss_fn, prefetch, log)
         self.bucket_bytes, self.sequence_parallel = bucket_bytes, sequence_parallel
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations, self.context_layout = checkpoint_activations, context_layout
 
     def build(self, model_factory: ModelFactory, mesh: DeviceMesh) -> ZeroReplica:
-        other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "cp", "ep") if mesh.size(ax) > 1]
+        other = [f"{ax}={mesh.size(ax)}" for ax in ("pp", "ep") if mesh.size(ax) > 1]
         if other:
-            raise EngineError(f"ZeroEngine shards over dp, on the whole model or its tp shards; this mesh also has "
-                              f"{', '.join(other)} (with pp: zero = 1, DistributedOptimizerStrategy)")
+            raise EngineError(f"ZeroEngine shards over dp, on the whole model or its tp / cp replicas; this mesh also "
+                              f"has {', '.join(other)} (with pp: zero = 1, DistributedOptimizerStrategy)")
         from .compose import compose
         log = self.log if self.log is not None else CommLog()
         c = compose(model_factory, mesh, log, sequence_parallel=self.sequence_parallel,
-                    checkpoint_activations=self.checkpoint_activations)
+                    checkpoint_activations=self.checkpoint_activations, context_layout=self.context_layout,
+                    refuse_moe="cp" if mesh.size("cp") > 1 else None)
         if c.moe:
             raise EngineError("ZeroEngine's replica trains on the task loss only and would drop a mixture-of-"
                               "experts model's load-balancing loss: use zero = 1 (DistributedOptimizerStrategy) "
                               "with the data, tensor, expert or pipeline engine for MoE models")
-        prefetch = self.prefetch and c.tp.size == 1
+        prefetch = self.prefetch and c.tp.size == 1 and c.cp.size == 1
         return ZeroReplica(c.module, c.dp, self.stage, self.optimizer_factory, c.rank, self.loss_fn, prefetch,
                            c.name_of, self.bucket_bytes, sp=c.tp if c.sequence_parallel else None,
-                           replicated=c.replicated)
+                           replicated=c.replicated, cp=c.cp, context_layout=self.context_layout)

@@ -87,6 +87,11 @@ LAYOUTS = {
     # the distributed optimizer (ZeRO-1) on a cp replica: each cp rank chunks its slots over its dp group
     "allreduce dp=2 x cp=2 zero=1": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=1"],
                                      {"zero RS + AG", "cp ring + grads"}),
+    # ZeRO 2-3 on cp replicas: every gradient averaged over cp after backward, then reduce-scattered over dp
+    "allreduce dp=2 x cp=2 zero=2": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=2"],
+                                     {"zero RS + AG", "cp ring + grads"}),
+    "allreduce dp=2 x cp=2 zero=3 torch": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=3", "train.backend=torch"],
+                                           {"zero RS + AG", "cp ring + grads"}),
     # cp under the parameter server: cp rank 0 pushes the cp-averaged gradient, then broadcasts what it read
     "ps-bsp dp=2 x cp=2": ("ps-bsp", 2, ["parallel.cp=2"], {"ps push + pull", "cp ring + grads"}),
     "ps-bsp tp=2 x cp=2": ("ps-bsp", 1, ["parallel.tp=2", "parallel.cp=2"],

@@ -229,6 +229,14 @@ def test_zero3_over_tp_resumed_at_another_layout(tmp_path):
                                           "dp": ["parallel.tp=1", "parallel.zero=0"]}, "zero3-tp2")
 
 
+def test_zero3_on_a_cp_replica_resumed(tmp_path):
+    """ZeRO-3 on dp 2 x cp 2: the cp ranks of a dp group hold the same chunks, cp rank 0's are stored; a resume as
+    itself continues the uninterrupted run bitwise, as ZeRO-2 and without ZeRO to float32 tolerance."""
+    base = [*TF, "train.workers=2", "parallel.cp=2", "parallel.zero=3"]
+    _resumes_continue(tmp_path, base, {"same": [], "zero2": ["parallel.zero=2"], "no zero": ["parallel.zero=0"]},
+                      "cp-zero3")
+
+
 @pytest.mark.parametrize("layout", ["cp", "ep"])
 def test_zero1_on_a_cp_or_ep_replica_resumed(tmp_path, layout):
     """The distributed optimizer on dp 2 x cp 2 (the text transformer) and on dp 2 x ep 2 (text-moe): each cp / ep

@@ -1,0 +1,67 @@
+"""Partial gradients on a ZeRO replica: the sequence- and context-parallel forward/backward of `zero.py`.
+
+Under sequence parallelism (compose's step 2, sp) a tp rank runs the LayerNorm regions on its S/T tokens, and under
+context parallelism (step 3, cp) a cp rank runs every layer on its S/C zig-zag tokens. Its gradient of a tensor
+that the ranks share is then only the part that flowed through its own tokens:
+
+    sp   the tensors tp replicates (LayerNorms, row-parallel biases, embedding):  g = Σ_t g_t     (L = Σ_t L_t / T)
+    cp   every parameter:                                                          g = (1/C) Σ_r g_r   (L = (1/C) Σ_r L_r)
+
+ZeRO 2–3 reduce-scatter each gradient over dp from its post-accumulate hook, inside backward -- too early for a
+partial one. So those hooks wait (`ZeroReplica.deferred`); after backward the partial gradients are summed (sp:
+one flat all-reduce over tp, site "sp replicated grads") or averaged (cp: over cp, "cp grads"), exactly as the
+sequence- and context-parallel replicas do without ZeRO, and then the waiting hooks fire (`fire_deferred`): the
+reduce-scatter over dp follows as for any other gradient, so the bytes are those of the two replicas' sums plus
+ZeRO's. The price: the waiting gradients stay whole until backward ends -- a few small tensors under sp, every
+gradient under cp (ZeRO-1's peak; the cp ranks of a dp group also repeat their chunks, where Megatron-LM shards
+over dp × cp).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .engine import EngineError, ParamSlot, add_back_grads, take_grads
+
+if TYPE_CHECKING:
+    from .zero import ZeroReplica
+
+
+def forward_backward_sp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Sequence parallel (as SequenceParallelReplica): this tp rank scores its S/T tokens; the replicated tensors'
+    partial gradients are summed over tp, then their hooks fire. Returns the batch's loss."""
+    from .sequence import LOSS_SITE, check_token_targets, sequence_bounds, sum_partial_grads
+    check_token_targets(x, y)
+    a, b = sequence_bounds(x.shape[1], rep.sp)
+    params = [p for _, p in rep.deferred]
+    earlier = take_grads(params)                   # (stage 1: what earlier calls accumulated, already summed)
+    local = rep.loss_fn(rep.module(x), y[:, a:b])
+    (local / rep.sp.size).backward()
+    sum_partial_grads([p for p in params if p.grad is not None], rep.sp)   # (an unused one: on no tp rank)
+    add_back_grads(params, earlier)
+    rep.fire_deferred()
+    total = torch.tensor([float(local.detach())], dtype=torch.float64)
+    rep.sp.all_reduce(total, "sum", site=LOSS_SITE)
+    return float(total[0]) / rep.sp.size
+
+
+def forward_backward_cp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Context parallel (as ContextParallelReplica): this cp rank's zig-zag tokens at their global positions; every
+    gradient is averaged over cp, then the hooks fire. Returns the batch's loss."""
+    from .context import GlobalPositionEmbed, average_grads_in_place, token_positions
+    if x.dim() < 2:
+        raise EngineError(f"context parallelism splits dim 1 (the sequence) of the batch; got shape {tuple(x.shape)}")
+    pos = token_positions(rep.cp, x.shape[1], rep.context_layout)
+    for m in rep.module.modules():
+        if isinstance(m, GlobalPositionEmbed):
+            m.positions = pos
+    loss = rep.loss_fn(rep.module(x[:, pos]), y[:, pos])
+    loss.backward()
+    average_grads_in_place(rep.cp, [ParamSlot(n, p, rep.rank) for n, p in rep.deferred if p.grad is not None],
+                           site="cp grads")
+    rep.fire_deferred()
+    total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+    rep.cp.all_reduce(total, "sum", site="cp loss")
+    return float(total[0]) / rep.cp.size
