@@ -35,7 +35,7 @@ def _split(p: ParallelConfig) -> bool:
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
-# dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
+# with sp too; dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
 # also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP) and with cp, ZeRO 1-2 with activation
 # checkpointing; overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
@@ -48,9 +48,6 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     # other, nor ep with ZeRO 2-3
     (lambda p, s, sim: _uncomposed(p) is not None,
      lambda p, s: _uncomposed(p)),
-    (lambda p, s, sim: p.sp and p.cp > 1,
-     lambda p, s: f"parallel.sp and parallel.cp = {p.cp} both split the sequence (over tp, over cp) and are not "
-                  "composed with each other yet: drop parallel.sp (tp x cp runs)"),
     (lambda p, s, sim: p.overlap and (p.cp > 1 or p.ep > 1),
      lambda p, s: f"parallel.{'cp' if p.cp > 1 else 'ep'} = {max(p.cp, p.ep)}: overlap applies to the data and "
                   "pipeline engines (the cp ring and the ep all-to-alls would share the transport with the bucket "

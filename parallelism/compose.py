@@ -173,9 +173,6 @@ def compose(model_factory: ModelFactory, mesh: DeviceMesh, log: CommLog, sequenc
     replicated = split_tensor(stage, model, tp, sequence_parallel, regather, pp.rank)  # 2. tp (+ sp)
     cp = Comm(mesh.group("cp"), log)
     if cp.size > 1:
-        if sequence_parallel:
-            raise EngineError("sequence parallelism splits the sequence over tp, context parallelism over cp: the "
-                              "two are not composed yet; use one of them")
         from .context import context_parallelize
         if moe:
             raise EngineError(_MOE_REFUSED["cp"])

@@ -103,6 +103,15 @@ def context_parallelize(model: nn.Module, comm: Comm, layout: str = "zigzag", re
     return model
 
 
+def set_positions(module: nn.Module, pos: torch.Tensor) -> None:
+    """Give the module's embeddings the global positions of this cp rank's tokens: GlobalPositionEmbed, and
+    SequenceParallelEmbed under tp × cp with sp (it slices them further over tp)."""
+    from .sequence import SequenceParallelEmbed
+    for m in module.modules():
+        if isinstance(m, (GlobalPositionEmbed, SequenceParallelEmbed)):
+            m.positions = pos
+
+
 def token_positions(cp: Comm, seq: int, layout: str) -> torch.Tensor:
     """The global positions of this cp rank's tokens of a sequence of `seq` (its zig-zag chunks); EngineError in one
     line if the sequence does not cut into 2C chunks."""
@@ -133,13 +142,18 @@ def average_grads_in_place(comm: Comm, slots: list[ParamSlot], site: str) -> Non
 
 
 class ContextParallelReplica(LocalReplica):
-    """The whole model on each cp rank, fed that rank's zig-zag chunks of the full (B, S) batch."""
+    """The whole model on each cp rank, fed that rank's zig-zag chunks of the full (B, S) batch. With `sp` (the tp
+    group under tp × cp with sequence parallelism) the LayerNorm regions run on the tp rank's S/(C·T) of them: the
+    rank scores those tokens (L = Σ_{c,t} L_{c,t} / (C·T)), and the `replicated` tensors' partial gradients are
+    summed over tp before the average over cp."""
 
     def __init__(self, module: nn.Module, cp: Comm, dp: Comm, rank: int, loss_fn: LossFn | None,
-                 layout: str, name_of: Callable[[str, torch.Tensor], str] | None = None) -> None:
+                 layout: str, name_of: Callable[[str, torch.Tensor], str] | None = None, sp: Comm | None = None,
+                 replicated: list[torch.Tensor] | None = None) -> None:
         super().__init__(module, dp, rank, loss_fn, name_of)
         self.cp, self.layout = cp, layout
-        self.embeds = [m for m in module.modules() if isinstance(m, GlobalPositionEmbed)]
+        self.sp = sp if sp is not None and sp.size > 1 else None
+        self.replicated = list(replicated or [])
 
     def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x, y) at this rank's tokens, and their global positions. EngineError if S does not cut into 2C."""
@@ -151,14 +165,27 @@ class ContextParallelReplica(LocalReplica):
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         xl, yl, pos = self.local_batch(x, y)
-        for e in self.embeds:
-            e.positions = pos
-        loss = self.loss_fn(self.module(xl), yl)
-        loss.backward()
+        set_positions(self.module, pos)
+        if self.sp is None:
+            loss = self.loss_fn(self.module(xl), yl)
+            loss.backward()
+        else:                                  # tp × cp with sp: this tp rank's S/(C·T) tokens
+            from .engine import add_back_grads, take_grads
+            from .sequence import LOSS_SITE, check_token_targets, sequence_bounds, sum_partial_grads
+            check_token_targets(xl, yl)
+            a, b = sequence_bounds(xl.shape[1], self.sp)
+            earlier = take_grads(self.replicated)
+            loss = self.loss_fn(self.module(xl), yl[:, a:b])
+            (loss / self.sp.size).backward()
+            sum_partial_grads(self.replicated, self.sp)
+            add_back_grads(self.replicated, earlier)
         average_grads_in_place(self.cp, self.slots(), site="cp grads")   # mean over cp: ∇ of the full-batch loss
         t = torch.tensor([float(loss.detach())], dtype=torch.float64)
         if self.cp.size > 1:
             self.cp.all_reduce(t, "sum", site="cp loss")
+        if self.sp is not None:
+            self.sp.all_reduce(t, "sum", site=LOSS_SITE)
+            t /= self.sp.size
         return float(t[0]) / self.cp.size
 
 
@@ -170,10 +197,10 @@ class ContextParallelEngine:
     Slot names are the full model's (tp shards: "#tp{t}/{T}"); the mesh must have pp = ep = 1."""
 
     def __init__(self, loss_fn: LossFn | None = None, log: CommLog | None = None, layout: str = "zigzag",
-                 checkpoint_activations: bool = False) -> None:
+                 checkpoint_activations: bool = False, sequence_parallel: bool = False) -> None:
         chunks_of(0, 1, layout)
         self.loss_fn, self.log, self.layout = loss_fn, log, layout
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations, self.sequence_parallel = checkpoint_activations, sequence_parallel
 
     def build(self, model_factory: Callable[[], nn.Module], mesh: DeviceMesh) -> ContextParallelReplica:
         from .compose import compose
@@ -182,5 +209,7 @@ class ContextParallelEngine:
             raise EngineError(f"ContextParallelEngine combines cp with dp and tp; this mesh also has "
                               f"{', '.join(f'{a}={n}' for a, n in other.items())}: set them to 1")
         c = compose(model_factory, mesh, self.log if self.log is not None else CommLog(),
-                    checkpoint_activations=self.checkpoint_activations, context_layout=self.layout, refuse_moe="cp")
-        return ContextParallelReplica(c.module, c.cp, c.dp, c.rank, self.loss_fn or lm_loss, self.layout, c.name_of)
+                    sequence_parallel=self.sequence_parallel, checkpoint_activations=self.checkpoint_activations,
+                    context_layout=self.layout, refuse_moe="cp")
+        return ContextParallelReplica(c.module, c.cp, c.dp, c.rank, self.loss_fn or lm_loss, self.layout, c.name_of,
+                                      sp=c.tp if c.sequence_parallel else None, replicated=c.replicated)

@@ -28,7 +28,7 @@ import torch
 from pslab.collectives import trace
 from .checkpointing import wrap_children
 from .comm import Comm, CommLog, CommThread
-from .engine import EngineError, LocalReplica, ModelFactory
+from .engine import LocalReplica, ModelFactory
 from .mesh import DeviceMesh
 
 DEFAULT_BUCKET_BYTES = 25 << 20

@@ -18,7 +18,7 @@ replica's data-parallel group (`replica.dp`, the ranks that hold the same slots)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 

@@ -254,15 +254,15 @@ class PipelineReplica:
             raise EngineError(f"batch of {n_rows} cannot be split into {m} micro-batches")
         xs, ys = split_batch(x, m), split_batch(y, m)     # (a user's batch: a tuple or dict of tensors)
         rows = [batch_rows(b) for b in xs]
+        if self.cp is not None:                          # this cp rank's tokens; L = Σ_r L_r / C via the grads
+            xs, ys = self._cp_tokens(x.shape[1], xs, ys)
         sp = self.sp
-        if sp is not None:
+        if sp is not None:                               # (of the cp rank's S/C tokens under cp)
             from .sequence import sequence_bounds
-            a, b = sequence_bounds(x.shape[1], sp)
+            a, b = sequence_bounds(ys[0].shape[1], sp)
             ys = tuple(t[:, a:b] for t in ys)           # the last stage scores this tp rank's tokens
             total *= sp.size                             # L = Σ_t L_t / T
             earlier = take_grads(self.replicated)
-        if self.cp is not None:                          # this cp rank's tokens; L = Σ_r L_r / C via the grads
-            xs, ys = self._cp_tokens(x.shape[1], xs, ys)
         if self.ep is not None:
             from .expert import is_expert
             replicas = [q for q in self.stage.parameters() if not is_expert(q)]
@@ -363,11 +363,9 @@ class PipelineReplica:
 
     def _cp_tokens(self, seq: int, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
         """The micro-batches at this cp rank's zig-zag tokens; the stage's embeddings get their global positions."""
-        from .context import GlobalPositionEmbed, token_positions
+        from .context import set_positions, token_positions
         pos = token_positions(self.cp, seq, self.cp_layout)
-        for e in self.stage.modules():
-            if isinstance(e, GlobalPositionEmbed):
-                e.positions = pos
+        set_positions(self.stage, pos)
         return tuple(t[:, pos] for t in xs), tuple(t[:, pos] for t in ys)
 
     @staticmethod

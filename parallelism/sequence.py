@@ -153,15 +153,20 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class SequenceParallelEmbed(nn.Module):
-    """`models.Embed` on this rank's sequence shard: tok(idx[:, a:b]) + pos(a … b−1); no communication."""
+    """`models.Embed` on this rank's sequence shard: tok(idx[:, a:b]) + pos(a … b−1); no communication. Under
+    context parallelism (tp × cp with sp) idx is the cp rank's S/C tokens and `positions` their global positions
+    (set per step, as on context.GlobalPositionEmbed): pos(positions[a:b])."""
 
     def __init__(self, full: Embed, comm: Comm) -> None:
         super().__init__()
         self.tok, self.pos, self.comm = full.tok, full.pos, comm     # same submodule names: same parameter names
+        self.positions: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         a, b = sequence_bounds(idx.shape[1], self.comm)
-        return self.tok(idx[:, a:b].contiguous()) + self.pos(torch.arange(a, b, device=idx.device))
+        at = (torch.arange(a, b, device=idx.device) if self.positions is None   # (a slice would keep, saved for
+              else self.positions[a:b].to(idx.device, copy=True))              # backward, all S/C positions alive)
+        return self.tok(idx[:, a:b].contiguous()) + self.pos(at)
 
 
 def sequence_parallelize_embedding(model: nn.Module, comm: Comm, require: bool = True) -> nn.Module:

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .engine import Replica
+from .engine import EngineError, Replica
 from .expert import is_expert
 from .snapshot_check import FORMAT, SnapshotError, _fail, check_snapshot
 from .tensor import tp_index

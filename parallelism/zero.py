@@ -85,6 +85,7 @@ class ZeroReplica:
         ids = {id(t) for t in replicated or ()} if self.sp is not None else set()
         # the parameters whose hooks wait for a sum after backward: sp's replicated tensors, or under cp every one
         self.deferred = [(n, p) for n, p in self.named if id(p) in ids or self.cp is not None]
+        self.sp_replicated = [p for _, p in self.named if id(p) in ids]   # (summed over tp under cp × sp)
         self._hooks: dict[str, Callable[..., None]] = {}
         self.peak_gathered_bytes = 0
         self.gathered_bytes = 0

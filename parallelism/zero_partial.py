@@ -50,18 +50,28 @@ def forward_backward_sp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> f
 def forward_backward_cp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> float:
     """Context parallel (as ContextParallelReplica): this cp rank's zig-zag tokens at their global positions; every
     gradient is averaged over cp, then the hooks fire. Returns the batch's loss."""
-    from .context import GlobalPositionEmbed, average_grads_in_place, token_positions
+    from .context import average_grads_in_place, set_positions, token_positions
     if x.dim() < 2:
         raise EngineError(f"context parallelism splits dim 1 (the sequence) of the batch; got shape {tuple(x.shape)}")
     pos = token_positions(rep.cp, x.shape[1], rep.context_layout)
-    for m in rep.module.modules():
-        if isinstance(m, GlobalPositionEmbed):
-            m.positions = pos
-    loss = rep.loss_fn(rep.module(x[:, pos]), y[:, pos])
-    loss.backward()
+    set_positions(rep.module, pos)
+    x, y = x[:, pos], y[:, pos]
+    if rep.sp is None:
+        loss = rep.loss_fn(rep.module(x), y)
+        loss.backward()
+    else:                                  # tp × cp with sp: this tp rank's S/(C·T) tokens, sp's partial sums first
+        from .sequence import LOSS_SITE, check_token_targets, sequence_bounds, sum_partial_grads
+        check_token_targets(x, y)
+        a, b = sequence_bounds(x.shape[1], rep.sp)
+        loss = rep.loss_fn(rep.module(x), y[:, a:b])
+        (loss / rep.sp.size).backward()
+        sum_partial_grads([p for p in rep.sp_replicated if p.grad is not None], rep.sp)
     average_grads_in_place(rep.cp, [ParamSlot(n, p, rep.rank) for n, p in rep.deferred if p.grad is not None],
                            site="cp grads")
     rep.fire_deferred()
     total = torch.tensor([float(loss.detach())], dtype=torch.float64)
     rep.cp.all_reduce(total, "sum", site="cp loss")
+    if rep.sp is not None:
+        rep.sp.all_reduce(total, "sum", site=LOSS_SITE)
+        total /= rep.sp.size
     return float(total[0]) / rep.cp.size

@@ -46,6 +46,7 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "dp=2 tp=2 zero3": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.zero=3"]),
     "dp=2 tp=2 sp zero2": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=2"]),
     "dp=2 cp=2 zero3": (TP_TOML, ["train.workers=2", "parallel.tp=1", "parallel.cp=2", "parallel.zero=3"]),
+    "tp=2 sp cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.sp=true", "parallel.cp=2"]),
     "dp=2 zero2 ckpt": (TP_TOML, ["train.workers=2", "parallel.tp=1", "parallel.zero=2",
                                   "parallel.activation_checkpointing=true"]),
     "ep=2": (MOE_TOML, ["train.workers=1"]),      # text-moe: activations depend on the routing (measured only)
@@ -313,8 +314,8 @@ def modelled(label: str, rank: dict[str, Any]) -> dict[str, float | None]:
                                           cp=p.cp)
     elif p.activation_checkpointing:
         act = tiny_checkpointed_activation_bytes(b, s, d, a, L, V)
-    elif p.cp > 1:                              # (tp x cp: the tp rank's figure, on S/C tokens)
-        act = (model_activation_bytes(b, s, d, a, L, V, t=p.tp) - 4) // p.cp + 4
+    elif p.cp > 1:                              # (tp x cp: the tp rank's figure, with sp on S/T, on S/C tokens)
+        act = (model_activation_bytes(b, s, d, a, L, V, t=p.tp, sp=p.sp) - 4) // p.cp + 4
     else:
         act = model_activation_bytes(b, s, d, a, L, V, t=p.tp, sp=p.sp)
     return {"params": e.get("params"), "grads": e.get("grads"), "optimizer": e.get("optimizer"), "activations": act}

@@ -34,10 +34,10 @@ def modelled(cfg: RunConfig, wl: Workload) -> tuple[int | None, str]:
     b, s = x.shape
     d, heads, L, V = att[0].d, att[0].heads, len(att), wl.data.num_classes
     from pslab.parallelism.sequence import model_activation_bytes
-    if p.cp > 1:                 # under tp × cp: the tp rank's figure, on S/C tokens
-        one = model_activation_bytes(b, s, d, heads, L, V, t=p.tp)
+    if p.cp > 1:                 # under tp × cp: the tp rank's figure (with sp: on S/T), on S/C tokens
+        one = model_activation_bytes(b, s, d, heads, L, V, t=p.tp, sp=p.sp)
         m = "M_t" if p.tp > 1 else "M₁"
-        who = f"one tp rank, t={p.tp}" if p.tp > 1 else "one process"
+        who = f"one tp rank, t={p.tp}" + (" + sp" if p.sp else "") if p.tp > 1 else "one process"
         return (one - 4) // p.cp + 4, f"({m} − 4)/C + 4, {m} = {one} B ({who}, b={b}, S={s}, d={d}, L={L})"
     t = p.tp
     what = "tp + sp" if p.sp else "tp" if t > 1 else "one process"

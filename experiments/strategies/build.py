@@ -183,7 +183,8 @@ def make_engine(cfg: RunConfig, wl: Workload) -> Any:
                               stage_time=pad)
     if p.cp > 1:
         from pslab.parallelism.context import ContextParallelEngine
-        return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)
+        return ContextParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing,
+                                     sequence_parallel=p.sp)
     if p.ep > 1:
         from pslab.parallelism.expert import ExpertParallelEngine
         return ExpertParallelEngine(loss_fn=loss, checkpoint_activations=p.activation_checkpointing)

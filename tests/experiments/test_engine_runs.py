@@ -92,6 +92,16 @@ LAYOUTS = {
                                      {"zero RS + AG", "cp ring + grads"}),
     "allreduce dp=2 x cp=2 zero=3 torch": ("allreduce", 2, ["parallel.cp=2", "parallel.zero=3", "train.backend=torch"],
                                            {"zero RS + AG", "cp ring + grads"}),
+    # tp x cp with sequence parallelism: LayerNorm regions on S/(C·T) tokens, the ring on the gathered S/C
+    "allreduce tp=2 sp x cp=2": ("allreduce", 1, ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2"],
+                                 {"tp activations", "cp ring + grads"}),
+    "allreduce tp=2 sp x pp=2 x cp=2 torch": ("allreduce", 1, ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
+                                                                "parallel.cp=2", "parallel.micro_batches=2",
+                                                                "train.backend=torch"],
+                                              {"tp activations", "pp boundaries", "cp ring + grads"}),
+    "allreduce dp=2 x tp=2 sp x cp=2 zero=2": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2",
+                                                                 "parallel.zero=2"],
+                                               {"zero RS + AG", "tp activations", "cp ring + grads"}),
     # cp under the parameter server: cp rank 0 pushes the cp-averaged gradient, then broadcasts what it read
     "ps-bsp dp=2 x cp=2": ("ps-bsp", 2, ["parallel.cp=2"], {"ps push + pull", "cp ring + grads"}),
     "ps-bsp tp=2 x cp=2": ("ps-bsp", 1, ["parallel.tp=2", "parallel.cp=2"],

@@ -53,7 +53,6 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.cp=0"], "parallel.cp must be a positive integer"),
     (["parallel.cp=2", "parallel.ep=2", "train.strategy=allreduce", "workload.name=text-moe"],
      "an MoE layer routes whole sequences"),
-    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.strategy=allreduce"], "both split the sequence"),
     (["parallel.cp=3", "train.strategy=allreduce"], "choose cp in [2, 4, 8"),
     (["parallel.cp=2", "train.strategy=allreduce", "workload.name=digits-mlp"], "has no attention"),
     (["parallel.cp=2", "train.strategy=allreduce", "parallel.overlap=true"],

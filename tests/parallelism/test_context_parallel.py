@@ -40,11 +40,11 @@ def batches(seq: int, batch: int = BATCH, steps: int = STEPS):
             for _ in range(steps + 1)]          # the last batch: the step repeated after restore_into
 
 
-def _cp_worker(group, mesh_shape, opt, seq, ac=False):
+def _cp_worker(group, mesh_shape, opt, seq, ac=False, sp=False):
     torch.set_num_threads(1)
     data = batches(seq, BATCH * mesh_shape.get("dp", 1))
     strategy = AllReduceStrategy(OPTS[opt])
-    engine = ContextParallelEngine(loss_fn=lm_loss, checkpoint_activations=ac)
+    engine = ContextParallelEngine(loss_fn=lm_loss, checkpoint_activations=ac, sequence_parallel=sp)
     mesh, replica, losses = run_training(group, engine, factory(seq), data[:-1], mesh_shape, strategy=strategy)
     p2p = replica.log.by_site("p2p")
     full = gather_full_state(replica, mesh)
@@ -75,17 +75,21 @@ def _cp_worker(group, mesh_shape, opt, seq, ac=False):
     ("zmq", {"tp": 2, "cp": 2}, "adam", 12, False),
     ("torch", {"tp": 2, "cp": 2}, "sgd", 12, True),
     ("zmq", {"dp": 2, "tp": 2, "cp": 2}, "sgd", 12, True),
+    ("zmq", {"tp": 2, "cp": 2}, "adam", 12, "sp"),          # + sequence parallelism: S/(C·T) tokens a rank
+    ("torch", {"dp": 2, "tp": 2, "cp": 2}, "sgd", 24, "sp"),
 ])
 def test_cp_matches_single_process(backend, mesh_shape, opt, seq, ac):
     """Per-step losses and every rank's parameters (full-model names; under tp × cp its head shards) equal
     single-process training on the same batches (S = 12 or 24: not powers of two); gather_full_state gives the
     reference model on rank 0; each layer's ring sends exactly `ring_bytes` per step (tp × cp: over the rank's d/T
     of the heads; checkpointing replays the forward ring); capture/restore_into repeats a step bitwise; a
-    checkpoint stores the parameters on cp rank 0 of dp rank 0 only."""
+    checkpoint stores the parameters on cp rank 0 of dp rank 0 only. With sequence parallelism ("sp") each tp rank
+    runs the LayerNorm regions on its S/(C·T) of the tokens, attention's ring on the gathered S/C."""
+    sp, ac = ac == "sp", ac is True
     data = batches(seq, BATCH * mesh_shape.get("dp", 1))
     ref_losses, ref_w = reference(factory(seq), data[:-1], opt=OPTS[opt], loss_fn=lm_loss)
     world = mesh_shape.get("dp", 1) * mesh_shape.get("tp", 1) * mesh_shape["cp"]
-    out = collectives.launch(_cp_worker, world, backend=backend, args=(mesh_shape, opt, seq, ac), timeout=150)
+    out = collectives.launch(_cp_worker, world, backend=backend, args=(mesh_shape, opt, seq, ac, sp), timeout=150)
     cp, tp = mesh_shape["cp"], mesh_shape.get("tp", 1)
     rb = ring_bytes(BATCH, seq, D // tp, cp)
     per_layer = STEPS * (rb["total"] + (rb["forward"] if ac else 0))
@@ -96,8 +100,10 @@ def test_cp_matches_single_process(backend, mesh_shape, opt, seq, ac):
             for n, w in ref_w.items():
                 assert_close(r["slots"][n], w, n)
         assert r["p2p"] == {"1.attn": per_layer, "2.attn": per_layer}
-        assert set(r["by_site"]) <= {"1.attn", "2.attn", "1.mlp", "2.mlp", "cp grads", "cp loss", "grads", "export"}
-        assert r["by_kind"]["all_gather"] == r["by_kind"]["reduce_scatter"] == 0
+        assert set(r["by_site"]) <= {"1.attn", "2.attn", "1.mlp", "2.mlp", "cp grads", "cp loss", "grads", "export",
+                                     "sp loss", "sp replicated grads"}
+        assert ("sp replicated grads" in r["by_site"]) == sp
+        assert (r["by_kind"]["all_gather"] == r["by_kind"]["reduce_scatter"] == 0) != sp   # sp: ḡ / ḡ* over tp
         assert r["restore_repeats"]
         if tp == 1:
             assert r["stored"] == (len(ref_w) if r["coords"]["cp"] == r["coords"]["dp"] == 0 else 0)
