@@ -22,12 +22,10 @@ Textbook rules (algorithm "ring", NCCL-like):
                      parallelism: all-gathers + reduce-scatters, the same bytes. Σ = D·C·E·T·L·m·(4|6)·2(T−1)/T·A
     pp boundaries    per boundary and micro-batch the activation forward and its gradient back; each tp/cp/ep rank
                      of a stage sends its own A (under sp its S/T slice, A/T: Korthikanti et al.):
-                     Σ = D·C·E·T·(P−1)·m·2·A; interleaved 1F1B (v chunks per stage): P·v − 1 cuts,
-                     Σ = D·C·E·T·(P·v−1)·m·2·A. Seconds on the critical path: the sends are asynchronous, so a
-                     micro-batch's transfer overlaps the next one's compute and only the fill and the drain wait
-                     for the wire: one micro-batch's activation across every cut and its gradient back,
-                     2·Σ_cuts (α + A/β) on each cut's link (comm_cost.py) — unless a rank's link cannot keep up:
-                     then its bandwidth, the m messages over each cut it borders, m·A/β per cut (the larger)
+                     Σ = D·C·E·T·(P−1)·m·2·A; a rank's time: the messages it sends, each on the link it
+                     crosses (comm_cost.py) — m·(α + A/β) per cut it borders: m for the first and last stage, 2m
+                     for an inner one; interleaved 1F1B (v chunks per stage): P·v − 1 cuts,
+                     Σ = D·C·E·T·(P·v−1)·m·2·A, up to 2v·m messages a rank
     dp gradient sync all-reduce of Ψ_k·g over the D ranks (hierarchical across nodes): Σ_ranks 2(D−1)/D·Ψ_k·g
     zero RS + AG     ZeRO 1: reduce-scatter of the gradients + all-gather of the parameters, Σ 2(D−1)/D·Ψ_k·g per
                      step; with m micro-batches of gradient accumulation ZeRO 2 reduce-scatters after each one:
@@ -280,21 +278,15 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
             if pslab:
                 for k in range(P - 1):
                     c.send(pl, grp[-1], grp[k], loss_b)
-            # on the critical path (module docstring): the fill and drain, one micro-batch's activation across
-            # every cut and its gradient back, each on its link; or a rank's bandwidth, if larger: m messages
-            # forward and m back per cut it borders (bytes / β; their latencies overlap on the wire)
-            chain = Cost()
-            for k in range(P * V - 1):
-                chain.wait(pl, pl.link(grp[k % P], grp[(k + 1) % P]), 2, 2 * cut * act)
-            c.secs = dict(chain.secs)
+            # one rank's time: a middle stage sends m activations forward and m gradients back per cut it owns
             for k in range(P):
                 t = Cost()
                 fwd = sum(1 for c_ in range(k, P * V - 1, P))
                 bwd = sum(1 for c_ in range(k, P * V, P) if c_ > 0)
                 if fwd:
-                    t.wait(pl, pl.link(grp[k], grp[(k + 1) % P]), 0, m * fwd * cut * act)
+                    t.wait(pl, pl.link(grp[k], grp[(k + 1) % P]), m * fwd, m * fwd * cut * act)
                 if bwd:
-                    t.wait(pl, pl.link(grp[k], grp[(k - 1) % P]), 0, m * bwd * cut * act)
+                    t.wait(pl, pl.link(grp[k], grp[(k - 1) % P]), m * bwd, m * bwd * cut * act)
                 if sum(t.secs.values()) > sum(c.secs.values()):
                     c.secs = t.secs
             kind.group(c, header if pslab else None, steps, times)

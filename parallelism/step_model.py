@@ -19,21 +19,18 @@ B/(D·b) when not given):
     compute_s   the busiest pipeline stage's share: F_k / (D·T·C·E) / cluster.flops, where F_k counts the stage's
                 layers (and, on the last stage, the logit layer) with the recompute rule above (algorithm "pslab":
                 pslab's stage cut, and its head replicated over tp unless sp)
-    stage_s     compute_s + tp_s: the tp activations' seconds are communication on the critical path of every
-                micro-batch (comm_model.step_comm; not overlapped)
+    stage_s     compute_s + tp_s + pp_s: the tp activations' and pp boundaries' seconds, communication on the
+                critical path (comm_model.step_comm; not overlapped)
     bubble_s    (p − 1)/(v·m) · stage_s (GPipe and 1F1B alike: p − 1 idle micro-batch slots of stage_s/m each, so
                 the bubble is (p − 1)/(m + p − 1) of the pipeline's time; Narayanan et al. §2.2; interleaved 1F1B
                 with v chunks per stage: slots of stage_s/(v·m), (p − 1)/(v·m + p − 1); its v-fold boundary
                 traffic is in pp_s)
-    pp_s        the pp boundaries' seconds: the fill and drain's wire time, one micro-batch across every cut and
-                back (the other transfers overlap compute: comm_model), or a rank's bandwidth if larger -- added
-                once, not per micro-batch slot
     exposed_comm_s  tp_s + pp_s + cp/ep seconds (not hidden) + the overlappable dp/zero gradient terms' dp_s:
                 max(0, dp_s − f·compute_s) with overlap, f = cluster.overlap_fraction (2/3 in the presets: they
                 run during backward, ≈ 2/3 of the compute; a pipeline's last backward is shorter: optimistic
                 there; calibrated here, where ranks share cores), dp_s without
     step_s      compute_s + bubble_s + exposed_comm_s + cluster.step_overhead_s
-                = stage_s · (v·m + p − 1)/(v·m) + pp_s + cp/ep + exposed dp + overhead
+                = stage_s · (v·m + p − 1)/(v·m) + cp/ep + exposed dp + overhead
     memory      memory_model.estimate(layout, precision, shape=, stage=k), the max over the stages k; fits when
                 it is <= cluster.gpu_memory_bytes
     tokens_per_s  B · s / step_s
@@ -144,12 +141,11 @@ def predict(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int, *
                      overlap=overlap, steps=steps)
     compute = stage_compute_s(shape, lay, cluster, global_batch, algorithm)
     critical = sum(t.seconds for t in comm if t.kind in CRITICAL_KINDS)
-    per_micro = sum(t.seconds for t in comm if t.kind == "tp activations")    # (pp: fill and drain, once)
     hideable = sum(t.seconds for t in comm if t.overlappable)
     rest = sum(t.seconds for t in comm if t.kind not in CRITICAL_KINDS and not t.overlappable)
     dp_exposed = max(0.0, hideable - cluster.overlap_fraction * compute) if overlap else hideable
     m, p, v = lay.micro_batches or 1, lay.pp, lay.virtual_stages
-    stage = compute + per_micro
+    stage = compute + critical
     bubble = (p - 1) / (v * m) * stage
     exposed = critical + rest + dp_exposed
     step = compute + bubble + exposed + cluster.step_overhead_s
