@@ -36,7 +36,7 @@ def _split(p: ParallelConfig) -> bool:
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
 # under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
 # with sp too; dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
-# also with tp and pp (the distributed optimizer), ZeRO 2-3 with tp and sp (2D: FSDP + TP) and with cp, ZeRO 1-2 with activation
+# also with tp and pp (the distributed optimizer), ZeRO 2 with pp (and tp), ZeRO 2-3 with tp and sp (2D: FSDP + TP) and with cp, ZeRO 1-2 with activation
 # checkpointing; overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
@@ -66,11 +66,14 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
     (lambda p, s, sim: p.zero and s.kind != "allreduce",
      lambda p, s: f"parallel.zero = {p.zero} shards optimizer state over the all-reduce group: use train.strategy = "
                   "allreduce (the parameter server already keeps the optimizer on the shards)"),
-    (lambda p, s, sim: p.zero > 1 and p.pp > 1,
-     lambda p, s: f"parallel.zero = {p.zero} shards gradients inside backward, but a pipeline accumulates them over "
-                  f"its {p.micro_batches} micro-batches, so they stay whole until the last one (or are reduce-"
-                  "scattered once per micro-batch): with pp use zero = 1, the distributed optimizer, which moves the "
-                  "same bytes once a step"),
+    (lambda p, s, sim: p.zero == 3 and p.pp > 1,
+     lambda p, s: f"parallel.zero = 3 with pp = {p.pp}: the stage's weights would be gathered for each of its "
+                  f"{p.micro_batches} micro-batches' forward and backward (or kept whole across them, which is ZeRO-2's "
+                  "memory): not composed yet; with pp use zero = 1 or 2"),
+    (lambda p, s, sim: p.zero == 2 and p.pp > 1 and (p.sp or p.cp > 1 or p.ep > 1),
+     lambda p, s: f"parallel.zero = 2 with pp reduce-scatters each micro-batch's gradients over dp as its backward "
+                  "ends, but sp, cp and ep sum or average the stage's gradients over tp, cp or ep after the last "
+                  "micro-batch: with them use zero = 1"),
     (lambda p, s, sim: p.zero == 3 and p.activation_checkpointing,
      lambda p, s: "parallel.zero = 3 gathers each unit's weights for its forward and its backward; with "
                   "parallel.activation_checkpointing the recompute would gather them a third time, which pslab's "

@@ -139,9 +139,10 @@ class ParallelConfig:
 
     @property
     def distributed_optimizer(self) -> bool:
-        """ZeRO-1 on a split model (zero = 1 with tp, pp, cp or ep): parallelism/distributed_optimizer.py, not
-        ZeroEngine (which runs every stage over dp alone, and stages 2-3 over dp x tp)."""
-        return self.zero == 1 and self.model_parallel > 1
+        """ZeRO-1 on a split model (zero = 1 with tp, pp, cp or ep), and ZeRO-2 in a pipeline (zero = 2 with pp):
+        parallelism/distributed_optimizer.py, not ZeroEngine (which runs every stage over dp alone, and stages 2-3
+        over dp x tp and dp x cp)."""
+        return (self.zero == 1 and self.model_parallel > 1) or (self.zero == 2 and self.pp > 1)
 
     def unsplit(self) -> "ParallelConfig":
         """The same settings for the unsplit model (what `local`, the single-process reference, trains)."""

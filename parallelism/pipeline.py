@@ -206,6 +206,7 @@ class PipelineReplica:
         self.spans: list[tuple[Action, float, float]] = []
         self.step_start = 0.0
         self.peak_in_flight = 0
+        self.after_backward: Callable[[], None] | None = None   # called after each backward action
 
     # ---- boundary shapes: sent once per (cut, new micro-batch shape) as a small header message -------------------
     def _tag(self, c: int, i: int, backward: bool = False) -> int:
@@ -321,6 +322,8 @@ class PipelineReplica:
                 if c > 0:
                     sends.append(self.pp.isend(inp.grad.contiguous(), (s - 1) % p, tag=self._tag(c, i, True),
                                                site=f"stage {s} -> {(s - 1) % p}"))
+                if self.after_backward is not None:       # ZeRO-2 (distributed_optimizer.py): this micro-batch's
+                    self.after_backward()                 # gradients reduce-scattered over dp now, then freed
             self.spans.append((a, t0 - self.step_start, t1 - self.step_start))
             trace.complete(a.phase, "compute", t0, t1, stage=s, micro=i, chunk=k)   # (when a run is traced)
         with trace.waiting("sends"):

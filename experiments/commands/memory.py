@@ -41,6 +41,8 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "tp=2 pp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=4"]),
     "dp=2 tp=2 pp=2 zero1": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
                                        "parallel.micro_batches=4"]),
+    "dp=2 pp=2 zero2": (TP_TOML, ["train.workers=2", "parallel.tp=1", "parallel.pp=2", "parallel.zero=2",
+                                  "parallel.micro_batches=4"]),
     "cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.cp=2"]),
     "tp=2 cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.cp=2"]),
     "dp=2 tp=2 zero3": (TP_TOML, ["train.workers=2", "parallel.tp=2", "parallel.zero=3"]),
@@ -265,7 +267,8 @@ def measure_worker(group: Any, label: str) -> dict[str, Any]:
                 slots = replica.slots()
                 opt = strategy.optimizer
                 out["params"] = _storage_total([s.param for s in slots])
-                out["grads"] = _storage_total([s.grad for s in slots if s.grad is not None])
+                out["grads"] = _storage_total([s.grad for s in slots if s.grad is not None]   # (ZeRO-2 in a
+                                              + list(getattr(strategy, "acc", [])))             # pipeline: shards)
                 out["optimizer"] = _storage_total([v for st in opt.state.values() for v in st.values()
                                                    if isinstance(v, torch.Tensor)])
             out["activations"] = meter.peak

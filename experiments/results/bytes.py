@@ -146,7 +146,12 @@ def modelled(cfg: RunConfig, wl: Workload, slot_bytes: list[int], steps: int | N
                                        f"⌈n/H⌉/n · Σ_r {parts[0][1]} (one all-reduce of the parameters per H = {H} "
                                        f"steps, and after the last: {syncs} over n = {n} steps)")
     elif cfg.strategy.kind == "allreduce" and D > 1:
-        if p.distributed_optimizer:             # slot_bytes are whole slots, not ZeroEngine's shards
+        if p.distributed_optimizer and p.zero == 2:    # ZeRO-2 in a pipeline: a reduce-scatter per micro-batch
+            m = p.micro_batches
+            out["zero RS + AG"] = ((m + 1) * (D - 1) / D * sum(slot_bytes),
+                                   f"Σ_r (m+1)(D−1)/D·S_r, m = {m} (a reduce-scatter of each slot after each "
+                                   "micro-batch's backward, one all-gather after the step)")
+        elif p.distributed_optimizer:             # slot_bytes are whole slots, not ZeroEngine's shards
             out["zero RS + AG"] = (2 * (D - 1) / D * sum(slot_bytes),
                                    "Σ_r 2(D−1)/D·S_r (reduce-scatter + all-gather of each slot over dp)")
         elif p.zero and packed_bytes and all(packed_bytes):

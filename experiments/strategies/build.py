@@ -225,7 +225,7 @@ def make_strategy(cfg: RunConfig, mesh: Any, addresses: Sequence[Sequence[str]] 
     if s.kind == "allreduce":
         if cfg.parallel.distributed_optimizer:
             from pslab.parallelism.distributed_optimizer import DistributedOptimizerStrategy
-            return DistributedOptimizerStrategy(lambda params: torch_optimizer(spec, params))
+            return DistributedOptimizerStrategy(lambda params: torch_optimizer(spec, params), stage=cfg.parallel.zero)
         if cfg.parallel.zero:
             from pslab.parallelism.zero import ZeroStrategy
             return ZeroStrategy()

@@ -78,6 +78,13 @@ LAYOUTS = {
     "allreduce dp=2 x tp=2 sp zero=3 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3",
                                                                "train.backend=torch"],
                                               {"zero RS + AG", "tp activations"}),
+    # ZeRO-2 in a pipeline: each micro-batch's gradients reduce-scattered over dp as its backward ends
+    "allreduce dp=2 x pp=2 zero=2 m4": ("allreduce", 2, ["parallel.pp=2", "parallel.zero=2", "parallel.micro_batches=4"],
+                                        {"zero RS + AG", "pp boundaries"}),
+    "allreduce dp=2 x tp=2 x pp=2 zero=2 v2 torch": ("allreduce", 2, ["parallel.tp=2", "parallel.pp=2",
+                                                                       "parallel.zero=2", "parallel.virtual_stages=2",
+                                                                       "train.backend=torch"],
+                                                     {"zero RS + AG", "tp activations", "pp boundaries"}),
     # ZeRO 1-2 with activation checkpointing: the hooks fire in the recomputed blocks' backward
     "allreduce zero=1 ckpt": ("allreduce", 2, ["parallel.zero=1", "parallel.activation_checkpointing=true"],
                               {"zero RS + AG"}),

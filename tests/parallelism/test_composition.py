@@ -94,20 +94,22 @@ def test_3d_matches_single_process(backend, case):
 
 
 # ---- ZeRO-1 on a composed replica: the distributed optimizer per (pp, tp) coordinate over dp -----------------------
-ZERO_CASES = {   # name: (mesh, sequence parallel, optimizer)
+ZERO_CASES = {   # name: (mesh, sequence parallel, optimizer[, stage 2: reduce-scatter after each micro-batch])
     "zero1-dp2-tp2-pp2": ({"dp": 2, "tp": 2, "pp": 2}, False, "adam"),
     "zero1-dp2-tp2-sp": ({"dp": 2, "tp": 2}, True, "sgd"),
     "zero1-dp2-pp2": ({"dp": 2, "pp": 2}, False, "adam"),
+    "zero2-dp2-tp2-pp2": ({"dp": 2, "tp": 2, "pp": 2}, False, "adam", 2),
+    "zero2-dp2-pp2": ({"dp": 2, "pp": 2}, False, "sgd", 2),
 }
 
 
 def _zero_worker(group, case):
     from pslab.parallelism.distributed_optimizer import DistributedOptimizerStrategy
     from pslab.parallelism.tensor import TensorParallelEngine
-    mesh_shape, sp, opt = ZERO_CASES[case]
+    mesh_shape, sp, opt, *stage = ZERO_CASES[case]
     engine = (PipelineEngine("1f1b", 2, loss_fn=lm_loss, sequence_parallel=sp) if mesh_shape.get("pp", 1) > 1
               else TensorParallelEngine(loss_fn=lm_loss, sequence_parallel=sp))
-    strategy = DistributedOptimizerStrategy(OPTS[opt])
+    strategy = DistributedOptimizerStrategy(OPTS[opt], stage=stage[0] if stage else 1)
     mesh, replica, losses = run_training(group, engine, TF_FACTORY, tf_batches(), mesh_shape, strategy=strategy)
     state = gather_full_state(replica, mesh)
     numel = sum(s.param.numel() for s in replica.slots())
@@ -120,7 +122,10 @@ def _zero_worker(group, case):
     x, y = (torch.tensor_split(t, dp)[dp_rank] for t in tf_batches()[0])
     tensors, meta = capture(replica, strategy)
     stored = capture(replica, strategy, mesh)[1]["pieces"]
+    rs_before = sum(r[0] == "reduce_scatter" and r[1].startswith("grad ") for r in replica.log.records)
     first = replica.forward_backward(x, y)
+    freed = all(s.grad is None for s in replica.slots())      # stage 2: only the reduced chunks are left
+    rs_in_backward = sum(r[0] == "reduce_scatter" and r[1].startswith("grad ") for r in replica.log.records) - rs_before
     strategy.step(replica)
     after = [s.param.detach().clone() for s in replica.slots()]
     restore_into(replica, strategy, tensors, meta)
@@ -129,16 +134,19 @@ def _zero_worker(group, case):
     same = first == again and all(torch.equal(a, s.param) for a, s in zip(after, replica.slots()))
     return plain({"losses": losses, "state": state, "numel": numel, "kept": kept, "by_kind": by_kind,
                   "restore_repeats": same, "stored": [(p["name"], p["sel"]["kind"]) for p in stored],
-                  "coords": mesh.coords})
+                  "coords": mesh.coords, "freed": freed, "rs_in_backward": rs_in_backward,
+                  "slots": len(replica.slots())})
 
 
 @pytest.mark.parametrize("backend,case", [("zmq", "zero1-dp2-tp2-pp2"), ("torch", "zero1-dp2-tp2-sp"),
-                                          ("zmq", "zero1-dp2-pp2")])
+                                          ("zmq", "zero1-dp2-pp2"), ("torch", "zero2-dp2-tp2-pp2"),
+                                          ("zmq", "zero2-dp2-pp2")])
 def test_zero1_on_a_composed_replica_matches_single_process(backend, case):
     """The distributed optimizer (reduce-scatter the gradients over dp, update the owned chunk, all-gather) on dp x
     tp x pp equals one process, and each rank keeps optimizer state for 1/D of its slots' elements; a snapshot of it
-    (chunks of tp shards: the "index_flat" selection) restores a step bitwise."""
-    mesh_shape, sp, opt = ZERO_CASES[case]
+    (chunks of tp shards: the "index_flat" selection) restores a step bitwise. Stage 2 in a pipeline reduce-scatters
+    every slot's gradient after each of the m = 2 micro-batches' backward and frees the full ones."""
+    mesh_shape, sp, opt, *stage = ZERO_CASES[case]
     out, ref_w = _launch_against_one_process(_zero_worker, case, mesh_shape, opt, backend)
     for n, w in ref_w.items():
         assert_close(out[0]["state"][n], w, n)
@@ -147,6 +155,7 @@ def test_zero1_on_a_composed_replica_matches_single_process(backend, case):
         assert r["kept"] == pytest.approx(per_state * r["numel"] / mesh_shape["dp"], abs=per_state * 8), r
         assert r["by_kind"]["reduce_scatter"] > 0 and r["by_kind"]["all_gather"] > 0
         assert r["restore_repeats"], r["coords"]
+        assert r["freed"] == bool(stage) and r["rs_in_backward"] == (2 * r["slots"] if stage else 0), r
         # a checkpoint stores each rank's chunks only: of tp shards on every tp rank, of replicated tensors on tp 0
         kinds = {k for _, k in r["stored"]}
         assert kinds <= {"flat", "index_flat"} and r["stored"], r["stored"]
