@@ -52,7 +52,9 @@ grad_bytes = 4, the bytes per kind EQUAL the engines' measured ones; tests/exper
                      reverse order; a pipeline stage's in its last micro-batch's backward)
     zero RS + AG     packed ring collectives (zero.py, `zero_packed`): a reduce-scatter per unit (a module's own
                      parameters; ZeRO-1: per 25 MiB bucket of units), an all-gather of all parameters (ZeRO 1-2) or
-                     two per unit (ZeRO-3); a unit's buffer D·Σ_p ⌈n_p/D⌉ elements
+                     two per unit (ZeRO-3); a unit's buffer D·Σ_p ⌈n_p/D⌉ elements. ZeRO-2 in a pipeline is the
+                     distributed optimizer's stage 2: per slot, a reduce-scatter after each of the m micro-batches'
+                     backward and one all-gather
     tp + sp          + the replicated parameters' gradients all-reduced over tp (R bytes, per stage) and the loss
                      (8 B, the last stage's tp ranks), once per step (sequence.py, pipeline.py)
     pp boundaries    + the loss broadcast from the last stage (4 B, 8 B under sp; direct: (P−1)·4 per pipeline)
@@ -297,16 +299,22 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
         # textbook, with m micro-batches of gradient accumulation (DeepSpeed / FSDP): ZeRO-1 keeps whole gradients
         # and reduce-scatters once per step; ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every
         # micro-batch's backward; ZeRO-3 also all-gathers the parameters for every micro-batch's forward and backward
-        n_rs, n_ag = {1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[lay.zero] if not pslab else (1, k3 - 1)
-        rule = f"{n_rs + n_ag}(D−1)/D" if not pslab else f"{k3}(D−1)/D"
+        dist2 = pslab and lay.zero == 2 and P > 1      # pslab's ZeRO-2 in a pipeline: the distributed optimizer,
+        # per slot, a reduce-scatter after each micro-batch's backward and one all-gather (distributed_optimizer.py)
+        n_rs, n_ag = {1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[lay.zero] if not pslab or dist2 else (1, k3 - 1)
+        rule = f"{n_rs + n_ag}(D−1)/D" if not pslab or dist2 else f"{k3}(D−1)/D"
         kind = _Kind("zero RS + AG", f"Σ_ranks {rule}·Ψ_k·{g} B (ZeRO-{lay.zero}: reduce-scatter the gradients"
                      + (f" × {n_rs} micro-batches" if n_rs > 1 else "") + ", all-gather the parameters"
                      + (f" × {n_ag} (forward and backward of each micro-batch)" if n_ag > 1 and not pslab else "")
                      + (", twice" if lay.zero == 3 and pslab else "") + ")"
-                     + ("; packed per unit (a module's parameters), ring" if pslab else ""), True)
+                     + ("; per slot, ring" if dist2 else "; packed per unit (a module's parameters), ring"
+                        if pslab else ""), True)
         for grp, times in pl.group_classes("dp"):
             c = Cost()
-            if pslab:
+            if dist2:
+                for n in stage_tensors(shape, lay, stage(grp), algorithm):
+                    c.add(ring(pl, grp, n, g, "rs", pslab), m).add(ring(pl, grp, n, g, "ag", pslab))
+            elif pslab:
                 rs, ag = zero_packed(shape, lay, stage(grp), D, g, lay.zero)
                 for n in rs:
                     c.add(ring(pl, grp, n, g, "rs", pslab))
