@@ -94,7 +94,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
             before = socket_fds()
             dist.init_process_group(tb, store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout))
-            meter = (group_meter(before, store, rank, world_size, timeout)
+            meter = (group_meter(before, store, rank, world_size, timeout, "world")
                      if tb == "gloo" else SocketMeter([], f"{tb}'s traffic does not cross this process's sockets"))
         group = TorchGroup(None, range(world_size), rank, timeout, meter=meter)
         group.store = store

@@ -52,7 +52,7 @@ _NEEDED = _BYTES_RETRANS + 8
 _ESTABLISHED, _LISTEN = 1, 10        # tcpi_state values (TCP_ESTABLISHED, TCP_LISTEN)
 # the four counters in one unpack, from _BYTES_RECEIVED on: received, notsent, sent, retrans (native order, no padding)
 _COUNTERS = struct.Struct(f"=Q{_NOTSENT - _BYTES_RECEIVED - 8}xI{_BYTES_SENT - _NOTSENT - 4}xQQ")
-_PAIR_KEY = "pslab_sockmeter/{}-{}"  # store key of a connection's (local port, remote port), valued its rank
+_NS = "pslab_sockmeter/"             # store keys: {ns}{rank} = "1" | "0" (labelled or not), {ns}{local}-{remote} = rank
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -154,19 +154,23 @@ class SocketMeter:
                            "TORCH_GLOO_LAZY_INIT, torch's debug wrapper group or another thread's socket")
         return cls(found, ports=ports)
 
-    def label_peers(self, store: Any, rank: int, world_size: int, timeout: float = 30.0) -> bool:
+    def label_peers(self, store: Any, rank: int, world_size: int, timeout: float = 30.0, ns: str = _NS) -> bool:
         """Learn which group rank each socket leads to, through `store` (every member calls this once, right after
-        the group formed; `rank` is this process's rank in the group). Each connection must come out as a peer's,
-        every peer with as many as the others; else (or when the store does not answer within `timeout` seconds)
-        nothing is labelled and claims read every socket. Returns whether the sockets were labelled."""
-        if not self.observable or not self.ports:
-            return False
+        the group formed; `rank` is this process's rank in the group, `ns` a key prefix of this group's own). Every
+        member first publishes its connections' port pairs (if it could tell them), then a flag saying whether it
+        did, so a member that could not (not observable) costs its peers no wait. Each connection must come out as a
+        peer's, every peer with as many as the others; else (or when the store does not answer within `timeout`
+        seconds) nothing is labelled and claims read every socket. Returns whether the sockets were labelled."""
+        mine = self.observable and bool(self.ports)
         try:
-            for local, remote in self.ports:
-                store.set(_PAIR_KEY.format(local, remote), str(rank))
-            theirs = [_PAIR_KEY.format(remote, local) for local, remote in self.ports]
-            store.wait(theirs, timedelta(seconds=timeout))
-            peers = [int(store.get(k)) for k in theirs]
+            for local, remote in self.ports if mine else ():
+                store.set(f"{ns}{local}-{remote}", str(rank))
+            store.set(f"{ns}{rank}", "1" if mine else "0")
+            flags = [f"{ns}{r}" for r in range(world_size) if r != rank]
+            store.wait(flags, timedelta(seconds=timeout))
+            if not mine or any(store.get(k) != b"1" for k in flags):
+                return False
+            peers = [int(store.get(f"{ns}{remote}-{local}")) for local, remote in self.ports]
         except Exception:               # noqa: BLE001 -- a store that fails or times out leaves claims whole
             return False
         of_peer: dict[int, list[tuple[int, int]]] = {}

@@ -72,11 +72,13 @@ def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> t
     return pg, group_meter(before, store, rank, world_size, timeout)
 
 
-def group_meter(before: dict[int, int], store: Any, rank: int, world_size: int, timeout: float) -> SocketMeter:
+def group_meter(before: dict[int, int], store: Any, rank: int, world_size: int, timeout: float,
+                group: str = "g") -> SocketMeter:
     """The meter of the gloo connections a group just opened (those not in `before`), its sockets labelled by peer
-    through `store` (sockmeter.py; every member calls this right after the group formed)."""
+    through `store` under keys of `group`'s own (sockmeter.py; every member calls this right after the group
+    formed)."""
     meter = SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
-    meter.label_peers(store, rank, world_size, min(timeout, _LABEL_S))
+    meter.label_peers(store, rank, world_size, min(timeout, _LABEL_S), ns=f"pslab_sockmeter/{group}/")
     return meter
 
 
@@ -104,6 +106,7 @@ def _opts(cls: Any, **fields: Any) -> Any:
 
 
 _LABEL_S = 10.0     # how long a new group's members wait for each other's socket labels before claiming whole
+_NEW_GROUPS = 0     # dist.new_group calls of this process (a group's key for its socket labels)
 _ABANDONED: list[Any] = []      # standalone groups destroyed with work in flight (see the module docstring)
 
 
@@ -416,9 +419,12 @@ class TorchGroup(ProcessGroup):
             return child
         before = socket_fds()
         pg = dist.new_group(list(ranks))
+        global _NEW_GROUPS
+        _NEW_GROUPS += 1                 # every rank calls dist.new_group in one order: the same number everywhere
         if self._grank not in ranks:
             return None
-        meter = (group_meter(before, self.store, ranks.index(self._grank), len(ranks), self.timeout)
+        meter = (group_meter(before, self.store, ranks.index(self._grank), len(ranks), self.timeout,
+                             f"new{_NEW_GROUPS}")
                  if self.meter is not None else SocketMeter([], self.unobserved_why or "the parent group's"))
         child = TorchGroup(pg, ranks, self._grank, self.timeout, meter=meter)
         child.store = self.store

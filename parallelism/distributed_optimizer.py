@@ -71,6 +71,11 @@ class DistributedOptimizerStrategy:
             if not hasattr(replica, "after_backward"):
                 raise EngineError("the distributed optimizer's stage 2 reduce-scatters a pipeline's gradients after "
                                   "each micro-batch; this replica is not a pipeline's (use ZeroEngine(2))")
+            later = [ax for ax in ("sp", "cp", "ep") if getattr(replica, ax, None) is not None]
+            if later:
+                raise EngineError(f"the distributed optimizer's stage 2 reduce-scatters each micro-batch's gradients "
+                                  f"as its backward ends, but this pipeline's {', '.join(later)} sums them after the "
+                                  "last micro-batch: use stage 1")
             self.acc = [torch.zeros(b - a, dtype=sh.dtype) for sh, (a, b) in zip(self.shards, self.bounds)]
             self._replica = replica
             replica.after_backward = self._reduce_micro_batch

@@ -86,7 +86,7 @@ class ZeroReplica:
         # the parameters whose hooks wait for a sum after backward: sp's replicated tensors, or under cp every one
         self.deferred = [(n, p) for n, p in self.named if id(p) in ids or self.cp is not None]
         self.sp_replicated = [p for _, p in self.named if id(p) in ids]   # (summed over tp under cp × sp)
-        self._hooks: dict[str, Callable[..., None]] = {}
+        self.hooks: dict[str, Callable[..., None]] = {}
         self.peak_gathered_bytes = 0
         self.gathered_bytes = 0
         self.last_state: StateBytes | None = None
@@ -121,8 +121,8 @@ class ZeroReplica:
             self._setup_units()
         if stage >= 2 or self.packed:          # (stage 1 unpacked: one reduce-scatter per parameter in step())
             for n, p in self.named:
-                self._hooks[n] = self._make_grad_hook(n)
-                p.register_post_accumulate_grad_hook(self._hooks[n])
+                self.hooks[n] = self._make_grad_hook(n)
+                p.register_post_accumulate_grad_hook(self.hooks[n])
 
     # ---- communication helpers (everything goes through one thread, so the order is the same on all ranks) ----
     def _sync(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -140,8 +140,8 @@ class ZeroReplica:
         later = any(n == name for n, _ in self.deferred)
 
         def hook(p: torch.Tensor, now: bool = False) -> None:
-            if later and not now:              # a partial gradient (sp): forward_backward sums it over tp first
-                return
+            if later and not now:              # a partial gradient (sp, cp): summed first, then fired by
+                return                         # zero_partial.fire_deferred (stage 3 frees its unit only then)
             if bucket.pack is None:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
                 self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
@@ -161,16 +161,19 @@ class ZeroReplica:
         keeps the full gradients and writes the reduced chunk into its own; stages 2-3 add it to the gradient
         shards and free the full gradients."""
         if b.pack is not None and (self.stage == 1 or any(p.grad is not None for _, p in b.params)):
-            for _, p in b.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                elif p.grad.is_sparse:                     # an embedding's sparse gradient
-                    p.grad = p.grad.to_dense()
-            grads = [p.grad for _, p in b.params]
+            grads = []                                     # (stage 3: a unit's data may be freed already)
+            for n, p in b.params:
+                g = (torch.zeros(self.shapes[n], dtype=p.dtype) if p.grad is None
+                     else p.grad.to_dense() if p.grad.is_sparse else p.grad)     # an embedding's sparse gradient
+                if self.stage == 1 and g is not p.grad:    # stage 1 keeps its full gradients
+                    p.grad = g
+                grads.append(g)
             pack = b.pack
             packed = pack.pack(grads, range(self.n))
-            if self.stage == 1:
-                into = grads                               # the reduced chunk replaces this rank's own
+            if self.stage == 1:     # the reduced chunk's SUM replaces this rank's own, the rest zeroed: a later
+                into = grads        # call's backward accumulates onto that (scaled by 1/N in step())
+                for t in grads:
+                    t.zero_()
             else:
                 into = [self.shards[n].grad for n, _ in b.params]
                 for _, p in b.params:
@@ -179,7 +182,8 @@ class ZeroReplica:
             def reduce() -> None:
                 out = torch.empty(pack.length, dtype=packed.dtype)
                 self.dp.reduce_scatter(out, packed, "sum", site=f"grads {b.name}")
-                out.mul_(1.0 / self.n)
+                if self.stage != 1:
+                    out.mul_(1.0 / self.n)
                 at = 0
                 for t, (a, c) in zip(into, (bs[self.r] for bs in pack.bounds)):
                     if self.stage == 1:
@@ -287,17 +291,16 @@ class ZeroReplica:
 
     # ---- training ------------------------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with trace.waiting("reduce-scatter"):     # an earlier call's (accumulating): done before autograd adds
+            for f in self.reducing:               # to the gradients it writes
+                f.result()
+        self.reducing = []
         if self.sp is not None or self.cp is not None:     # some gradients partial: zero_partial.py
             from .zero_partial import forward_backward_cp, forward_backward_sp
             return (forward_backward_cp if self.cp is not None else forward_backward_sp)(self, x, y)
         loss = self.loss_fn(self.module(x), y)
         loss.backward()
         return float(loss.detach())
-
-    def fire_deferred(self) -> None:
-        """Run the waiting hooks of `deferred` now that their gradients are whole (zero_partial.py)."""
-        for n, p in self.deferred:
-            self._hooks[n](p, now=True)
 
     def step(self) -> None:
         """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
@@ -328,7 +331,8 @@ class ZeroReplica:
         if self.stage == 1:
             for n, p in self.named:
                 a, b = self.bounds[n]
-                self.shards[n].grad = p.grad.view(-1)[a:b]
+                own = p.grad.view(-1)[a:b]
+                self.shards[n].grad = own.mul_(1.0 / self.n) if self.packed else own   # (packed: summed)
         self.optimizer.step()
         self.last_state = self.state_bytes()
         if self.packed and self.stage in (1, 2):                  # one all-gather for every parameter
@@ -396,24 +400,17 @@ class ZeroStrategy:
 
 
 class ZeroEngine:
-    """ZeRO over the mesh's dp axis, on the whole model or on each tp rank's shards (dp × tp: 2D, FSDP + TP).
+    """ZeRO over the mesh's dp axis, on the whole model, each tp rank's shards (dp × tp: 2D, FSDP + TP) or cp replica.
 
     With tp the model is first split over the tp group (`compose.py`'s step 2); ZeRO then chunks what the rank holds
-    (its shards, and the tensors tp replicates) over its dp group — the ranks with the same tp coordinate — exactly
-    as it chunks a whole model. The replicated tensors' gradients are equal on every tp rank, so nothing more is
-    summed -- except under sequence parallelism, where each tp rank's is the part from its own tokens: their hooks
-    wait, and after backward they are summed over tp (one flat all-reduce, as SequenceParallelReplica's) and then
-    reduce-scattered over dp like the rest (these few small tensors -- LayerNorms, row-parallel biases, the
-    embedding -- stay whole until backward ends). Under tp nothing runs behind compute (no prefetched gather, each reduce-scatter waited in its hook): the
-    communication thread's collectives would run while tp's run on the training thread, and one process's transport
-    is not shared by two threads at once.
-    Not with pp (gradients accumulate over the micro-batches, so they stay whole until the last: use zero = 1, the
-    distributed optimizer) or ep (its sum of the replicated tensors' gradients over ep after backward would meet
-    gradients that stages 2–3 already reduce-scattered inside it; ZeroEngine also trains on the task loss only).
-    With cp (each cp rank's tokens, ring attention): every gradient is partial, so every hook waits until backward
-    ends; the gradients are averaged over cp, then reduce-scattered over dp -- so they stay whole through backward
-    (ZeRO-1's peak), and the cp ranks repeat their dp group's chunks (Megatron instead shards over dp × cp). Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire
-    as the recomputed blocks' backward accumulates each gradient, as without it."""
+    (its shards, and the tensors tp replicates) over its dp group exactly as it chunks a whole model. Partial
+    gradients -- sp's replicated tensors, every tensor under cp -- are summed (averaged) after backward, then
+    reduce-scattered over dp (`zero_partial.py`). Under tp and cp nothing runs behind compute (no prefetched gather,
+    each reduce-scatter waited in its hook): one process's transport is not shared by two threads at once.
+    Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire in the recomputed backward.
+    Not with pp (a pipeline accumulates gradients over its micro-batches: zero = 1 or 2 there is the distributed
+    optimizer) or ep (its sum of the replicated tensors' gradients over ep after backward would meet gradients that
+    stages 2–3 already reduce-scattered; ZeroEngine also trains on the task loss only)."""
 
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
                  log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False,

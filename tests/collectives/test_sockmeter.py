@@ -154,6 +154,23 @@ def test_a_pair_no_peer_published_leaves_the_claims_whole():
             s.close()
 
 
+def test_a_member_that_cannot_label_costs_its_peers_no_wait():
+    """A member whose connections are not observable (another thread's socket, lazy init) publishes that it has no
+    labels, so its peers fall back to whole claims at once instead of waiting out the store's timeout."""
+    import time
+    lst, a, b = _pair()
+    try:
+        store = dist.HashStore()
+        seeing = SocketMeter([(a.fileno(), os.fstat(a.fileno()).st_ino)], ports=[_ports(a)])
+        blind = SocketMeter([], "found 2 new TCP connections where gloo opens 1")
+        t0 = time.monotonic()
+        assert _label([seeing, blind], store, timeout=20.0) == [False, False]
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        for s in (lst, a, b):
+            s.close()
+
+
 def _p2p_split(group):
     torch.set_num_threads(1)
     if group.rank == 0:                 # both sends in flight before the first wait: each is claimed on its own

@@ -4,6 +4,7 @@ paper's formula, and stage 3's just-in-time parameter residency."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -153,3 +154,59 @@ def test_packed_buckets_with_an_unused_module_match_single_process():
             assert_close(r["params"][n], w, f"stage {stage} bucket {bucket} {n}")
         buckets, reduced = {(1, None): (1, 1), (2, None): (5, 4), (3, None): (5, 4)}.get((stage, bucket), (4, 4))
         assert (r["buckets"], r["reduce_scatters"]) == (buckets, 5 * reduced), (stage, bucket, r)
+
+
+# ---- gradient accumulation: two forward_backward calls before one step -------------------------------------------
+ACC_SEQ = 8
+ACC_FACTORY = functools.partial(__import__("pslab.parallelism.models", fromlist=["tiny_transformer"]).tiny_transformer,
+                                vocab=16, d=16, heads=4, layers=2, seq=ACC_SEQ)
+
+
+def _acc_data(steps: int = 2, calls: int = 2, batch: int = 4) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(5)
+    return [[(torch.randint(0, 16, (batch, ACC_SEQ), generator=g), torch.randint(0, 16, (batch, ACC_SEQ), generator=g))
+             for _ in range(calls)] for _ in range(steps)]
+
+
+def _acc_sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _acc_worker(group, stage, mesh_shape, sp):
+    from pslab.parallelism.export import gather_full_state
+    from pslab.parallelism.models import lm_loss
+    torch.set_num_threads(1)
+    mesh = DeviceMesh(group, **mesh_shape)
+    rep = ZeroEngine(stage, _acc_sgd, loss_fn=lm_loss, sequence_parallel=sp).build(ACC_FACTORY, mesh)
+    for calls in _acc_data():
+        for x, y in calls:
+            rep.forward_backward(dp_shard(x, mesh.coord("dp"), mesh.size("dp")),
+                                 dp_shard(y, mesh.coord("dp"), mesh.size("dp")))
+        rep.step()
+    full = gather_full_state(rep, mesh)
+    rep.close()
+    return plain(full)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage,mesh_shape,sp", [(1, {"dp": 2}, False), (3, {"dp": 2, "tp": 2}, True),
+                                                 (2, {"dp": 2, "cp": 2}, False)])
+def test_two_forward_backward_calls_before_a_step_accumulate(stage, mesh_shape, sp):
+    """Gradient accumulation: the model after steps of two forward_backward calls each equals one process summing
+    both calls' gradients. Stage 1 reduce-scatters in backward into the rank's own chunk (its sum, the rest zeroed,
+    the next call accumulating onto it: reducing the mean there counted it twice, a bug before session 28); under sp
+    and cp the waiting gradients of each call are summed / averaged before they are reduced."""
+    from pslab.parallelism.models import lm_loss
+    torch.manual_seed(0)
+    model = ACC_FACTORY()
+    opt = _acc_sgd(list(model.parameters()))
+    for calls in _acc_data():
+        opt.zero_grad()
+        for x, y in calls:
+            lm_loss(model(x), y).backward()
+        opt.step()
+    out = collectives.launch(_acc_worker, math.prod(mesh_shape.values()), backend="zmq",
+                             args=(stage, mesh_shape, sp), timeout=150)
+    full = next(r for r in out if r is not None)
+    for n, w in model.named_parameters():
+        assert_close(full[n], w.detach(), n)
