@@ -4,8 +4,8 @@ Under sequence parallelism (compose's step 2, sp) a tp rank runs the LayerNorm r
 context parallelism (step 3, cp) a cp rank runs every layer on its S/C zig-zag tokens. Its gradient of a tensor
 that the ranks share is then only the part that flowed through its own tokens:
 
-    sp   the tensors tp replicates (LayerNorms, row-parallel biases, embedding)   g = Σ_t g_t         L = Σ_t L_t / T
-    cp   every parameter                                                          g = (1/C) Σ_r g_r   L = (1/C) Σ_r L_r
+    sp   the tensors tp replicates (LayerNorms, row-parallel biases, embedding)  g = Σ_t g_t         L = Σ_t L_t / T
+    cp   every parameter                                                         g = (1/C) Σ_r g_r   L = (1/C) Σ_r L_r
 
 ZeRO 2–3 reduce-scatter each gradient over dp from its post-accumulate hook, inside backward -- too early for a
 partial one. So those hooks wait (`ZeroReplica.deferred`); after backward the partial gradients are summed (sp:
