@@ -73,11 +73,13 @@ def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> t
 
 
 def group_meter(before: dict[int, int], store: Any, rank: int, world_size: int, timeout: float,
-                group: str = "g") -> SocketMeter:
-    """The meter of the gloo connections a group just opened (those not in `before`), its sockets labelled by peer
-    through `store` under keys of `group`'s own (sockmeter.py; every member calls this right after the group
-    formed)."""
-    meter = SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size))
+                group: str = "g", why_not: str = "") -> SocketMeter:
+    """The meter of the gloo connections a group just opened (those not in `before`; none when `why_not` says why
+    this rank observes nothing), its sockets labelled by peer through `store` under keys of `group`'s own
+    (sockmeter.py; every member calls this right after the group formed, an unobserving one too: its peers must
+    read that it has no labels rather than wait for them)."""
+    meter = (SocketMeter([], why_not) if why_not else
+             SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size)))
     meter.label_peers(store, rank, world_size, min(timeout, _LABEL_S), ns=f"pslab_sockmeter/{group}/")
     return meter
 
@@ -423,9 +425,9 @@ class TorchGroup(ProcessGroup):
         _NEW_GROUPS += 1                 # every rank calls dist.new_group in one order: the same number everywhere
         if self._grank not in ranks:
             return None
-        meter = (group_meter(before, self.store, ranks.index(self._grank), len(ranks), self.timeout,
-                             f"new{_NEW_GROUPS}")
-                 if self.meter is not None else SocketMeter([], self.unobserved_why or "the parent group's"))
+        meter = group_meter(before, self.store, ranks.index(self._grank), len(ranks), self.timeout,
+                            f"new{_NEW_GROUPS}", "" if self.meter is not None else
+                            self.unobserved_why or "the parent group's")
         child = TorchGroup(pg, ranks, self._grank, self.timeout, meter=meter)
         child.store = self.store
         return child

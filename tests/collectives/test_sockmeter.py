@@ -171,6 +171,26 @@ def test_a_member_that_cannot_label_costs_its_peers_no_wait():
             s.close()
 
 
+def _unobserving_parent(group):
+    import time
+    if group.rank == 1:
+        group.meter = None                       # as if this rank's own connections could not be told apart
+    t0 = time.monotonic()
+    child = group.new_group([0, 1])
+    took = time.monotonic() - t0
+    group.barrier()
+    return took, child.meter is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_parent_group_is_unobserved_still_answers_its_peers():
+    """A child group's members label their sockets through the store; a rank that observes nothing (its parent
+    group was not observable) still publishes that, so the other forms its group without waiting for labels."""
+    out = collectives.launch(_unobserving_parent, 2, backend="torch", timeout=100)
+    assert all(took < 5.0 for took, _ in out), out
+    assert out[1][1] is False
+
+
 def _p2p_split(group):
     torch.set_num_threads(1)
     if group.rank == 0:                 # both sends in flight before the first wait: each is claimed on its own
