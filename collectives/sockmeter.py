@@ -26,10 +26,12 @@ once at the end of each op it ran on the group (a group runs one collective at a
 once and belongs to the op that sent it. p2p sends and receives are claimed when their waits return, on the
 peer's connection only once `label_peers` has learnt which connection leads to which rank: a connection is the same
 port pair seen from both ends, (local, remote) here and (remote, local) there, so each rank publishes its pairs in
-the rendezvous store under the pair's name and reads its peers' (one set and one read per connection, once per
-group). Reading one connection costs ~4 µs (a `getsockopt` and an `fstat`), so a pipeline's many p2p waits on a
-4-rank group pay a third of what reading all three did. Unlabelled (the store did not answer in time, a pair not
-found), a wait claims every connection: the total is still exact, the split between several in flight is not.
+the rendezvous store under the pair's name, then a flag saying whether it could (under keys of the group's own),
+and reads its peers' (one set and one read per connection and per peer, once per group; a rank that observes
+nothing publishes "0", so no peer waits for it). Reading one connection costs ~4 µs (a `getsockopt` and an
+`fstat`), so a pipeline's many p2p waits on a 4-rank group pay a third of what reading all three did. Unlabelled
+(a peer without labels, the store not answering in time, a pair not found), a wait claims every connection: the
+total is still exact, the split between several in flight is not.
 Where nothing can be observed (NCCL on GPUs, a kernel without these fields, no socket found) `observable` is False
 and the caller says so instead of printing a number.
 """
