@@ -123,17 +123,18 @@ def token_positions(cp: Comm, seq: int, layout: str) -> torch.Tensor:
 
 def average_grads_in_place(comm: Comm, slots: list[ParamSlot], site: str) -> None:
     """Average the slots' gradients over `comm` with one flat all-reduce, written back into the existing gradient
-    tensors (a sync strategy may have pointed them at its own buffers, e.g. a parameter-server push segment)."""
+    tensors (a sync strategy may have pointed them at its own buffers, e.g. a parameter-server push segment). Each
+    slot is sized by its gradient when it has one (ZeRO-3 may have freed the parameter's data already)."""
     if comm.size == 1 or not slots:
         return
-    flat = torch.cat([(s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param)).reshape(-1)
-                      for s in slots])
+    grads = [s.grad.to_dense() if s.grad is not None else torch.zeros_like(s.param) for s in slots]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, "sum", site=site)
     flat.mul_(1.0 / comm.size)
     off = 0
-    for s in slots:
-        n = s.param.numel()
-        avg = flat[off:off + n].view_as(s.param)
+    for s, g in zip(slots, grads):
+        n = g.numel()
+        avg = flat[off:off + n].view_as(g)
         if s.grad is not None and not s.grad.is_sparse:
             s.grad.copy_(avg)
         else:

@@ -102,7 +102,7 @@ class DistributedOptimizerStrategy:
         if self.optimizer is None:
             raise EngineError("DistributedOptimizerStrategy.step before attach(replica)")
         dp, slots = replica.dp, replica.slots()
-        for s, shard, (a, b), k in zip(slots, self.shards, self.bounds, range(len(slots))):
+        for k, (s, shard, (a, b)) in enumerate(zip(slots, self.shards, self.bounds)):
             if self.stage == 2:                 # reduced after each micro-batch; what remains (none): now
                 shard.grad = self.acc[k] + (self._reduce(dp, s, a, b) if s.grad is not None else 0)
                 self.acc[k] = torch.zeros_like(self.acc[k])

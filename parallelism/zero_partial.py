@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .engine import EngineError, add_back_grads, take_grads
+from .engine import EngineError, ParamSlot, add_back_grads, take_grads
 
 if TYPE_CHECKING:
     from .zero import ZeroReplica
@@ -52,7 +52,7 @@ def forward_backward_sp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> f
 def forward_backward_cp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> float:
     """Context parallel (as ContextParallelReplica): this cp rank's zig-zag tokens at their global positions; every
     gradient is averaged over cp, then the hooks fire. Returns the batch's loss."""
-    from .context import set_positions, token_positions
+    from .context import average_grads_in_place, set_positions, token_positions
     if x.dim() < 2:
         raise EngineError(f"context parallelism splits dim 1 (the sequence) of the batch; got shape {tuple(x.shape)}")
     pos = token_positions(rep.cp, x.shape[1], rep.context_layout)
@@ -70,7 +70,8 @@ def forward_backward_cp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> f
         loss = rep.loss_fn(rep.module(x), y[:, a:b])
         (loss / rep.sp.size).backward()
         sum_partial_grads([p for p in rep.sp_replicated if p.grad is not None], rep.sp)
-    _average_over_cp(rep, [p for p in params if p.grad is not None])
+    average_grads_in_place(rep.cp, [ParamSlot(n, p, rep.rank) for n, p in rep.deferred if p.grad is not None],
+                           site="cp grads")
     add_back_grads(params, earlier)
     fire_deferred(rep)
     total = torch.tensor([float(loss.detach())], dtype=torch.float64)
@@ -79,24 +80,6 @@ def forward_backward_cp(rep: ZeroReplica, x: torch.Tensor, y: torch.Tensor) -> f
         rep.sp.all_reduce(total, "sum", site=LOSS_SITE)
         total /= rep.sp.size
     return float(total[0]) / rep.cp.size
-
-
-def _average_over_cp(rep: ZeroReplica, params: list[torch.Tensor]) -> None:
-    """The gradients of `params` averaged over cp in place (one flat all-reduce, site "cp grads", as
-    context.average_grads_in_place), sized by the gradients: under stage 3 a unit's data may already be freed."""
-    if not params:
-        return
-    for p in params:
-        if p.grad.is_sparse:                           # (an embedding's sparse gradient)
-            p.grad = p.grad.to_dense()
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    rep.cp.all_reduce(flat, "sum", site="cp grads")
-    flat.mul_(1.0 / rep.cp.size)
-    off = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[off:off + n].view_as(p.grad))
-        off += n
 
 
 def fire_deferred(rep: ZeroReplica) -> None:
