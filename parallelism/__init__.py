@@ -48,6 +48,7 @@ Files, one idea each:
     comm_model.py    bytes and α-β seconds per step of each kind of communication, per link class (textbook
                      ring rules, or pslab's own exact ones) under a placement of ranks on nodes
     step_model.py    step time of a layout: FLOPs (Narayanan et al. eq. 3), bubble, exposed comm, memory
+    step_replay.py   the step replayed where ranks share CPU cores: programs of cpu / wait / messages, processor sharing
     planner.py       every layout of a model on a cluster, ranked by step time, explained — `pslab plan`
     published.py     Narayanan et al. 2021's Table 1 against the planner — `pslab plan --published`
     moe.py           a mixture-of-experts feed-forward: top-k router, GShard capacity and dropping, Switch aux loss

@@ -7,6 +7,11 @@ Compute: a GPU runs the model's matmuls at `efficiency · peak_flops` (dense, at
 efficiency is what `pslab plan --calibrate` measures here, and a stated assumption for the presets). Overlap:
 gradient communication (dp, ZeRO) can hide behind `overlap_fraction` of the compute — backward's 2/3 where a copy
 engine runs it beside the kernels; here, where ranks share the CPU cores, calibration measures it (often 0).
+Fixed costs (calibrated; 0 in the presets): `step_overhead_s` per step (the loop, the optimizer),
+`micro_batch_overhead_s` per micro-batch's pass through the model (Python, launches: a pipeline pays it m times),
+`message_cpu_s` per message (its software, send and receive). Shared cores: a calibrated cluster says how many CPU
+cores its ranks share (`shared_cores`; its rate and fixed costs are then one core's), and the step model replays
+the step with the ranks taking turns on them (step_replay.py).
 
 Links (the article's point: an order of magnitude between them): a collective inside a node runs over the intra
 link (NVLink / NVSwitch), one whose group spans nodes is limited by the inter link (InfiniBand / Ethernet: one NIC
@@ -59,6 +64,12 @@ class Cluster:
     step_overhead_s: float = 0.0     # a fixed cost per step (framework, optimizer): calibrated; 0 in the presets
     overlap_fraction: float = 2 / 3  # share of compute that overlappable (dp/ZeRO) communication hides behind:
     #                                  backward's 2/3 on a GPU with a free copy engine; calibrated here
+    micro_batch_overhead_s: float = 0.0  # fixed seconds of one micro-batch's forward + backward through the whole
+    #                                  model beyond its FLOPs (Python, kernel launches): calibrated; 0 in the presets
+    message_cpu_s: float = 0.0       # the software share of a message's latency (send + receive): under shared
+    #                                  cores it takes turns like compute; calibrated; 0 in the presets
+    shared_cores: int = 0            # CPU cores all the ranks share (an emulated cluster on one machine: the step
+    #                                  is replayed, step_replay.py); 0: every rank has its own device
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -71,10 +82,14 @@ class Cluster:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
                 raise ClusterError(f"cluster {k} must be a number > 0, got {v!r}")
-        for k in ("intra_latency_s", "inter_latency_s", "step_overhead_s"):
+        for k in ("intra_latency_s", "inter_latency_s", "step_overhead_s", "micro_batch_overhead_s",
+                  "message_cpu_s"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ClusterError(f"cluster {k} must be a finite number >= 0, got {v!r}")
+        c = self.shared_cores
+        if type(c) is not int or c < 0:
+            raise ClusterError(f"cluster shared_cores must be an integer >= 0 (0: a device per rank), got {c!r}")
         f = self.overlap_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 <= f <= 1):
             raise ClusterError(f"cluster overlap_fraction must be in [0, 1], got {f!r}")

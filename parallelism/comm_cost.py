@@ -149,11 +149,13 @@ def _nodes(world: int, per_node: int, nodes: int) -> tuple[int, ...]:
 # ---- the cost of collectives on one group: bytes per link (summed over members), seconds of one member ---------
 
 class Cost:
-    """Bytes sent per link class (summed over the group's members) and one member's seconds per link class."""
+    """Bytes sent per link class (summed over the group's members) and one member's seconds per link class, of which
+    `wire` are the bytes' B/β (the rest: latencies, each message's α)."""
 
     def __init__(self) -> None:
         self.bytes = {"intra": 0, "inter": 0}
         self.secs = {"intra": 0.0, "inter": 0.0}
+        self.wire = {"intra": 0.0, "inter": 0.0}
         self.hierarchical = False          # a hierarchical all-reduce ran: its set-up barrier is a one-off
 
     def add(self, other: "Cost", times: int = 1) -> "Cost":
@@ -161,6 +163,7 @@ class Cost:
         for k in self.bytes:
             self.bytes[k] += times * other.bytes[k]
             self.secs[k] += times * other.secs[k]
+            self.wire[k] += times * other.wire[k]
         return self
 
     def send(self, pl: Placement, a: int, b: int, nbytes: int) -> None:
@@ -169,6 +172,7 @@ class Cost:
     def wait(self, pl: Placement, cls: str, messages: int, nbytes: float) -> None:
         lat, bw = pl.links[cls]
         self.secs[cls] += messages * lat + nbytes / bw
+        self.wire[cls] += nbytes / bw
 
 
 def _slowest(links: Iterable[str]) -> str:
@@ -269,14 +273,17 @@ def all_reduce(pl: Placement, group: list[int], numel: int, e: int, small: int =
         inside = ring(pl, sub, numel, e, "rs", ack).add(ring(pl, sub, numel, e, "ag", ack))
         c.bytes["intra"] += inside.bytes["intra"]
         c.bytes["inter"] += inside.bytes["inter"]
-        c.secs["intra"] = max(c.secs["intra"], inside.secs["intra"])
-    slowest = 0.0
+        if inside.secs["intra"] > c.secs["intra"]:
+            c.secs["intra"], c.wire["intra"] = inside.secs["intra"], inside.wire["intra"]
+    slowest = Cost()
     for l, (a, b) in enumerate(chunk_bounds(numel, L)):      # local rank l's shard, across the nodes
         across = ring(pl, [group[h[l]] for h in hosts], b - a, e, "ar", ack)
         c.bytes["intra"] += across.bytes["intra"]
         c.bytes["inter"] += across.bytes["inter"]
-        slowest = max(slowest, across.secs["inter"])
-    c.secs["inter"] += slowest
+        if across.secs["inter"] > slowest.secs["inter"]:
+            slowest = across
+    c.secs["inter"] += slowest.secs["inter"]
+    c.wire["inter"] += slowest.wire["inter"]
     return c
 
 

@@ -98,6 +98,7 @@ class CommTerm:
     seconds: float       # time on one rank's critical path per step (α-β on that link)
     overlappable: bool   # dp / zero gradient communication: may hide behind backward compute
     formula: str
+    wire_seconds: float = 0.0   # of `seconds`, the bytes' B/β (the rest is latency: each message's α)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -214,17 +215,18 @@ class _Kind:
         self.name, self.formula, self.overlappable = name, formula, overlappable
         self.bytes = {"intra": 0.0, "inter": 0.0}
         self.secs = {"intra": 0.0, "inter": 0.0}
+        self.wire = {"intra": 0.0, "inter": 0.0}
 
     def group(self, c: Cost, once: Cost | None = None, steps: int | None = None, times: int = 1) -> None:
         """Add `times` groups that each cost `c` per step (+ `once` per run, spread over `steps`)."""
         for k in self.bytes:
             self.bytes[k] += times * c.bytes[k] + (times * once.bytes[k] / steps if once is not None and steps else 0)
         if sum(c.secs.values()) > sum(self.secs.values()):
-            self.secs = dict(c.secs)
+            self.secs, self.wire = dict(c.secs), dict(c.wire)
 
     def terms(self) -> list[CommTerm]:
-        return [CommTerm(self.name, k, float(self.bytes[k]), self.secs[k], self.overlappable, self.formula)
-                for k in ("intra", "inter") if self.bytes[k] > 0 or self.secs[k] > 0]
+        return [CommTerm(self.name, k, float(self.bytes[k]), self.secs[k], self.overlappable, self.formula,
+                         self.wire[k]) for k in ("intra", "inter") if self.bytes[k] > 0 or self.secs[k] > 0]
 
 
 def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g: int, overlap: bool,
@@ -290,7 +292,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
                 if bwd:
                     t.wait(pl, pl.link(grp[k], grp[(k - 1) % P]), m * bwd, m * bwd * cut * act)
                 if sum(t.secs.values()) > sum(c.secs.values()):
-                    c.secs = t.secs
+                    c.secs, c.wire = t.secs, t.wire
             kind.group(c, header if pslab else None, steps, times)
         out += kind.terms()
 

@@ -18,7 +18,8 @@ B/(D·b) when not given):
 
     compute_s   the busiest pipeline stage's share: F_k / (D·T·C·E) / cluster.flops, where F_k counts the stage's
                 layers (and, on the last stage, the logit layer) with the recompute rule above (algorithm "pslab":
-                pslab's stage cut, and its head replicated over tp unless sp)
+                pslab's stage cut, and its head replicated over tp unless sp), + m · micro_batch_overhead_s · the
+                stage's units / (L + 2): a micro-batch's fixed cost (Python, launches; 0 in the presets)
     stage_s     compute_s + tp_s + pp_s: the tp activations' and pp boundaries' seconds, communication on the
                 critical path (comm_model.step_comm; not overlapped)
     bubble_s    (p − 1)/(v·m) · stage_s (GPipe and 1F1B alike: p − 1 idle micro-batch slots of stage_s/m each, so
@@ -31,6 +32,10 @@ B/(D·b) when not given):
                 there; calibrated here, where ranks share cores), dp_s without
     step_s      compute_s + bubble_s + exposed_comm_s + cluster.step_overhead_s
                 = stage_s · (v·m + p − 1)/(v·m) + cp/ep + exposed dp + overhead
+    shared cores  when cluster.shared_cores > 0 (an emulated cluster on one machine's CPU cores: `pslab plan
+                --calibrate`), step_s is replayed instead (step_replay.py: every rank's actions, their messages
+                and the ranks taking turns on the cores) and bubble_s is what the replay adds to compute, exposed
+                communication and overhead — contention and pipeline waits (negative where ranks overlap waits)
     memory      memory_model.estimate(layout, precision, shape=, stage=k), the max over the stages k; fits when
                 it is <= cluster.gpu_memory_bytes
     tokens_per_s  B · s / step_s
@@ -41,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .cluster import Cluster
-from .comm_model import CommTerm, stage_blocks, step_comm
+from .comm_model import CommTerm, stage_blocks, stage_units, step_comm
 from .memory_model import PRECISIONS, Layout, MemoryModelError, Shape, estimate
 
 OVERLAP_FRACTION = 2 / 3       # backward's share of compute: the presets' Cluster.overlap_fraction
@@ -112,19 +117,71 @@ def resolve_micro_batches(shape: Shape, layout: Layout, global_batch: int) -> La
     return replace(layout, micro_batches=m)
 
 
-def stage_compute_s(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int,
-                    algorithm: str = "ring") -> float:
-    """Seconds of compute of one rank of the busiest pipeline stage per step: its layers' FLOPs (and the logit
-    layer's on the last stage) / (D·T·C·E) / cluster.flops. algorithm "pslab": stages as pipeline.split_stages cuts
-    them, and the head replicated over tp (tensor.py splits only attention and MLP; with sp it runs on s/T)."""
+def stage_compute_all(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int,
+                      algorithm: str = "ring") -> list[float]:
+    """Seconds of compute of one rank of each pipeline stage per step: its layers' FLOPs (and the logit layer's on
+    the last stage) / (D·T·C·E) / cluster.flops, plus m times the stage's share of the fixed cost of a micro-batch's
+    pass (cluster.micro_batch_overhead_s · its units / the model's L + 2 units [Embed, Block × L, Head]).
+    algorithm "pslab": stages as pipeline.split_stages cuts them, and the head replicated over tp (tensor.py splits
+    only attention and MLP; with sp it runs on s/T)."""
     lay = layout
     layer, logits = _layer_flops(shape, global_batch, lay.recompute)
     per_rank = lay.dp * lay.tp * lay.cp * lay.ep
     if algorithm == "pslab" and not lay.sp:
         logits *= lay.tp
-    worst = max(stage_blocks(shape, lay, k, algorithm) * layer + (logits if k == lay.pp - 1 else 0)
-                for k in range(lay.pp))
-    return worst / per_rank / cluster.flops
+    m, P = lay.micro_batches or 1, lay.pp
+    out = []
+    for k in range(P):
+        blocks = stage_blocks(shape, lay, k, algorithm)
+        units = blocks + (k == 0) + (k == P - 1)
+        if algorithm == "pslab":
+            units = len(stage_units(shape, lay, k))
+        fixed = m * cluster.micro_batch_overhead_s * units / (shape.layers + 2)
+        out.append((blocks * layer + (logits if k == P - 1 else 0)) / per_rank / cluster.flops + fixed)
+    return out
+
+
+def stage_compute_s(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int,
+                    algorithm: str = "ring") -> float:
+    """Seconds of compute of one rank of the busiest pipeline stage per step (`stage_compute_all`'s max)."""
+    return max(stage_compute_all(shape, layout, cluster, global_batch, algorithm))
+
+
+def replay_step_s(shape: Shape, lay: Layout, cluster: Cluster, global_batch: int, comm: list[CommTerm],
+                  placement: str, algorithm: str, act_bytes: int, dp_exposed: float) -> float:
+    """The step replayed on `cluster.shared_cores` cores (step_replay.py): per class of pipeline groups one
+    program per stage (the schedule's actions: cpu, tp waits, boundary messages α + A/β on the link each cut
+    crosses), then the exposed dp/ZeRO/cp/ep seconds and the per-step overhead; the last rank's end."""
+    from .comm_cost import Placement
+    from .step_replay import cpu, pipeline_programs, replay, wait
+    pl = Placement(lay, cluster, placement)
+    P, V, T, m = lay.pp, lay.virtual_stages, lay.tp, lay.micro_batches or 1
+    comp = stage_compute_all(shape, lay, cluster, global_batch, algorithm)
+    share = {k: min(1.0, cluster.message_cpu_s / lat) if lat > 0 else 0.0 for k, (lat, _) in pl.links.items()}
+
+    def split(terms: list[CommTerm], scale: float = 1.0) -> tuple[float, float]:
+        """(cpu, wait) seconds of `terms`: the software share of each link's latencies is CPU."""
+        c = sum((t.seconds - t.wire_seconds) * scale * share[t.link] for t in terms)
+        return c, sum(t.seconds for t in terms) * scale - c
+    tp_s = split([t for t in comm if t.kind == "tp activations"])
+    rest = split([t for t in comm if t.kind not in CRITICAL_KINDS and not t.overlappable])
+    hide = [t for t in comm if t.overlappable]
+    total_hide = sum(t.seconds for t in hide)
+    dp = split(hide, dp_exposed / total_hide if total_hide > 0 else 0.0)
+    tail = [cpu(rest[0] + dp[0]), wait(rest[1] + dp[1]), cpu(cluster.step_overhead_s)]
+    A = shape.micro_batch * (shape.seq // lay.cp) * shape.hidden
+    cut_bytes = (A // T if lay.sp and T > 1 else A) * act_bytes
+    programs: list = []
+    weights: list[float] = []
+    for i, (grp, times) in enumerate(pl.group_classes("pp")):
+        cuts = []
+        for c in range(P * V - 1):
+            lat, bw = pl.links[pl.link(grp[c % P], grp[(c + 1) % P])]
+            cuts.append(lat + cut_bytes / bw)
+        programs += pipeline_programs(P, m, V, lay.schedule if P > 1 else "gpipe", comp, [tp_s] * P, cuts,
+                                      [tail] * P, tag=i)
+        weights += [float(times)] * P
+    return max(replay(programs, cluster.shared_cores, weights))
 
 
 def predict(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int, *, precision: str = "mixed",
@@ -149,6 +206,9 @@ def predict(shape: Shape, layout: Layout, cluster: Cluster, global_batch: int, *
     bubble = (p - 1) / (v * m) * stage
     exposed = critical + rest + dp_exposed
     step = compute + bubble + exposed + cluster.step_overhead_s
+    if cluster.shared_cores:          # ranks taking turns on shared cores: replayed; the rest of it is "bubble"
+        step = replay_step_s(shape, lay, cluster, global_batch, comm, placement, algorithm, act, dp_exposed)
+        bubble = step - compute - exposed - cluster.step_overhead_s
     mem = max(estimate(lay, precision, shape=shape, stage=k).total for k in range(p))
     F = model_flops(shape, global_batch, lay.recompute)
     return Prediction(layout=lay, global_batch=global_batch, compute_s=compute, bubble_s=bubble, comm=comm,

@@ -1,25 +1,38 @@
-"""`pslab plan --calibrate`: this machine as a `Cluster` — compute rate, per-step overhead, and each link's α-β.
+"""`pslab plan --calibrate`: this machine as a `Cluster` — compute rate, fixed costs, and each link's α-β.
 
 The planner (parallelism/step_model.py) models one rank's step as
 
-    compute_s = FLOPs_rank / flops + step_overhead_s          message of B bytes on a link: α + B / β
+    compute_s = FLOPs_rank / flops + m · micro_batch_overhead_s (its stage's share) + step_overhead_s
+    a message of B bytes on a link: α + B / β, of which message_cpu_s is CPU
 
 and this file measures those constants here, for the layouts `pslab plan --check` then runs:
 
 Compute (`compute="runs"`, the default). The real training loop — `pslab run` of the text-transformer, allreduce,
-dp = `ranks` processes at once (default: the topology's world size; on a machine with fewer cores than ranks they
-share them, as the check's runs do) on one emulated host with the topology's intra link — at two per-worker
-batches b (2, 8 and 32, interleaved, `reps` runs each, summary step_time_s: the median step after the warm-up, max
-over ranks). With F(b) the FLOPs of one rank's step (`step_model.model_flops`: Narayanan et al. 2021 eq. 3 without
-recompute) and c(b) the planner's own seconds for that run's gradient all-reduce on the measured intra link
-(subtracted, because the planner adds communication back for every layout), least squares on
+dp = `ranks` processes at once (default: the topology's world size, as the check runs them) on one emulated host
+with the topology's intra link — at three per-worker batches b (2, 8 and 32, interleaved, `reps` runs each,
+summary step_time_s: the median step after the warm-up, max over ranks). With F(b) the FLOPs of one rank's step
+(`step_model.model_flops`: Narayanan et al. 2021 eq. 3 without recompute) and c(b) the planner's own seconds for
+that run's gradient all-reduce on the measured intra link (subtracted, because the planner adds communication back
+for every layout), least squares on
 
-    t(b) − c(b) = overhead + F(b) / rate      →   peak_flops = rate, efficiency = 1.0, step_overhead_s = overhead
+    t(b) − c(b) = intercept + F(b) / rate      →   peak_flops = rate, efficiency = 1.0
 
-The intercept is the fixed cost of one step — the loop, Python, kernel launches, the optimizer over tiny tensors,
-and the ranks taking turns on the cores — which on a model this small is most of the time: the reason the model
-needs the term at all. `compute="bare"` fits the model's step alone (forward, backward, SGD; no loop, no
-communication) at four sizes in `ranks` concurrent processes: a lower bound on both constants.
+The intercept is the fixed cost of one step with one micro-batch — the loop, Python, kernel launches, the
+optimizer over tiny tensors — which on a model this small is most of the time: the reason the model needs the
+terms at all. `compute="bare"` fits the model's step alone (forward, backward, SGD; no loop, no communication) at
+four sizes in `ranks` concurrent processes: a lower bound on both constants.
+
+Micro-batches (`measure_micro_batches`, `fit_micro_batch_overhead`). A dp run cannot tell the per-step cost from
+the cost of one pass, which a pipeline pays per micro-batch: dp = world/2 × pp = 2 (GPipe, one emulated host) at
+m = 1, 2, 4, 8 micro-batches of the same batch (measured here: 7.4 → 16.8 ms from m = 1 to 8 on 2 ranks). The
+split intercept = step_overhead_s + micro_batch_overhead_s is the one whose step model (the same replay the check
+uses) fits those four runs best (least squares, ternary search).
+
+Shared cores. Where the topology has more ranks N than this machine has cores C, all of the above was measured with
+the N ranks taking turns on the C cores; the Cluster stores each CPU cost per core (`_per_core`: rate · N/C, fixed
+costs · C/N, processor sharing) with shared_cores = C, and the step model replays each layout's ranks taking turns
+(step_replay.py) — so a pipeline's ranks that wait on a slow link leave their cores to the others, which an
+additive model cannot say.
 
 Links. One launch of the topology's ranks over the zmq group under the emulated topology (collectives/topology.py);
 for each link class present, rank 0 and a peer across that class ping-pong messages of two sizes S₁ < S₂ (median
@@ -29,9 +42,10 @@ of `reps` round trips, one way = half a round trip), the other ranks idle. The f
 
 puts into α everything a message pays whatever its size: the emulated latency, the scheduler's wake-up (the
 emulation is a lower bound) and the software cost of one send + receive (msgpack header, zmq, Python) — the
-per-message cost that many small tensor-parallel all-reduces pay. S₂ is sized to take ~16 ms at the emulated
-bandwidth (or 4 MiB if unlimited) so the bandwidth term is resolved above the noise: a scheduling delay of a few ms
-on the small message (a loaded machine) moves β by ~10%, where a 4 ms S₂ once moved it by 50%.
+per-message cost that many small tensor-parallel all-reduces pay. message_cpu_s = the intra α less the emulated
+intra latency: that software share, CPU that takes turns on shared cores. S₂ is sized to take ~16 ms at the
+emulated bandwidth (or 4 MiB if unlimited) so the bandwidth term is resolved above the noise: a scheduling delay of
+a few ms on the small message (a loaded machine) moves β by ~10%, where a 4 ms S₂ once moved it by 50%.
 
 Overlap (`measure_overlap`): dp = world size under the topology with the overlapped (bucketed, hook-driven)
 gradient sync off and on; the time it saves over the compute seconds is the cluster's overlap_fraction (clipped to
@@ -140,24 +154,26 @@ def measure_compute(ranks: int, sizes: tuple[int, ...] = SIZES, reps: int = 15,
     return {"rate": 1.0 / inv_rate, "overhead_s": max(0.0, overhead), "points": pts}
 
 
-def _comm_only_s(b: int, ranks: int, steps: int, lat: float, bw: float) -> float:
+def _comm_only_s(b: int, ranks: int, steps: int, lat: float, bw: float, cores: int = 0,
+                 message_cpu_s: float = 0.0) -> float:
     """The planner's communication seconds of one calibration run's step (dp = ranks on one node, the gradient
-    all-reduce over a link of latency `lat` and bandwidth `bw`): what the fit subtracts, since the planner adds it
-    back for every layout."""
+    all-reduce over a link of latency `lat` and bandwidth `bw`; ranks sharing `cores` cores, `message_cpu_s` of
+    each message's latency CPU): what the fit subtracts, since the planner adds it back for every layout."""
     from pslab.parallelism import step_model
     from pslab.parallelism.memory_model import Layout
     if ranks == 1:
         return 0.0
     here = Cluster("comm-only", gpus_per_node=ranks, nodes=1, gpu_memory_bytes=1e12, peak_flops=float("inf"),
                    efficiency=1.0, intra_latency_s=lat, intra_bandwidth_Bps=bw, inter_latency_s=lat,
-                   inter_bandwidth_Bps=bw)
+                   inter_bandwidth_Bps=bw, shared_cores=cores if ranks > cores else 0, message_cpu_s=message_cpu_s)
     return step_model.predict(workload_shape(b), Layout(dp=ranks, micro_batches=1), here, ranks * b,
                               precision="fp32", algorithm="pslab", overlap=False, steps=steps).step_s
 
 
 def measure_compute_runs(ranks: int, sizes: tuple[int, ...] = RUN_SIZES, reps: int = 3, steps: int = 12,
                          intra: tuple[float, float] | None = None, link: tuple[float, float] | None = None,
-                         root: str | None = None, progress: Any = None) -> dict[str, Any]:
+                         root: str | None = None, progress: Any = None, cores: int = 0,
+                         message_cpu_s: float = 0.0) -> dict[str, Any]:
     """The same fit on the real training loop: `pslab run` of the text-transformer with dp = `ranks` (allreduce)
     at each per-worker batch b, on one emulated host whose link is `intra` (latency s, bandwidth B/s: the
     topology's own intra link; None: none emulated); t(b) = summary step_time_s (median step after the warm-up,
@@ -188,7 +204,8 @@ def measure_compute_runs(ranks: int, sizes: tuple[int, ...] = RUN_SIZES, reps: i
                 times[b].append(float(json.loads((rd.path / "summary.json").read_text())["step_time_s"]))
                 if progress is not None:
                     progress()
-    comm = {b: (_comm_only_s(b, ranks, steps, *link) if link is not None else 0.0) for b in sizes}
+    comm = {b: (_comm_only_s(b, ranks, steps, *link, cores, message_cpu_s) if link is not None else 0.0)
+            for b in sizes}
     pts = [(b, model_flops(shape, b), statistics.median(times[b])) for b in sizes]
     overhead, inv_rate = fit_line([p[1] for p in pts], [p[2] - comm[p[0]] for p in pts])
     if inv_rate <= 0:
@@ -222,6 +239,65 @@ def measure_overlap(topology: Topology, rate: float, *, batch: int = 8, reps: in
     compute_s = model_flops(workload_shape(), batch) / rate
     f = min(OVERLAP_FRACTION, max(0.0, (plain - over) / compute_s))
     return {"fraction": f, "plain_s": plain, "overlap_s": over, "compute_s": compute_s, "all": times}
+
+
+MICRO_BATCHES = (1, 2, 4, 8)   # the pipeline runs that split the intercept (per-worker batch 8)
+
+
+def measure_micro_batches(topology: Topology, micro_batches: tuple[int, ...] = MICRO_BATCHES, *, batch: int = 8,
+                          reps: int = 3, steps: int = 20, root: str | None = None,
+                          progress: Any = None) -> dict[int, float]:
+    """The fixed cost of a micro-batch, measured: dp = world/2 × pp = 2 (GPipe) on one emulated host with the
+    topology's intra link, the per-worker batch cut into m = 1, 2, 4, 8 micro-batches (interleaved, `reps` runs
+    each); {m: median step s}. Each micro-batch pays the pass's fixed cost (Python, kernel launches) again, which
+    a dp run with one micro-batch per step cannot tell from the per-step overhead."""
+    import tempfile
+    from pslab.experiments.studies.plan_check import run_config
+    one = Topology(hosts=1, per_host=topology.world_size, intra_latency_s=topology.intra_latency_s,
+                   intra_bandwidth_Bps=topology.intra_bandwidth_Bps)
+    if any(m < 1 or batch % m for m in micro_batches):
+        raise CalibrationError(f"micro-batch counts must divide the per-worker batch {batch}, got {micro_batches}")
+    times: dict[int, list[float]] = {m: [] for m in micro_batches}
+    with tempfile.TemporaryDirectory(prefix="pslab-calibrate-", dir=root) as tmp:
+        for rep in range(reps):
+            for m in (micro_batches if rep % 2 == 0 else micro_batches[::-1]):
+                cfg = {"label": f"calibrate m={m}", "dp": topology.world_size // 2, "pp": 2, "micro_batches": m,
+                       "schedule": "gpipe"}
+                times[m].append(run_config(cfg, one, steps=steps, root=tmp, batch=batch)["step_s"])
+                if progress is not None:
+                    progress()
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def fit_micro_batch_overhead(points: dict[int, float], cluster: Cluster, world: int, batch: int = 8) -> float:
+    """The c (seconds, as measured: all ranks at once) whose step model reproduces `points` best (least squares
+    over m), with the dp intercept split as step_overhead = intercept − c: ternary search on [0, intercept]
+    (`cluster` holds the intercept as its step_overhead_s and is rescaled as `_per_core` does)."""
+    from pslab.experiments.studies.plan_check import predict_row
+    one = cluster.with_(gpus_per_node=world, nodes=1)
+    total = cluster.step_overhead_s
+
+    def sse(c: float) -> float:
+        k = _per_core(one, total - c, c, world)
+        return sum((predict_row({"dp": world // 2, "pp": 2, "micro_batches": m, "schedule": "gpipe"}, k,
+                                batch)["step_s"] - t) ** 2 for m, t in points.items())
+    lo, hi = 0.0, total
+    for _ in range(60):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if sse(a) <= sse(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def _per_core(cluster: Cluster, overhead: float, micro: float, world: int) -> Cluster:
+    """The cluster with its CPU costs per core: measured with `world` ranks taking turns on `shared_cores` cores,
+    each cost is what one core does in the measured time ÷ (world / cores) (processor sharing: step_replay.py);
+    without sharing, as measured."""
+    f = cluster.shared_cores / world if cluster.shared_cores else 1.0
+    return cluster.with_(peak_flops=cluster.peak_flops / f, step_overhead_s=max(0.0, overhead) * f,
+                         micro_batch_overhead_s=max(0.0, micro) * f)
 
 
 # ---- links: ping-pong per link class under the emulated topology ------------------------------------------
@@ -277,6 +353,13 @@ def measure_links(topology: Topology, reps: int = 9, timeout: float = 120) -> di
     return out
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def machine_memory_bytes() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -285,40 +368,48 @@ def machine_memory_bytes() -> float:
 
 
 def calibrate(topology: Topology, *, ranks: int | None = None, progress: bool = True, compute: str = "runs",
-              reps: int = 5, sizes: tuple[int, ...] | None = None, details: dict | None = None) -> Cluster:
+              reps: int = 5, sizes: tuple[int, ...] | None = None, details: dict | None = None,
+              micro_batches: tuple[int, ...] = MICRO_BATCHES) -> Cluster:
     """This machine as a Cluster named "here": compute rate and step overhead with `ranks` processes at once
     (default topology.world_size; `compute` "runs": the real training loop, "bare": the model's step alone; at
-    `sizes`, `reps` runs each), α-β per link class through the zmq group under `topology`. `details`, if given,
-    receives the raw points of both fits."""
+    `sizes`, `reps` runs each), the fixed cost of a micro-batch (pipeline runs, "runs" with an even world size
+    only), α-β per link class through the zmq group under `topology`. Where the topology has more ranks than this
+    machine has cores, the costs are stored per core (shared_cores = the cores; `_per_core`). `details`, if given,
+    receives the raw points of every fit."""
     from tqdm import tqdm
+    cores = available_cores()
     ranks = topology.world_size if ranks is None else ranks
     if ranks < 1:
         raise CalibrationError(f"ranks must be >= 1, got {ranks}")
     if compute not in ("runs", "bare"):
         raise CalibrationError(f"compute must be 'runs' or 'bare', got {compute!r}")
     sizes = tuple(sizes or (RUN_SIZES if compute == "runs" else SIZES))
-    overlap_reps = 3 if compute == "runs" and topology.world_size > 1 else 0
-    total = (reps * len(sizes) if compute == "runs" else 1) + 1 + 2 * overlap_reps
+    runs = compute == "runs" and topology.world_size > 1
+    overlap_reps = 3 if runs else 0
+    micro_reps = min(3, reps) if runs and topology.world_size % 2 == 0 and len(micro_batches) > 1 else 0
+    total = (reps * len(sizes) if compute == "runs" else 1) + 1 + 2 * overlap_reps + len(micro_batches) * micro_reps
     with tqdm(total=total, desc="calibrate", unit="run", disable=not progress) as bar:
         bar.set_postfix_str("links")
         links = measure_links(topology, reps=max(5, 3 * reps)) if topology.world_size > 1 else {}
         bar.update(1)
         bar.set_postfix_str("compute")
+        own = links.get("intra")
+        message_cpu = max(0.0, own["latency_s"] - topology.intra_latency_s) if own else 0.0
         if compute == "runs":
-            own = links.get("intra")
             comp = measure_compute_runs(ranks, sizes, reps=reps, progress=lambda: bar.update(1),
                                         intra=(topology.intra_latency_s, topology.intra_bandwidth_Bps),
-                                        link=(own["latency_s"], own["bandwidth_Bps"]) if own else None)
+                                        link=(own["latency_s"], own["bandwidth_Bps"]) if own else None,
+                                        cores=cores, message_cpu_s=message_cpu)
         else:
             comp = measure_compute(ranks, sizes, reps=max(5, 5 * reps))
             bar.update(1)
-        ovl = None
+        ovl = micro = None
         if overlap_reps:
             bar.set_postfix_str("overlap")
             ovl = measure_overlap(topology, comp["rate"], reps=overlap_reps, progress=lambda: bar.update(1))
-    if details is not None:
-        details.update(compute=comp, links=links, overlap=ovl, ranks=ranks, cores=len(os.sched_getaffinity(0))
-                       if hasattr(os, "sched_getaffinity") else os.cpu_count())
+        if micro_reps:
+            bar.set_postfix_str("micro-batches")
+            micro = measure_micro_batches(topology, micro_batches, reps=micro_reps, progress=lambda: bar.update(1))
     kw: dict[str, Any] = {}
     for cls in ("intra", "inter"):
         if cls in links:
@@ -327,7 +418,13 @@ def calibrate(topology: Topology, *, ranks: int | None = None, progress: bool = 
     for a, b in (("inter", "intra"), ("intra", "inter")):     # one class absent (1 host, or 1 rank per host):
         if a not in links and b in links:                      # never used; copy the other
             kw[f"{a}_latency_s"], kw[f"{a}_bandwidth_Bps"] = kw[f"{b}_latency_s"], kw[f"{b}_bandwidth_Bps"]
-    return Cluster("here", gpus_per_node=topology.per_host, nodes=topology.hosts,
-                   gpu_memory_bytes=machine_memory_bytes() / max(1, ranks), peak_flops=comp["rate"], efficiency=1.0,
-                   step_overhead_s=comp["overhead_s"], **kw,
-                   **({"overlap_fraction": ovl["fraction"]} if ovl is not None else {}))
+    measured = Cluster("here", gpus_per_node=topology.per_host, nodes=topology.hosts,
+                       gpu_memory_bytes=machine_memory_bytes() / max(1, topology.world_size),
+                       peak_flops=comp["rate"], efficiency=1.0, step_overhead_s=comp["overhead_s"],
+                       shared_cores=cores if ranks > cores else 0, message_cpu_s=message_cpu, **kw,
+                       **({"overlap_fraction": ovl["fraction"]} if ovl is not None else {}))
+    c = fit_micro_batch_overhead(micro, measured, topology.world_size) if micro else 0.0
+    if details is not None:
+        details.update(compute=comp, links=links, overlap=ovl, micro_batches=micro, micro_batch_overhead_s=c,
+                       ranks=ranks, cores=cores)
+    return _per_core(measured, measured.step_overhead_s - c, c, ranks)

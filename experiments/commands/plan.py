@@ -97,6 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--topology", default=None, metavar="JSON|FILE", help="with --calibrate / --check: the emulated "
                    "topology (collectives.topology.Topology JSON; default 2 hosts x 2 ranks, slow inter link)")
     x.add_argument("--repeats", type=int, default=3, help="with --check: runs per config (default 3)")
+    x.add_argument("--steps", type=int, default=30, help="with --check: training steps per run (default 30; the "
+                   "measured step is the median after 2 warm-up steps)")
     p.set_defaults(func=run)
 
 
@@ -360,8 +362,12 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
         out["calibration_file"] = args.calibrate
         if not args.json:
             print(f"calibrated ({topo.hosts} hosts x {topo.per_host} ranks): {cluster.peak_flops / 1e9:.3g} GFLOP/s "
-                  f"per rank, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step; intra {_link(cluster, 'intra')}; "
-                  f"inter {_link(cluster, 'inter')} -> {args.calibrate}")
+                  f"per rank, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step + "
+                  f"{cluster.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch; intra {_link(cluster, 'intra')}; "
+                  f"inter {_link(cluster, 'inter')}"
+                  + (f"; {topo.world_size} ranks share {cluster.shared_cores} cores (costs per core: the step model "
+                     f"replays the ranks taking turns)" if cluster.shared_cores else "")
+                  + f" -> {args.calibrate}")
     if args.check:
         from pslab.experiments.studies.plan_check import check, format_table
         from pslab.parallelism.cluster import PRESETS
@@ -372,7 +378,9 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
             cluster = _cluster(args)
         if args.repeats < 1:
             raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-        rows = check(cluster, topo, repeats=args.repeats, progress=progress)
+        if args.steps < 4:
+            raise ConfigError(f"--steps must be >= 4 (2 warm-up steps, then the measured ones), got {args.steps}")
+        rows = check(cluster, topo, repeats=args.repeats, steps=args.steps, progress=progress)
         out["check"] = rows
         if len(rows) > 1:
             from pslab.experiments.studies.plan_check import ranking

@@ -175,7 +175,7 @@ def _row(c: dict[str, Any], pred: dict[str, Any], runs: list[dict]) -> dict[str,
 
 
 def check(cluster: Cluster, topology: Topology, configs: list[dict] | None = None, *, repeats: int = 3,
-          steps: int = 12, progress: bool = True, batch: int = BATCH, root: str | Path | None = None) -> list[dict]:
+          steps: int = 30, progress: bool = True, batch: int = BATCH, root: str | Path | None = None) -> list[dict]:
     """Run each config `repeats` times under `topology` and put the planner's prediction next to the measurement.
     Rows: label, layout, placement, predicted_s, measured_s (median of repeats), measured_all_s, ratio
     (predicted/measured), error_pct, the prediction's breakdown, bytes by kind and by link (planner, measured),
@@ -256,7 +256,8 @@ def format_table(rows: list[dict]) -> str:
                    f"{p.get('bubble_s', 0) * 1e3:>7.2f} {p.get('exposed_comm_s', 0) * 1e3:>7.2f} "
                    f"{p.get('overhead_s', 0) * 1e3:>6.2f}  {'= measured' if r['bytes_equal'] else 'DIFFER'}")
     within = sum(r["error_pct"] <= 25 for r in rows)
-    out.append(f"{within} of {len(rows)} configs within 25 % (compute/bubble/comm/ovh: the prediction's terms, ms)")
+    out.append(f"{within} of {len(rows)} configs within 25 % (compute/bubble/comm/ovh: the prediction's terms, ms; "
+               "on shared cores bubble is what the replay adds: ranks taking turns, pipeline waits)")
     if len(rows) > 1:
         rk = ranking(rows)
         rho = "n/a (all tied)" if rk["spearman"] is None else f"{rk['spearman']:.2f}"

@@ -47,7 +47,8 @@ def calibrated():
     for attempt in range(3):
         details: dict = {}
         try:
-            return topo, calibrate(topo, progress=False, reps=2, sizes=(2, 32), details=details), details
+            return topo, calibrate(topo, progress=False, reps=2, sizes=(2, 32), details=details,
+                                   micro_batches=(1, 4)), details
         except CalibrationError:
             if attempt == 2:
                 raise
@@ -63,6 +64,9 @@ def test_calibrate_recovers_the_emulated_link_and_round_trips(calibrated):
     (s1, t1), (s2, t2) = details["links"]["inter"]["points"]        # the raw points: one way >= latency + S/bw
     assert t1 >= LAT + s1 / BW and t2 >= LAT + s2 / BW
     assert set(details["compute"]["all"]) == {2, 32}
+    assert set(details["micro_batches"]) == {1, 4} and c.micro_batch_overhead_s >= 0     # the pipeline runs
+    assert c.step_overhead_s + c.micro_batch_overhead_s == pytest.approx(details["compute"]["overhead_s"])
+    assert c.shared_cores == (details["cores"] if 2 > details["cores"] else 0)
 
 
 def test_check_one_config_has_both_figures_and_equal_bytes(calibrated, tmp_path):
