@@ -34,10 +34,10 @@ def _split(p: ParallelConfig) -> bool:
 
 # [parallel]: every combination the axes allow runs, except the rows below -- one row per refusal, each with its
 # reason (the tutorial lists them). What runs: dp x tp x pp (3D) with sp and activation checkpointing on any of them,
-# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing);
-# with sp too; dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3 over dp, ZeRO 1
-# also with tp and pp (the distributed optimizer), ZeRO 2 with pp (and tp), ZeRO 2-3 with tp and sp (2D: FSDP + TP) and with cp, ZeRO 1-2 with activation
-# checkpointing; overlap on dp and pp (without tp).
+# under allreduce and ps-*, plain or interleaved 1F1B; dp x tp x pp x cp (allreduce and ps-*, with checkpointing),
+# with sp too; dp x pp x ep (allreduce and ps-*) and dp x tp x pp x ep (allreduce), with checkpointing; ZeRO 1-3
+# over dp, ZeRO 1 also with tp and pp (the distributed optimizer), ZeRO 2 with pp (and tp), ZeRO 2-3 with tp and sp
+# (2D: FSDP + TP) and with cp, ZeRO 1-3 with activation checkpointing; overlap on dp and pp (without tp).
 # Rows: (applies when (p, strategy, simulated), the one-line message).
 _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                              Callable[[ParallelConfig, Strategy], str]], ...] = (
@@ -71,13 +71,9 @@ _PARALLEL_RULES: tuple[tuple[Callable[[ParallelConfig, Strategy, bool], bool],
                   f"{p.micro_batches} micro-batches' forward and backward (or kept whole across them, which is ZeRO-2's "
                   "memory): not composed yet; with pp use zero = 1 or 2"),
     (lambda p, s, sim: p.zero == 2 and p.pp > 1 and (p.sp or p.cp > 1 or p.ep > 1),
-     lambda p, s: f"parallel.zero = 2 with pp reduce-scatters each micro-batch's gradients over dp as its backward "
+     lambda p, s: "parallel.zero = 2 with pp reduce-scatters each micro-batch's gradients over dp as its backward "
                   "ends, but sp, cp and ep sum or average the stage's gradients over tp, cp or ep after the last "
                   "micro-batch: with them use zero = 1"),
-    (lambda p, s, sim: p.zero == 3 and p.activation_checkpointing,
-     lambda p, s: "parallel.zero = 3 gathers each unit's weights for its forward and its backward; with "
-                  "parallel.activation_checkpointing the recompute would gather them a third time, which pslab's "
-                  "ZeRO-3 does not count yet: use zero = 1 or 2 with checkpointing, or drop it"),
     (lambda p, s, sim: p.virtual_stages > 1 and (p.pp == 1 or p.schedule != "1f1b"),
      lambda p, s: f"parallel.virtual_stages = {p.virtual_stages} interleaves the stages of 1F1B: it needs "
                   f"parallel.pp > 1 and parallel.schedule = \"1f1b\" (got pp = {p.pp}, schedule = {p.schedule!r})"),

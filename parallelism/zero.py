@@ -17,7 +17,8 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
 
 (p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
 Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
-stage 3 adds a second all-gather (forward and backward): 3(N−1)/N·Ψ elements. Every collective is packed
+stage 3 adds a second all-gather (forward and backward; with activation checkpointing the recompute's gather is the
+backward's): 3(N−1)/N·Ψ elements. Every collective is packed
 (`Pack`): the reduce-scatters per bucket, stage 3's all-gathers per unit, stages 1–2's all-gather over all
 parameters; the packed buffers of all parameters, or of all buckets or units, add up to N·L elements,
 L = Σ_p ⌈n_p/N⌉, so each rank sends (N−1)·L elements per reduce-scatter or all-gather of all of them.
@@ -46,6 +47,12 @@ from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
 from .mesh import DeviceMesh
 from .zero_memory import StateBytes
 from .zero_pack import Bucket, Pack, Unit
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (an activation-checkpointed block recomputes its forward
+    then: torch.utils.checkpoint asks the same)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -276,13 +283,14 @@ class ZeroReplica:
 
     def _before_forward(self, u: Unit) -> None:
         self._gather(u)
-        if self.prefetch and u.index + 1 < len(self.units):
+        if self.prefetch and u.index + 1 < len(self.units) and not _in_backward():
             self._gather(self.units[u.index + 1], wait=False)
 
     def _after_forward(self, u: Unit, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, u=u: self._before_backward(u))
-        self._free(u)
+        if not _in_backward():      # a checkpointed block's recompute: its gather serves the backward too (FSDP's
+            self._free(u)           # rule), freed when the unit's gradients are in, as without checkpointing
 
     def _before_backward(self, u: Unit) -> None:
         self._gather(u)
@@ -407,7 +415,9 @@ class ZeroEngine:
     gradients -- sp's replicated tensors, every tensor under cp -- are summed (averaged) after backward, then
     reduce-scattered over dp (`zero_partial.py`). Under tp and cp nothing runs behind compute (no prefetched gather,
     each reduce-scatter waited in its hook): one process's transport is not shared by two threads at once.
-    Activation checkpointing (compose's step 5) with stages 1–2: the hooks fire in the recomputed backward.
+    Activation checkpointing (compose's step 5): the hooks fire in the recomputed backward; under stage 3 the
+    recompute's gather of a unit is its backward gather (kept until the unit's gradients are in, no prefetch of the
+    next unit then), so a unit is still gathered twice a step, as FSDP does with checkpointing.
     Not with pp (a pipeline accumulates gradients over its micro-batches: zero = 1 or 2 there is the distributed
     optimizer) or ep (its sum of the replicated tensors' gradients over ep after backward would meet gradients that
     stages 2–3 already reduce-scattered; ZeroEngine also trains on the task loss only)."""
@@ -415,10 +425,6 @@ class ZeroEngine:
     def __init__(self, stage: int, optimizer_factory: OptimizerFactory, loss_fn: Any = None, prefetch: bool = True,
                  log: CommLog | None = None, bucket_bytes: int | None = None, sequence_parallel: bool = False,
                  checkpoint_activations: bool = False, context_layout: str = "zigzag") -> None:
-        if checkpoint_activations and stage == 3:
-            raise EngineError("ZeRO-3 with activation checkpointing: a checkpointed block's recompute would gather "
-                              "its units a third time, which the engine's byte accounting does not count yet; use "
-                              "stage 1 or 2 with checkpointing")
         self.stage, self.optimizer_factory, self.loss_fn, self.prefetch, self.log = (
             stage, optimizer_factory, loss_fn, prefetch, log)
         self.bucket_bytes, self.sequence_parallel = bucket_bytes, sequence_parallel

@@ -51,6 +51,8 @@ MEASURE = {   # label: (experiments/configs/ file, overrides); train.workers is 
     "tp=2 sp cp=2": (TP_TOML, ["train.workers=1", "parallel.tp=2", "parallel.sp=true", "parallel.cp=2"]),
     "dp=2 zero2 ckpt": (TP_TOML, ["train.workers=2", "parallel.tp=1", "parallel.zero=2",
                                   "parallel.activation_checkpointing=true"]),
+    "dp=2 zero3 ckpt": (TP_TOML, ["train.workers=2", "parallel.tp=1", "parallel.zero=3",
+                                  "parallel.activation_checkpointing=true"]),
     "ep=2": (MOE_TOML, ["train.workers=1"]),      # text-moe: activations depend on the routing (measured only)
     "pp=2 v2": (TP_TOML, ["train.workers=1", "parallel.tp=1", "parallel.pp=2", "parallel.micro_batches=4",
                           "parallel.virtual_stages=2"]),

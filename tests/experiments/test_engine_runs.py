@@ -85,7 +85,11 @@ LAYOUTS = {
                                                                        "parallel.zero=2", "parallel.virtual_stages=2",
                                                                        "train.backend=torch"],
                                                      {"zero RS + AG", "tp activations", "pp boundaries"}),
-    # ZeRO 1-2 with activation checkpointing: the hooks fire in the recomputed blocks' backward
+    # ZeRO 1-3 with activation checkpointing: the hooks fire in the recomputed blocks' backward (ZeRO-3: the
+    # recompute's gather serves the backward, 2 gathers a unit as without checkpointing)
+    "allreduce dp=2 x tp=2 sp zero=3 ckpt": ("allreduce", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3",
+                                                              "parallel.activation_checkpointing=true"],
+                                             {"zero RS + AG", "tp activations"}),
     "allreduce zero=1 ckpt": ("allreduce", 2, ["parallel.zero=1", "parallel.activation_checkpointing=true"],
                               {"zero RS + AG"}),
     "allreduce dp=2 x tp=2 zero=2 ckpt torch": ("allreduce", 2, ["parallel.tp=2", "parallel.zero=2", "train.backend=torch",

@@ -20,8 +20,6 @@ TF = ["--set", "workload.name=text-transformer"]
     (["parallel.zero=3", "train.strategy=allreduce", "parallel.pp=2"], "with pp use zero = 1 or 2"),
     (["parallel.zero=2", "train.strategy=allreduce", "parallel.pp=2", "parallel.tp=2", "parallel.sp=true"],
      "with them use zero = 1"),
-    (["parallel.zero=3", "train.strategy=allreduce", "parallel.activation_checkpointing=true"],
-     "the recompute would gather them a third time"),
     (["parallel.overlap=true"], "needs train.strategy = allreduce"),
     (["parallel.overlap=true", "train.strategy=allreduce", "parallel.tp=2", "parallel.pp=2"],
      "not with zero or tp > 1"),
@@ -96,7 +94,8 @@ def test_bad_parallel_value_is_one_line_and_exit_1(tmp_path, capsys, sets, fragm
 
 
 def test_composed_layouts_the_table_admits():
-    """What the refusals no longer cover loads: 3D with sp, checkpointing and overlap-free ZeRO-1, and ps-* 3D."""
+    """What the refusals no longer cover loads: 3D with sp, checkpointing and overlap-free ZeRO-1, ZeRO-3 with
+    checkpointing, and ps-* 3D."""
     from pslab.experiments.config import load_config
     from pslab.experiments.strategies.build import check_layout
     from pslab.experiments.workloads import get_workload
@@ -108,6 +107,8 @@ def test_composed_layouts_the_table_admits():
                  ["train.strategy=allreduce", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.tp=2",
                   "parallel.sp=true"],
                  ["train.strategy=allreduce", "parallel.tp=2", "parallel.cp=2", "parallel.activation_checkpointing=true"],
+                 ["train.strategy=allreduce", "train.workers=2", "parallel.zero=3",
+                  "parallel.activation_checkpointing=true"],
                  ["train.strategy=ps-ssp:1", "parallel.tp=2", "parallel.pp=2"]):
         cfg = load_config(None, ["workload.name=text-transformer"] + sets)
         w = cfg.workload
