@@ -27,6 +27,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+_RECOMPUTE = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed block is recomputing its forward in this thread now (inside backward): ZeRO-3 then
+    keeps the units it gathers for their backward."""
+    return getattr(_RECOMPUTE, "depth", 0) > 0
+
+
 class CheckpointWrapper(torch.nn.Module):
     """Run `module` under activation checkpointing (recompute in backward). `forwards` counts the module's forward
     runs (2 per training step: the forward and its recomputation). Modules whose inputs are all integer tensors
@@ -41,7 +50,13 @@ class CheckpointWrapper(torch.nn.Module):
 
     def _run(self, *args: Any) -> Any:
         self.forwards += 1
-        return self.module(*args)
+        if not torch.is_grad_enabled():          # the first forward (reentrant checkpoint: under no_grad)
+            return self.module(*args)
+        _RECOMPUTE.depth = getattr(_RECOMPUTE, "depth", 0) + 1      # the recompute, inside backward
+        try:
+            return self.module(*args)
+        finally:
+            _RECOMPUTE.depth -= 1
 
     def _run_with_aux(self, *args: Any) -> tuple[torch.Tensor, ...]:
         out = self._run(*args)

@@ -226,12 +226,16 @@ def sum_partial_grads(params: list[torch.Tensor], tp: Comm) -> None:
     them over tp with one flat all-reduce (site GRAD_SITE), so every tp rank holds the full gradient."""
     if tp.size == 1 or not params:
         return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]   # (sized by the gradient:
+    flat = torch.cat([g.reshape(-1) for g in grads])                                  # ZeRO-3 may have freed p)
     tp.all_reduce(flat, "sum", site=GRAD_SITE)
     off = 0
-    for p in params:          # this call's partial gradients, summed (callers add earlier ones back)
-        p.grad = flat[off:off + p.numel()].view_as(p).clone()
-        off += p.numel()
+    for p, g in zip(params, grads):   # this call's partial gradients, summed (callers add earlier ones back)
+        if p.grad is not None:        # in place: a freed parameter takes no gradient of another size
+            p.grad.copy_(flat[off:off + g.numel()].view_as(g))
+        else:
+            p.grad = flat[off:off + g.numel()].view_as(g).clone()
+        off += g.numel()
 
 
 # ---- measuring: saved activations inside given modules ------------------------------------------------------------

@@ -15,7 +15,8 @@ and the runnable ranks share the cores by **processor sharing**: with n ranks in
 progresses at min(1, C/n) of a core. Ranks that run the same program at the same time (the dp, tp, cp copies of a
 pipeline stage) are one replayed rank of weight w: they count w times in n. The step is the last rank's end.
 
-Programs (`layout_programs`), per pipeline stage s of each class of pipeline groups (comm_cost.Placement):
+Programs (`pipeline_programs`, built by step_model.replay_step_s), per pipeline stage s of each class of
+pipeline groups (comm_cost.Placement):
 
     for each action of the schedule (schedule.py: GPipe, 1F1B, interleaved):
         recv(its input)                if the producing virtual stage lives on another rank
@@ -29,9 +30,12 @@ Programs (`layout_programs`), per pipeline stage s of each class of pipeline gro
 A collective's seconds on a link of latency α are split: of its latencies (the seconds less the bytes' B/β,
 CommTerm.wire_seconds) the share message_cpu_s / α is CPU (each message's software, send and receive:
 `Cluster.message_cpu_s`, calibrated as the intra link's α less its emulated latency) and takes turns like compute;
-the rest (the wire's latency, the bytes' time) is a wait.
+the rest (the wire's latency, the bytes' time) is a wait. Simplifications: a boundary message is all wait (its
+software share is not charged to the cores), and every stage takes the slowest stage's tp and gradient-sync
+seconds (comm_model's terms are per kind, the slowest group's).
 
-Without a pipeline this is max(1, N/C)·(compute + overhead) + communication — the closed form with contention; with
+Without a pipeline this is max(1, N/C)·(compute + overhead + the messages' CPU) + the rest of the communication —
+the closed form with contention; with
 one, the replay shows what the closed form cannot: a slow boundary link costs less than m·(α + A/β) when the other
 stage's ranks use the cores meanwhile, and a latency-bound 1F1B still pays a round trip every p micro-batches (the
 dependencies are the schedule's own, `schedule.simulate`'s plus the messages' flight).
@@ -42,13 +46,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .memory_model import MemoryModelError
 from .schedule import make_schedule
 
-EPS = 1e-15
+EPS = 1e-12          # relative: a remainder below EPS · max(1, now) is done (rounding)
 
 
-class ReplayError(RuntimeError):
-    """A program that cannot finish (a recv whose message is never sent): a bug in the program builder."""
+class ReplayError(MemoryModelError):
+    """A program that cannot finish (a recv whose message is never sent: a bug in the program builder) or a step
+    too long to replay (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ def replay(programs: Sequence[Sequence[Op]], cores: float = 0.0, weights: Sequen
     arrive: dict[tuple, float] = {}
     now = 0.0
     for _ in range(max_events):
+        tol = EPS * max(1.0, now)
         # take every instantaneous step (sends, arrived recvs, new segments)
         for r in range(n):
             while pos[r] < len(programs[r]):
@@ -95,13 +102,13 @@ def replay(programs: Sequence[Sequence[Op]], cores: float = 0.0, weights: Sequen
                 if op.kind == "send":
                     arrive[op.key] = now + op.seconds
                 elif op.kind == "recv":
-                    if arrive.get(op.key, float("inf")) > now + EPS:
+                    if arrive.get(op.key, float("inf")) > now + tol:
                         break
                 elif not started[r]:
                     left[r], started[r] = op.seconds, True
-                    if left[r] > EPS:
+                    if left[r] > tol:
                         break
-                elif left[r] > EPS:
+                elif left[r] > tol:
                     break
                 pos[r] += 1
                 started[r] = False
@@ -122,7 +129,8 @@ def replay(programs: Sequence[Sequence[Op]], cores: float = 0.0, weights: Sequen
                 dt = min(dt, arrive[op.key] - now)
         if dt == float("inf"):
             stuck = [f"rank {r}: {programs[r][pos[r]]}" for r in active]
-            raise ReplayError(f"replay deadlock: every rank waits for a message never sent ({'; '.join(stuck)})")
+            raise ReplayError(f"replay deadlock: every unfinished rank waits for a message never sent "
+                              f"({'; '.join(stuck)})")
         now += dt
         for r in active:
             op = programs[r][pos[r]]
@@ -130,7 +138,8 @@ def replay(programs: Sequence[Sequence[Op]], cores: float = 0.0, weights: Sequen
                 left[r] -= dt * rate
             elif op.kind == "wait":
                 left[r] -= dt
-    raise ReplayError(f"replay did not finish in {max_events} events")
+    raise ReplayError(f"the step did not replay in {max_events} events (a pipeline this long on shared cores: "
+                      "plan it on a cluster without shared_cores)")
 
 
 def pipeline_programs(p: int, m: int, v: int, schedule: str, stage_cpu_s: Sequence[float],

@@ -11,9 +11,9 @@ runs the optimizer (any element-wise torch optimizer, e.g. Adam) on its chunks o
     stage 2  as 1, and the full gradients are freed once reduced, a unit at a time (FSDP's
              granularity): only the gradient shard persists                                  pΨ + (g+K)Ψ/N
     stage 3  as 2, and parameters live as shards: a unit's full weights are all-gathered (one
-             packed collective) just before its forward (and again before its backward) and
-             freed right after; the next unit's gather is issued early on the communication
-             thread (prefetch)                                                              (p+g+K)Ψ/N
+             packed collective) just before its forward (and again before its backward or
+             checkpointed recompute), freed after each; the next unit's gather is issued early
+             on the communication thread (prefetch)                                         (p+g+K)Ψ/N
 
 (p, g, K bytes per element; see `zero_memory.py` — fp32 Adam: p = g = 4, K = 8.)
 Communication per step: stage 0 all-reduce 2(N−1)/N·gΨ; stages 1–2 reduce-scatter + all-gather, the same total;
@@ -46,13 +46,8 @@ from .data import DEFAULT_BUCKET_BYTES
 from .engine import EngineError, ModelFactory, OptimizerFactory, ParamSlot
 from .mesh import DeviceMesh
 from .zero_memory import StateBytes
+from .checkpointing import recomputing
 from .zero_pack import Bucket, Pack, Unit
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass now (an activation-checkpointed block recomputes its forward
-    then: torch.utils.checkpoint asks the same)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -147,8 +142,12 @@ class ZeroReplica:
         later = any(n == name for n, _ in self.deferred)
 
         def hook(p: torch.Tensor, now: bool = False) -> None:
+            if self.stage == 3 and not now:    # the unit's weights are not needed again this backward: freed once
+                unit.grads_pending -= 1        # all its gradients are in (a waiting, partial one included)
+                if unit.grads_pending == 0:
+                    self._free(unit)
             if later and not now:              # a partial gradient (sp, cp): summed first, then fired by
-                return                         # zero_partial.fire_deferred (stage 3 frees its unit only then)
+                return                         # zero_partial.fire_deferred
             if bucket.pack is None:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad      # an embedding's sparse gradient
                 self.shards[name].grad.add_(self._reduce_scatter_grad(name, grad))
@@ -156,10 +155,6 @@ class ZeroReplica:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._reduce_bucket(bucket)
-            if self.stage == 3:                # its parameters are not needed again this step
-                unit.grads_pending -= 1
-                if unit.grads_pending == 0:
-                    self._free(unit)
         return hook
 
     def _reduce_bucket(self, b: Bucket) -> None:
@@ -283,13 +278,13 @@ class ZeroReplica:
 
     def _before_forward(self, u: Unit) -> None:
         self._gather(u)
-        if self.prefetch and u.index + 1 < len(self.units) and not _in_backward():
+        if self.prefetch and u.index + 1 < len(self.units) and not recomputing():
             self._gather(self.units[u.index + 1], wait=False)
 
     def _after_forward(self, u: Unit, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, u=u: self._before_backward(u))
-        if not _in_backward():      # a checkpointed block's recompute: its gather serves the backward too (FSDP's
+        if not recomputing():       # a checkpointed block's recompute: its gather serves the backward too (FSDP's
             self._free(u)           # rule), freed when the unit's gradients are in, as without checkpointing
 
     def _before_backward(self, u: Unit) -> None:
@@ -303,12 +298,18 @@ class ZeroReplica:
             for f in self.reducing:               # to the gradients it writes
                 f.result()
         self.reducing = []
+        for u in self.units:                      # each call counts its gradients in (stage 3 frees a unit then)
+            u.grads_pending = len(u.params)
         if self.sp is not None or self.cp is not None:     # some gradients partial: zero_partial.py
             from .zero_partial import forward_backward_cp, forward_backward_sp
-            return (forward_backward_cp if self.cp is not None else forward_backward_sp)(self, x, y)
-        loss = self.loss_fn(self.module(x), y)
-        loss.backward()
-        return float(loss.detach())
+            loss = (forward_backward_cp if self.cp is not None else forward_backward_sp)(self, x, y)
+        else:
+            out = self.loss_fn(self.module(x), y)
+            out.backward()
+            loss = float(out.detach())
+        for u in self.units if self.stage == 3 else ():    # one whose gradient never came (unused, off the loss's
+            self._free(u)                                   # path) is not needed either: freed as backward ends
+        return loss
 
     def step(self) -> None:
         """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
@@ -328,10 +329,8 @@ class ZeroReplica:
             if not b.reduced and (b.pending != len(b.params) or (self.stage == 1 and self.packed)):
                 self._reduce_bucket(b)
             b.reduced = False
-        for u in self.units:
-            if self.stage == 3:
-                self._free(u)
-            u.grads_pending = len(u.params)
+        for u in self.units if self.stage == 3 else ():
+            self._free(u)
         with trace.waiting("reduce-scatter"):
             for f in self.reducing:
                 f.result()

@@ -14,9 +14,8 @@ sequence- and context-parallel replicas do without ZeRO, and then the waiting ho
 reduce-scatter over dp follows as for any other gradient, so the bytes are those of the two replicas' sums plus
 ZeRO's. The price: the waiting gradients stay whole until backward ends -- a few small tensors under sp, every
 gradient under cp (ZeRO-1's peak; the cp ranks of a dp group also repeat their chunks, where Megatron-LM shards
-over dp × cp). Stage 3 frees a unit's gathered weights when its hooks fire, so under cp every unit stays gathered
-until backward ends (the peak of the whole model's weights and gradients: ZeRO-1's; between steps, and in forward,
-the weights are sharded as usual). Freeing a unit at its backward's end while its gradient waits is the next step.
+over dp × cp). Stage 3 frees a unit's gathered weights as soon as its gradients are in, waiting ones included
+(their weights are not needed to sum or average a gradient), so its peak of gathered weights is plain dp's.
 """
 
 from __future__ import annotations

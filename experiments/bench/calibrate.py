@@ -244,24 +244,23 @@ def measure_overlap(topology: Topology, rate: float, *, batch: int = 8, reps: in
 MICRO_BATCHES = (1, 2, 4, 8)   # the pipeline runs that split the intercept (per-worker batch 8)
 
 
-def measure_micro_batches(topology: Topology, micro_batches: tuple[int, ...] = MICRO_BATCHES, *, batch: int = 8,
-                          reps: int = 3, steps: int = 20, root: str | None = None,
+def measure_micro_batches(ranks: int, topology: Topology, micro_batches: tuple[int, ...] = MICRO_BATCHES, *,
+                          batch: int = 8, reps: int = 3, steps: int = 20, root: str | None = None,
                           progress: Any = None) -> dict[int, float]:
-    """The fixed cost of a micro-batch, measured: dp = world/2 × pp = 2 (GPipe) on one emulated host with the
+    """The fixed cost of a micro-batch, measured: dp = ranks/2 × pp = 2 (GPipe) on one emulated host with the
     topology's intra link, the per-worker batch cut into m = 1, 2, 4, 8 micro-batches (interleaved, `reps` runs
     each); {m: median step s}. Each micro-batch pays the pass's fixed cost (Python, kernel launches) again, which
     a dp run with one micro-batch per step cannot tell from the per-step overhead."""
     import tempfile
     from pslab.experiments.studies.plan_check import run_config
-    one = Topology(hosts=1, per_host=topology.world_size, intra_latency_s=topology.intra_latency_s,
+    one = Topology(hosts=1, per_host=ranks, intra_latency_s=topology.intra_latency_s,
                    intra_bandwidth_Bps=topology.intra_bandwidth_Bps)
-    if any(m < 1 or batch % m for m in micro_batches):
-        raise CalibrationError(f"micro-batch counts must divide the per-worker batch {batch}, got {micro_batches}")
+    _check_micro_batches(micro_batches, batch)
     times: dict[int, list[float]] = {m: [] for m in micro_batches}
     with tempfile.TemporaryDirectory(prefix="pslab-calibrate-", dir=root) as tmp:
         for rep in range(reps):
             for m in (micro_batches if rep % 2 == 0 else micro_batches[::-1]):
-                cfg = {"label": f"calibrate m={m}", "dp": topology.world_size // 2, "pp": 2, "micro_batches": m,
+                cfg = {"label": f"calibrate m={m}", "dp": ranks // 2, "pp": 2, "micro_batches": m,
                        "schedule": "gpipe"}
                 times[m].append(run_config(cfg, one, steps=steps, root=tmp, batch=batch)["step_s"])
                 if progress is not None:
@@ -269,20 +268,31 @@ def measure_micro_batches(topology: Topology, micro_batches: tuple[int, ...] = M
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def fit_micro_batch_overhead(points: dict[int, float], cluster: Cluster, world: int, batch: int = 8) -> float:
-    """The c (seconds, as measured: all ranks at once) whose step model reproduces `points` best (least squares
-    over m), with the dp intercept split as step_overhead = intercept − c: ternary search on [0, intercept]
-    (`cluster` holds the intercept as its step_overhead_s and is rescaled as `_per_core` does)."""
+def _check_micro_batches(micro_batches: tuple[int, ...], batch: int = 8) -> None:
+    if any(m < 1 or batch % m for m in micro_batches):
+        raise CalibrationError(f"micro-batch counts must divide the per-worker batch {batch}, got {micro_batches}")
+
+
+def fit_micro_batch_overhead(points: dict[int, float], cluster: Cluster, ranks: int, cores: int,
+                             intra: tuple[float, float], batch: int = 8) -> float:
+    """The c (seconds, as measured with `ranks` processes at once) whose step model reproduces `points` (the
+    `measure_micro_batches` runs: one host, link `intra` = (α, β)) best, least squares over m, with the dp intercept
+    (`cluster.step_overhead_s`, as measured) split as step_overhead = intercept − c. The model's step is piecewise
+    linear in c, not always unimodal: a grid of 41 points on [0, intercept], then a ternary search between the best
+    point's neighbours."""
     from pslab.experiments.studies.plan_check import predict_row
-    one = cluster.with_(gpus_per_node=world, nodes=1)
+    one = cluster.with_(gpus_per_node=ranks, nodes=1, intra_latency_s=intra[0], intra_bandwidth_Bps=intra[1],
+                        shared_cores=cores if ranks > cores else 0)
     total = cluster.step_overhead_s
 
     def sse(c: float) -> float:
-        k = _per_core(one, total - c, c, world)
-        return sum((predict_row({"dp": world // 2, "pp": 2, "micro_batches": m, "schedule": "gpipe"}, k,
+        k = _per_core(one, total - c, c, ranks, cores)
+        return sum((predict_row({"dp": ranks // 2, "pp": 2, "micro_batches": m, "schedule": "gpipe"}, k,
                                 batch)["step_s"] - t) ** 2 for m, t in points.items())
-    lo, hi = 0.0, total
-    for _ in range(60):
+    grid = [total * i / 40 for i in range(41)]
+    best = min(range(41), key=lambda i: sse(grid[i]))
+    lo, hi = grid[max(0, best - 1)], grid[min(40, best + 1)]
+    for _ in range(40):
         a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
         if sse(a) <= sse(b):
             hi = b
@@ -291,11 +301,11 @@ def fit_micro_batch_overhead(points: dict[int, float], cluster: Cluster, world: 
     return (lo + hi) / 2
 
 
-def _per_core(cluster: Cluster, overhead: float, micro: float, world: int) -> Cluster:
-    """The cluster with its CPU costs per core: measured with `world` ranks taking turns on `shared_cores` cores,
-    each cost is what one core does in the measured time ÷ (world / cores) (processor sharing: step_replay.py);
-    without sharing, as measured."""
-    f = cluster.shared_cores / world if cluster.shared_cores else 1.0
+def _per_core(cluster: Cluster, overhead: float, micro: float, ranks: int, cores: int) -> Cluster:
+    """The cluster with its CPU costs per core. Measured with `ranks` processes at once: where they outnumber the
+    `cores`, they took turns (processor sharing, step_replay.py), so one core does each fixed cost in cores/ranks of
+    the measured seconds and computes ranks/cores times the measured rate; otherwise as measured."""
+    f = cores / ranks if ranks > cores else 1.0
     return cluster.with_(peak_flops=cluster.peak_flops / f, step_overhead_s=max(0.0, overhead) * f,
                          micro_batch_overhead_s=max(0.0, micro) * f)
 
@@ -384,9 +394,10 @@ def calibrate(topology: Topology, *, ranks: int | None = None, progress: bool = 
     if compute not in ("runs", "bare"):
         raise CalibrationError(f"compute must be 'runs' or 'bare', got {compute!r}")
     sizes = tuple(sizes or (RUN_SIZES if compute == "runs" else SIZES))
+    _check_micro_batches(micro_batches)
     runs = compute == "runs" and topology.world_size > 1
     overlap_reps = 3 if runs else 0
-    micro_reps = min(3, reps) if runs and topology.world_size % 2 == 0 and len(micro_batches) > 1 else 0
+    micro_reps = min(3, reps) if runs and ranks % 2 == 0 and len(micro_batches) > 1 else 0
     total = (reps * len(sizes) if compute == "runs" else 1) + 1 + 2 * overlap_reps + len(micro_batches) * micro_reps
     with tqdm(total=total, desc="calibrate", unit="run", disable=not progress) as bar:
         bar.set_postfix_str("links")
@@ -409,7 +420,8 @@ def calibrate(topology: Topology, *, ranks: int | None = None, progress: bool = 
             ovl = measure_overlap(topology, comp["rate"], reps=overlap_reps, progress=lambda: bar.update(1))
         if micro_reps:
             bar.set_postfix_str("micro-batches")
-            micro = measure_micro_batches(topology, micro_batches, reps=micro_reps, progress=lambda: bar.update(1))
+            micro = measure_micro_batches(ranks, topology, micro_batches, reps=micro_reps,
+                                          progress=lambda: bar.update(1))
     kw: dict[str, Any] = {}
     for cls in ("intra", "inter"):
         if cls in links:
@@ -418,13 +430,18 @@ def calibrate(topology: Topology, *, ranks: int | None = None, progress: bool = 
     for a, b in (("inter", "intra"), ("intra", "inter")):     # one class absent (1 host, or 1 rank per host):
         if a not in links and b in links:                      # never used; copy the other
             kw[f"{a}_latency_s"], kw[f"{a}_bandwidth_Bps"] = kw[f"{b}_latency_s"], kw[f"{b}_bandwidth_Bps"]
+    # the overlap measured against the compute of `ranks` taking turns hides the same seconds behind a core's
+    overlap = {} if ovl is None else {"overlap_fraction": min(OVERLAP_FRACTION, ovl["fraction"]
+                                                              * (ranks / cores if ranks > cores else 1.0))}
     measured = Cluster("here", gpus_per_node=topology.per_host, nodes=topology.hosts,
                        gpu_memory_bytes=machine_memory_bytes() / max(1, topology.world_size),
                        peak_flops=comp["rate"], efficiency=1.0, step_overhead_s=comp["overhead_s"],
-                       shared_cores=cores if ranks > cores else 0, message_cpu_s=message_cpu, **kw,
-                       **({"overlap_fraction": ovl["fraction"]} if ovl is not None else {}))
-    c = fit_micro_batch_overhead(micro, measured, topology.world_size) if micro else 0.0
+                       shared_cores=cores if topology.world_size > cores else 0, message_cpu_s=message_cpu,
+                       **kw, **overlap)
+    intra = (own["latency_s"], own["bandwidth_Bps"]) if own else (topology.intra_latency_s,
+                                                                  topology.intra_bandwidth_Bps)
+    c = fit_micro_batch_overhead(micro, measured, ranks, cores, intra) if micro else 0.0
     if details is not None:
         details.update(compute=comp, links=links, overlap=ovl, micro_batches=micro, micro_batch_overhead_s=c,
                        ranks=ranks, cores=cores)
-    return _per_core(measured, measured.step_overhead_s - c, c, ranks)
+    return _per_core(measured, measured.step_overhead_s - c, c, ranks, cores)

@@ -354,6 +354,10 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
     progress = not (args.quiet or args.json)
     out: dict[str, Any] = {}
     cluster = None
+    if args.check and args.repeats < 1:             # before a calibration's minutes, not after
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.check and args.steps < 4:
+        raise ConfigError(f"--steps must be >= 4 (2 warm-up steps, then the measured ones), got {args.steps}")
     if args.calibrate is not None:
         from pslab.experiments.bench.calibrate import calibrate
         cluster = calibrate(topo, progress=progress)
@@ -362,7 +366,7 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
         out["calibration_file"] = args.calibrate
         if not args.json:
             print(f"calibrated ({topo.hosts} hosts x {topo.per_host} ranks): {cluster.peak_flops / 1e9:.3g} GFLOP/s "
-                  f"per rank, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step + "
+                  f"per {'core' if cluster.shared_cores else 'rank'}, overhead {cluster.step_overhead_s * 1e3:.2f} ms/step + "
                   f"{cluster.micro_batch_overhead_s * 1e3:.2f} ms per micro-batch; intra {_link(cluster, 'intra')}; "
                   f"inter {_link(cluster, 'inter')}"
                   + (f"; {topo.world_size} ranks share {cluster.shared_cores} cores (costs per core: the step model "
@@ -376,10 +380,6 @@ def _run_calibrate_check(args: argparse.Namespace) -> int:
                 raise ConfigError("--check needs a calibration of this machine: add --calibrate [FILE], or give "
                                   "--cluster FILE.json written by it")
             cluster = _cluster(args)
-        if args.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-        if args.steps < 4:
-            raise ConfigError(f"--steps must be >= 4 (2 warm-up steps, then the measured ones), got {args.steps}")
         rows = check(cluster, topo, repeats=args.repeats, steps=args.steps, progress=progress)
         out["check"] = rows
         if len(rows) > 1:

@@ -128,7 +128,8 @@ def _zero_cp_worker(group, stage, opt, seq):
     out = plain({"losses": losses, "full": full, "coords": mesh.coords, "deferred": len(replica.deferred),
                  "named": len(replica.named), "by_site": replica.log.by_site(), "p2p": replica.log.by_site("p2p"),
                  "held": sum(s.param.numel() for s in replica.slots()),
-                 "numel": sum(p.numel() for _, p in factory(seq)().named_parameters())})
+                 "numel": sum(p.numel() for _, p in factory(seq)().named_parameters()),
+                 "peak": getattr(replica, "peak_gathered_bytes", 0), "unit_bytes": [u.nbytes for u in replica.units]})
     replica.close()
     return out
 
@@ -138,7 +139,8 @@ def test_zero2_and_zero3_on_cp_replicas_match_single_process(backend, stage, opt
     """ZeRO-2/3 on dp 2 x cp 2: each cp rank runs its zig-zag tokens on the ring; every gradient's hook waits for
     the average over cp ("cp grads"), then the gradients are reduce-scattered over dp; the losses and the exported
     model equal one process, the ring moves what it moves without ZeRO, and each rank holds 1/D of the model (the
-    cp ranks the same chunks)."""
+    cp ranks the same chunks). Stage 3 frees a unit's gathered weights once its gradients are in, the waiting ones
+    included: at most two units whole at once, as under plain dp (it held every unit until backward ended before)."""
     seq = 12
     data = batches(seq, BATCH * 2)
     ref_losses, ref_w = reference(factory(seq), data[:-1], opt=OPTS[opt], loss_fn=lm_loss)
@@ -149,6 +151,9 @@ def test_zero2_and_zero3_on_cp_replicas_match_single_process(backend, stage, opt
         assert r["deferred"] == r["named"] and "cp grads" in r["by_site"], r["by_site"]
         assert r["p2p"] == {"1.attn": STEPS * rb["total"], "2.attn": STEPS * rb["total"]}
         assert r["held"] == pytest.approx(r["numel"] / 2, abs=r["named"]), r["coords"]
+        if stage == 3:
+            u = r["unit_bytes"]
+            assert 0 < r["peak"] <= max(a + b for a, b in zip(u, u[1:])), (r["peak"], u)
     assert list(out[0]["full"]) == list(ref_w)
     for n, w in ref_w.items():
         assert_close(out[0]["full"][n], w, f"export {n}")

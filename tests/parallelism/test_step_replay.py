@@ -120,11 +120,13 @@ def test_calibration_recovers_a_micro_batch_cost_from_the_models_own_points():
     measured = Cluster("here", 2, 2, 8e9, 10e9, 1.0, 2e9, 3e-4, 2e7, 2e-3, step_overhead_s=0.012,
                        message_cpu_s=2e-4, shared_cores=2)
     true_c = 0.005
-    truth = _per_core(measured.with_(gpus_per_node=4, nodes=1), 0.012 - true_c, true_c, 4)
+    truth = _per_core(measured.with_(gpus_per_node=4, nodes=1), 0.012 - true_c, true_c, 4, 2)
     assert truth.peak_flops == pytest.approx(20e9) and truth.step_overhead_s == pytest.approx(0.0035)
     points = {m: predict_row({"dp": 2, "pp": 2, "micro_batches": m, "schedule": "gpipe"}, truth)["step_s"]
               for m in (1, 2, 4, 8)}
-    assert fit_micro_batch_overhead(points, measured, 4) == pytest.approx(true_c, rel=1e-3)
+    assert fit_micro_batch_overhead(points, measured, 4, 2, (3e-4, 2e9)) == pytest.approx(true_c, rel=1e-3)
+    one_core_each = _per_core(measured, 0.01, 0.002, 2, 2)            # no more ranks than cores: as measured
+    assert (one_core_each.peak_flops, one_core_each.step_overhead_s) == (10e9, 0.01)
 
 
 def test_cluster_shared_cores_is_validated_and_round_trips():
