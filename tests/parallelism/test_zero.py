@@ -25,21 +25,27 @@ def batches(steps: int = 5):
     return [(torch.randn(16, 24, generator=g), torch.randint(0, 6, (16,), generator=g)) for _ in range(steps)]
 
 
+def _train(group, rep, data) -> list[float]:
+    """Train a ZeRO replica over dp = the world on the global batches `data`; the mean loss of each step."""
+    strategy = ZeroStrategy()
+    strategy.attach(rep)
+    losses = []
+    for x, y in data:
+        loss = rep.forward_backward(dp_shard(x, group.rank, group.world_size),
+                                    dp_shard(y, group.rank, group.world_size))
+        strategy.step(rep)
+        t = torch.tensor([loss], dtype=torch.float64)
+        group.all_reduce(t, "avg")
+        losses.append(float(t[0]))
+    return losses
+
+
 def _zero_worker(group, stages):
     mesh = DeviceMesh(group, dp=group.world_size)
     out = {}
     for stage in stages:
         rep = ZeroEngine(stage, adam).build(FACTORY, mesh)
-        strategy = ZeroStrategy()
-        strategy.attach(rep)
-        losses = []
-        for x, y in batches():
-            loss = rep.forward_backward(dp_shard(x, group.rank, group.world_size),
-                                        dp_shard(y, group.rank, group.world_size))
-            strategy.step(rep)
-            t = torch.tensor([loss], dtype=torch.float64)
-            group.all_reduce(t, "avg")
-            losses.append(float(t[0]))
+        losses = _train(group, rep, batches())
         unit_bytes = [u.nbytes for u in rep.units]
         out[stage] = {"losses": losses, "params": rep.full_parameters(), "state": rep.last_state.as_dict(),
                       "peak_gathered": rep.peak_gathered_bytes, "unit_bytes": unit_bytes,
@@ -229,17 +235,7 @@ def _ckpt_worker(group, ckpt_flags):
     out = {}
     for ck in ckpt_flags:
         rep = ZeroEngine(3, _acc_sgd, loss_fn=lm_loss, checkpoint_activations=ck).build(ACC_FACTORY, mesh)
-        strategy = ZeroStrategy()
-        strategy.attach(rep)
-        losses = []
-        for calls in _acc_data(steps=CK_STEPS, calls=1):
-            x, y = calls[0]
-            loss = rep.forward_backward(dp_shard(x, group.rank, group.world_size),
-                                        dp_shard(y, group.rank, group.world_size))
-            strategy.step(rep)
-            t = torch.tensor([loss], dtype=torch.float64)
-            group.all_reduce(t, "avg")
-            losses.append(float(t[0]))
+        losses = _train(group, rep, [calls[0] for calls in _acc_data(steps=CK_STEPS, calls=1)])
         gathers: dict[str, int] = {}
         for kind, site, payload, _ in rep.log.records:
             if kind == "all_gather" and payload and site.startswith("params "):
