@@ -229,6 +229,13 @@ class _Kind:
                          self.wire[k]) for k in ("intra", "inter") if self.bytes[k] > 0 or self.secs[k] > 0]
 
 
+def cut_elements(shape: Shape, lay: Layout) -> int:
+    """Elements one rank sends over a pipeline cut per micro-batch: its activation b·(s/C)·h, under sequence
+    parallelism the tp rank's S/T slice of it."""
+    A = shape.micro_batch * (shape.seq // lay.cp) * shape.hidden
+    return A // lay.tp if lay.sp and lay.tp > 1 else A
+
+
 def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g: int, overlap: bool,
            steps: int | None) -> list[CommTerm]:
     D, T, P, C, E = lay.dp, lay.tp, lay.pp, lay.cp, lay.ep
@@ -267,7 +274,7 @@ def _terms(shape: Shape, lay: Layout, pl: Placement, algorithm: str, act: int, g
 
     if P > 1:
         V = lay.virtual_stages                        # interleaved: a micro-batch crosses P·V − 1 cuts, wrapping
-        cut = A // T if lay.sp and T > 1 else A       # sequence parallel: a tp rank's cut is its S/T slice
+        cut = cut_elements(shape, lay)
         loss_b = 8 if (lay.sp and T > 1) or C > 1 else 4   # (and the loss it reports is float64 under sp, cp)
         cuts = f"(P·v−1), v = {V}" if V > 1 else "(P−1)"
         kind = _Kind("pp boundaries", f"D·C·E·T·{cuts}·m·2·A{'/T' if cut != A else ''}, A = {A * act} B"

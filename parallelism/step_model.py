@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .cluster import Cluster
-from .comm_model import CommTerm, stage_blocks, stage_units, step_comm
+from .comm_model import CommTerm, cut_elements, stage_blocks, stage_units, step_comm
 from .memory_model import PRECISIONS, Layout, MemoryModelError, Shape, estimate
 
 OVERLAP_FRACTION = 2 / 3       # backward's share of compute: the presets' Cluster.overlap_fraction
@@ -155,7 +155,7 @@ def replay_step_s(shape: Shape, lay: Layout, cluster: Cluster, global_batch: int
     from .comm_cost import Placement
     from .step_replay import cpu, pipeline_programs, replay, wait
     pl = Placement(lay, cluster, placement)
-    P, V, T, m = lay.pp, lay.virtual_stages, lay.tp, lay.micro_batches or 1
+    P, V, m = lay.pp, lay.virtual_stages, lay.micro_batches or 1
     comp = stage_compute_all(shape, lay, cluster, global_batch, algorithm)
     share = {k: min(1.0, cluster.message_cpu_s / lat) if lat > 0 else 0.0 for k, (lat, _) in pl.links.items()}
 
@@ -169,8 +169,7 @@ def replay_step_s(shape: Shape, lay: Layout, cluster: Cluster, global_batch: int
     total_hide = sum(t.seconds for t in hide)
     dp = split(hide, dp_exposed / total_hide if total_hide > 0 else 0.0)
     tail = [cpu(rest[0] + dp[0]), wait(rest[1] + dp[1]), cpu(cluster.step_overhead_s)]
-    A = shape.micro_batch * (shape.seq // lay.cp) * shape.hidden
-    cut_bytes = (A // T if lay.sp and T > 1 else A) * act_bytes
+    cut_bytes = cut_elements(shape, lay) * act_bytes
     programs: list = []
     weights: list[float] = []
     for i, (grp, times) in enumerate(pl.group_classes("pp")):

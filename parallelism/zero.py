@@ -74,8 +74,7 @@ class ZeroReplica:
         self.cp, self.context_layout = (cp if cp is not None and cp.size > 1 else None), context_layout
         self.name_of = name_of or (lambda name, p: name)     # + "#tp{t}/{T}" for a tensor-parallel shard
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
-        # a reduce-scatter per bucket of units: stage 1 keeps the full gradients anyway, so DDP's 25 MB buckets cost
-        # no memory and save collectives (gloo: ~1 ms each); stages 2-3 free them per unit (bucket 0), FSDP's way
+        # reduce-scatter buckets: stage 1 DDP's 25 MB (its full gradients are kept anyway), stages 2-3 one per unit
         self.prefetch = prefetch
         self.bucket_bytes = (DEFAULT_BUCKET_BYTES if stage == 1 else 0) if bucket_bytes is None else bucket_bytes
         self.n, self.r = dp.size, dp.rank
@@ -109,9 +108,8 @@ class ZeroReplica:
                 self.shards[n].grad = self.grad_shard[off:off + b - a]
             off += b - a
         self.optimizer = optimizer_factory(list(self.shards.values()))
-        # packed collectives (`Pack`) instead of one per parameter: a reduce-scatter per bucket of units (a unit: a
-        # module's own parameters) once its gradients are all ready, stage 3 an all-gather per unit, stages 1-2 one
-        # all-gather of all parameters after the step
+        # packed collectives (`Pack`): a reduce-scatter per bucket of units (a unit: a module's own parameters),
+        # stage 3 an all-gather per unit, stages 1-2 one all-gather of all parameters after the step
         self.packed = stage > 0 and self.n > 1 and len({p.dtype for _, p in self.named}) == 1
         self.pack = Pack([self.all_bounds[n] for n, _ in self.named])
         self.pack_len = self.pack.length
@@ -307,9 +305,13 @@ class ZeroReplica:
             out = self.loss_fn(self.module(x), y)
             out.backward()
             loss = float(out.detach())
-        for u in self.units if self.stage == 3 else ():    # one whose gradient never came (unused, off the loss's
-            self._free(u)                                   # path) is not needed either: freed as backward ends
+        self._free_all()
         return loss
+
+    def _free_all(self) -> None:
+        """Stage 3: every unit back to its shard (any that backward or a recompute left gathered)."""
+        for u in self.units if self.stage == 3 else ():
+            self._free(u)
 
     def step(self) -> None:
         """Synchronise gradients (stages 0–1; 2–3 did it in backward), update own shards, re-assemble parameters."""
@@ -329,8 +331,7 @@ class ZeroReplica:
             if not b.reduced and (b.pending != len(b.params) or (self.stage == 1 and self.packed)):
                 self._reduce_bucket(b)
             b.reduced = False
-        for u in self.units if self.stage == 3 else ():
-            self._free(u)
+        self._free_all()
         with trace.waiting("reduce-scatter"):
             for f in self.reducing:
                 f.result()
