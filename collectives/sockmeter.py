@@ -208,6 +208,10 @@ class SocketMeter:
             self._last[key] = now
         return dw, dr
 
+    def knows(self, peer: int | None) -> bool:
+        """Whether a claim for group rank `peer` reads that peer's connections alone (they are labelled)."""
+        return peer in self._of_peer
+
     def claim(self, peer: int | None = None) -> tuple[int, int]:
         """(written, received) bytes since the previous claim: on the connections to group rank `peer` if the sockets
         are labelled (`label_peers`), else on all of them."""

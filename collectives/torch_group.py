@@ -10,9 +10,12 @@ gloo has no `avg` and no uneven reduce-scatter/all-gather, so:
                    then unpad                                                                     [nccl]
 Summation order is gloo's/NCCL's own: compare floats with the `zmq` backend to a tolerance, integers exactly.
 Traffic is what the kernel counted on the group's gloo connections (sockmeter.py: TCP payload written and received,
-gloo's 48-byte message headers included), claimed at the end of each op; the algorithms set the figure (gloo's ring
-all-reduce 2(N−1)/N·S, a binomial-tree broadcast, ...; the rings above (N−1)/N·S). Where it cannot be observed (NCCL, a group formed before pslab saw it, no TCP_INFO),
-`traffic()["observed"]` is False and no byte is counted: a report says "not observable" instead of a number.
+gloo's 48-byte message headers included), claimed at the end of each op -- but a receive, whose bytes are claimed
+with its connection's next claim (a send to that peer, or before an op of another kind or a read of the counters:
+`_settle`), so a pipeline hop reads the kernel's counters once, not twice; the algorithms set the figure (gloo's ring
+all-reduce 2(N−1)/N·S, a binomial-tree broadcast, ...; the rings above (N−1)/N·S). Where it cannot be observed
+(NCCL, a group formed before pslab saw it, no TCP_INFO), `traffic()["observed"]` is False and no byte is counted:
+a report says "not observable" instead of a number.
 
 Two kinds of group: the job's default (world) group and its `new_group`s, driven through `torch.distributed.*`; or a
 standalone gloo group (`standalone_gloo`: one per elastic generation, elastic.py), whose backend methods are called
@@ -131,6 +134,8 @@ class TorchGroup(ProcessGroup):
         self._inflight: list[Any] = []             # works whose wait was interrupted
         self._children = 0
         self.store: Any = None                     # the store of a standalone group (its new_groups rendezvous)
+        self._route: tuple[Any, list[int]] | None = None     # CPU p2p's (process group, its ranks): _p2p_route
+        self._unclaimed: set[int] = set()          # group ranks whose receives' bytes are not claimed yet: _settle
         self.meter = meter if meter is not None and meter.observable and self.world_size > 1 else None
         self.unobserved_why = ("" if self.meter is not None or self.world_size == 1 else
                                meter.why_not if meter is not None else "NCCL or a group formed outside pslab")
@@ -221,12 +226,29 @@ class TorchGroup(ProcessGroup):
         if self.meter is not None:
             self.traffic_counter.add_both(peer, op, *self.meter.claim(local))
 
+    def _settle(self) -> None:
+        """Claim as p2p what the connections of receives not claimed yet carried. A receive's wait does not claim (a
+        claim reads the kernel's counters: ~5 µs, on every hop of a pipeline's critical path); its bytes are
+        claimed with the next claim on that connection -- a send to the same peer, or this, called before an op of
+        another kind is issued and before the counters are read. So every byte keeps its op and its peer."""
+        while self._unclaimed:
+            try:
+                local = self._unclaimed.pop()
+            except KeyError:                     # (another thread settled it)
+                return
+            self._count("p2p", self.ranks[local], local)
+
+    def reset_traffic(self) -> None:
+        self._settle()
+        super().reset_traffic()
+
     @property
     def observable(self) -> bool:
         """Whether this group's bytes are counted (gloo on TCP), or cannot be observed (NCCL, no meter)."""
         return self.meter is not None or self.world_size == 1
 
     def traffic(self) -> dict[str, Any]:
+        self._settle()
         snap = super().traffic()
         snap["observed"] = self.observable
         if not self.observable:
@@ -234,6 +256,8 @@ class TorchGroup(ProcessGroup):
         return snap
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         check_op(op)
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
@@ -247,6 +271,8 @@ class TorchGroup(ProcessGroup):
         return tensor
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum") -> Tensor:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         check_op(op)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
@@ -270,6 +296,8 @@ class TorchGroup(ProcessGroup):
         return output
 
     def all_gather(self, output: Tensor, input: Tensor) -> Tensor:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
         n = self.world_size
@@ -336,13 +364,28 @@ class TorchGroup(ProcessGroup):
     def _p2p(self, buf: torch.Tensor, peer: int, tag: int, send: bool) -> Any:
         """The backend's send or receive of `buf` to / from this group's rank `peer`: its raw work, unrecorded and
         unmetered (`_isend` / `_irecv` wrap it; a ring step waits it as part of its collective)."""
-        if self._standalone:
-            return self.pg.send([buf], peer, tag) if send else self.pg.recv([buf], peer, tag)
+        if not buf.is_cuda:           # straight to the ProcessGroup, by its own rank numbers (see _p2p_route)
+            pg, rank = self._route if self._route is not None else self._p2p_route()
+            return pg.send([buf], rank[peer], tag) if send else pg.recv([buf], rank[peer], tag)
         if send:
             return dist.isend(buf, dst=self.ranks[peer], group=self.pg, tag=tag)
         return dist.irecv(buf, src=self.ranks[peer], group=self.pg, tag=tag)
 
+    def _p2p_route(self) -> tuple[Any, list[int]]:
+        """(process group, its rank of each of this group's ranks) for CPU p2p: torch.distributed's isend / irecv
+        wrappers resolve the group and translate the rank on every call (~10 µs of Python a message, on each hop of
+        a pipeline's critical path); they end in this same `ProcessGroup.send / recv`."""
+        if self._standalone:
+            pg, rank = self.pg, list(range(self.world_size))
+        else:
+            pg = self.pg if self.pg is not None else dist.distributed_c10d._get_default_group()
+            rank = [dist.get_group_rank(pg, r) for r in self.ranks]
+        self._route = (pg, rank)
+        return self._route
+
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
         if self._standalone:
@@ -357,6 +400,8 @@ class TorchGroup(ProcessGroup):
         return tensor
 
     def all_to_all(self, output: Tensor, input: Tensor) -> Tensor:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
         n = self.world_size
@@ -375,6 +420,8 @@ class TorchGroup(ProcessGroup):
         return output
 
     def barrier(self) -> None:
+        if self._unclaimed:
+            self._settle()               # (a receive's bytes stay p2p's)
         if self._standalone:
             self._wait(self.pg.barrier(dist.BarrierOptions()), "barrier")
         else:
@@ -454,8 +501,17 @@ class _TorchWork:
         self._buf, self._orig, self._work_buf, self._peer, self._local = buf, orig, work_buf, peer, local
 
     def wait(self, timeout: float | None = None) -> Tensor:
-        self._group._wait(self._work, self._op, pollable=False)
-        self._group._count("p2p", self._peer, self._local)   # what the connection(s) to the peer carried until now
+        g = self._group
+        g._wait(self._work, self._op, pollable=False)
+        if g.meter is not None:
+            if self._op == "recv":                   # claimed with the connection's next claim (TorchGroup._settle)
+                g._unclaimed.add(self._local)
+            else:                                    # what the connection(s) to the peer carried until now
+                g._count("p2p", self._peer, self._local)
+                if g.meter.knows(self._local):
+                    g._unclaimed.discard(self._local)   # (the receives from the peer: on the same connection)
+                else:
+                    g._unclaimed.clear()                # (the claim read every connection)
         if self._buf is not None:
             if self._work_buf is not None and self._work_buf is not self._buf:
                 self._buf.copy_(self._work_buf)

@@ -23,7 +23,8 @@ with the peer beside it in the same processes, alternating which goes first per 
 `--steps` steps after `--warmup` untimed ones, between barriers. Printed: the median step time (ms, rank 0) of
 each, pslab ÷ peer per backend (the median of the per-repetition ratios), and bytes sent per step per rank:
 pslab's as its engine counted them, the peer's as the kernel counted its gloo sockets (collectives/sockmeter.py)
-in the zmq launch, where pslab's own traffic goes over ZeroMQ, so the gloo sockets carry the peer's bytes only.
+in the zmq launch, where pslab's own traffic goes over ZeroMQ, so the gloo sockets carry the peer's bytes only,
+and the row's formula (`model_bytes`: the zmq count equals it to the byte, gloo's adds 48 B a message).
 Peak memory per rank (`peak_rss`): after the timed repetitions, each engine is built anew and runs max(warmup, 2)
 steps in a block of its own, and the busiest rank's growth of its resident set over the block is printed (in
 MB: the heap's freed memory handed back first, the kernel's high-water mark reset at the start) -- everything
@@ -108,6 +109,36 @@ def dtensor_sequence_parallel(model: Any, mesh: Any) -> Any:
     plan.update({"3.ln": SequenceParallel(), "3.out": ColwiseParallel(input_layouts=Shard(1),
                                                                       output_layouts=Replicate())})
     return parallelize_module(model, mesh, plan)
+
+
+def model_bytes(row: str, world: int) -> tuple[int, str]:
+    """(bytes pslab's engine sends per step on rank 0, the formula), from the row's model: Ψ its parameters (for
+    ZeRO each unit -- a Linear -- padded to a multiple of N, Ψ'), 4 B a float. The zmq column equals it to the byte
+    (gloo's adds its 48 B header a message); the peers, on gloo: DDP as dp, FSDP2 all-reduces where ZeRO
+    reduce-scatters (3(N−1)/N·Ψ without resharding, 4(N−1)/N·Ψ with), DTensor as tp."""
+    from torch import nn
+    n, ring = world, 2 * (world - 1) / world
+    if row in ("dp", "zero1", "zero2", "zero3", "gpipe", "1f1b"):
+        lins = [m for m in _mlp() if isinstance(m, nn.Linear)]
+        psi = sum(p.numel() for m in lins for p in m.parameters())
+        padded = sum(-(-sum(p.numel() for p in m.parameters()) // n) * n for m in lins)
+        if row == "dp":
+            return round(ring * psi * 4), "2(N−1)/N·Ψ·4"
+        if row in ("zero1", "zero2"):
+            return round(ring * padded * 4), "RS + AG: 2(N−1)/N·Ψ'·4"
+        if row == "zero3":
+            return round(1.5 * ring * padded * 4), "AG fwd + AG bwd + RS: 3(N−1)/N·Ψ'·4"
+        return 64 * 512 * 4, "stage 0: m micro-batches of B/m × 512 activations: B·512·4"
+    if row == "tp":
+        a = 64 * 512 * 4                  # one Megatron pair's output (batch × d): a ring all-reduce each
+        return round(3 * ring * a), "3 all-reduces (2 forward, 1 backward: the input needs none): 6(N−1)/N·b·d·4"
+    model = ff_blocks()                   # tp+sp: 2 blocks x (AG + RS forward, RS + AG backward) of b·S·d floats,
+    a = 8 * 64 * 128 * 4                  # the replicated tensors' gradients summed, and the 8 B loss (direct)
+    sharded = sum(p.numel() for b in model[1:-1] for lin in (b.mlp.fc1, b.mlp.fc2) for p in (lin.weight,)) + \
+        sum(b.mlp.fc1.bias.numel() for b in model[1:-1])
+    replicated = sum(p.numel() for p in model.parameters()) - sharded
+    return (round(8 * (n - 1) / n * a + ring * replicated * 4 + (n - 1) * 8),
+            "8(N−1)/N·b·S·d·4 + 2(N−1)/N·R·4 + (N−1)·8 (R: replicated parameters)")
 
 
 def _data(row: str, rank: int, world: int) -> list[tuple[Any, Any]]:
@@ -360,6 +391,7 @@ def measure(rows: list[str], worlds: list[int], steps: int, warmup: int, reps: i
                 r[f"ratio_{backend}"] = statistics.median(a / b for a, b in zip(t["pslab"], t["peer"]))
             z, t = per_backend["zmq"][row]["sent"], per_backend["torch"][row]["sent"]
             r["pslab_bytes_per_step"] = statistics.median(z["pslab"])
+            r["model_bytes_per_step"], r["formula"] = model_bytes(row, world)
             r["pslab_torch_bytes_per_step"] = statistics.median(t["pslab"])
             r["peer_bytes_per_step"] = statistics.median(z["peer"]) if z["peer"] else None
             for backend in BACKENDS:
@@ -398,17 +430,18 @@ def main(argv: list[str] | None = None) -> int:
     print("bytes: sent per step per rank; peak MB: the busiest rank's resident-set growth while the engine is built "
           "and runs its first steps (parameters, gradients, optimizer state, activations, buffers)")
     print(f"{'row':7s} {'N':>2s} {'pslab zmq':>10s} {'peer':>8s} {'ratio':>6s} {'pslab gloo':>11s} {'peer':>8s} "
-          f"{'ratio':>6s}   {'B/step pslab zmq':>16s} {'pslab gloo':>11s} {'peer':>11s}   "
+          f"{'ratio':>6s}   {'B/step pslab zmq':>16s} {'model':>11s} {'pslab gloo':>11s} {'peer':>11s}   "
           f"{'peak MB pslab zmq':>17s} {'gloo':>5s} {'peer':>5s}")
     for r in results:
         fmt = lambda v: "—" if v is None else f"{v:,.0f}"
         mb = lambda v: "—" if not v else f"{v / 1e6:.1f}"
         print(f"{r['row']:7s} {r['world']:2d} {r['pslab_zmq_ms']:8.2f}ms {r['peer_zmq_ms']:6.2f}ms "
               f"{r['ratio_zmq']:5.2f}x {r['pslab_torch_ms']:9.2f}ms {r['peer_torch_ms']:6.2f}ms "
-              f"{r['ratio_torch']:5.2f}x   {fmt(r['pslab_bytes_per_step']):>16s} "
+              f"{r['ratio_torch']:5.2f}x   {fmt(r['pslab_bytes_per_step']):>16s} {fmt(r['model_bytes_per_step']):>11s} "
               f"{fmt(r['pslab_torch_bytes_per_step']):>11s} {fmt(r['peer_bytes_per_step']):>11s}   "
               f"{mb(r['pslab_zmq_peak_bytes']):>17s} {mb(r['pslab_torch_peak_bytes']):>5s} "
               f"{mb(r['peer_peak_bytes']):>5s}")
+    print("model: " + "; ".join(dict.fromkeys(f"{r['row']} {r['formula']}" for r in results)))
     return 0
 
 

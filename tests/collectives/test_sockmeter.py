@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -213,6 +212,32 @@ def test_a_torch_groups_p2p_bytes_go_to_their_peer():
     assert labelled and all(o[1] for o in out)
     assert 40_000 <= sent0[1] < 40_000 + 1_000, sent0
     assert 400_000 <= sent0[2] < 400_000 + 1_000, sent0
+
+
+def _recv_then_all_reduce(group):
+    torch.set_num_threads(1)
+    if group.rank == 0:
+        group.isend(torch.ones(25_000), 1).wait()
+    else:
+        group.recv(torch.empty(25_000), 0)
+        unclaimed = sorted(group._unclaimed)          # the receive's wait left its claim to the next one
+    group.all_reduce(torch.ones(10))                  # an op of another kind: the receive is claimed first, as p2p
+    t = group.traffic()
+    return t["recv"], t["sent"], (unclaimed if group.rank else None)
+
+
+@pytest.mark.timeout(120)
+def test_a_receives_bytes_stay_p2p_when_another_op_follows():
+    """A receive's wait does not read the kernel's counters (~5 µs on each pipeline hop); its bytes are claimed
+    with the connection's next claim -- before a collective is issued, they go to p2p, not to the all-reduce."""
+    recv, sent, unclaimed = collectives.launch(_recv_then_all_reduce, 2, backend="torch", timeout=100)[1]
+    assert unclaimed == [0]
+    # (the peer may start its all-reduce before this rank issues its own: those first few headers arrive
+    # before the settle and count as received p2p, as a receive's count always could; what is sent stays exact)
+    assert 100_000 <= recv[0]["p2p"] < 100_000 + 1_000, recv
+    reduced = sum(ops.get("all_reduce", 0) for ops in recv.values())
+    assert 0 < reduced < 2_000, recv                  # 40 B of payload + gloo's messages, not the 100 kB before it
+    assert sent[0].get("p2p", 0) <= 64, sent          # (gloo's receiver answers a send with a 48 B message)
 
 
 @pytest.mark.timeout(180)

@@ -181,7 +181,8 @@ def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
         while _alive(started) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert started and _alive(started) == set(), _alive(started)
-        assert list(private.iterdir()) == [] and shm_path.segments() <= segments
+        left = [q.name for q in private.iterdir() if not q.name.startswith("torchinductor_")]   # (torch's cache)
+        assert left == [] and shm_path.segments() <= segments
         (run,) = (tmp_path / "runs").iterdir()
         env = json.loads((run / "env.json").read_text())
         assert env.get("interrupted") and (run / "metrics.jsonl").stat().st_size > 0

@@ -1,6 +1,7 @@
 """`pslab bench engines` (experiments/bench/engines.py) as a smoke test: every row runs on both pslab backends
-beside its PyTorch peer and reports step times, ratios and bytes (no speed is asserted: tests never time); the
-peer's bytes are the kernel's count of its gloo sockets; bad input is argparse's one usage line."""
+beside its PyTorch peer and reports step times, ratios and bytes (no speed is asserted: tests never time), pslab's
+zmq bytes equal to the row's formula (`model_bytes`); the peer's bytes are the kernel's count of its gloo sockets;
+bad input is argparse's one usage line."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ from pslab.experiments.bench.engines import ROWS, main, peak_rss
 
 
 def test_every_row_runs_beside_its_peer_and_reports(capsys):
-    assert main(["--world", "2", "--steps", "1", "--warmup", "0", "--reps", "1", "--json"]) == 0
+    # (one warm-up step: the pipeline's one-off shape header is not in the counted step)
+    assert main(["--world", "2", "--steps", "1", "--warmup", "1", "--reps", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["row"] for r in rows] == list(ROWS) and all(r["world"] == 2 for r in rows)
     for r in rows:
         for backend in ("zmq", "torch"):
             assert r[f"pslab_{backend}_ms"] > 0 and r[f"peer_{backend}_ms"] > 0 and r[f"ratio_{backend}"] > 0
         assert r["pslab_bytes_per_step"] > 0 and r["pslab_torch_bytes_per_step"] > 0, r
+        assert r["pslab_bytes_per_step"] == r["model_bytes_per_step"], r     # zmq's count: the formula, to the byte
+        assert r["pslab_bytes_per_step"] <= r["pslab_torch_bytes_per_step"], r   # (gloo adds its headers)
         assert r["peer_bytes_per_step"] is not None and r["peer_bytes_per_step"] > 0, r
         for key in ("pslab_zmq_peak_bytes", "pslab_torch_peak_bytes", "peer_peak_bytes"):   # (each at least holds
             assert r[key] > 0, (key, r)                                                       # its model)
