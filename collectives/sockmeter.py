@@ -23,7 +23,8 @@ the process reused for something else stops being read, never misread.
 
 `SocketMeter.claim()` returns the bytes written and received since the previous claim. The torch backend claims
 once at the end of each op it ran on the group (a group runs one collective at a time), so every byte is counted
-once and belongs to the op that sent it. p2p sends and receives are claimed when their waits return, on the
+once and belongs to the op that sent it. p2p sends are claimed when their waits return, receives with their
+connection's next claim (torch_group's `_settle`: one read a hop), on the
 peer's connection only once `label_peers` has learnt which connection leads to which rank: a connection is the same
 port pair seen from both ends, (local, remote) here and (remote, local) there, so each rank publishes its pairs in
 the rendezvous store under the pair's name, then a flag saying whether it could (under keys of the group's own),

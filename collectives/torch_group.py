@@ -46,7 +46,7 @@ from .errors import PeerFailedError, PeerTimeoutError
 from .group import ProcessGroup, check_op, chunk_bounds
 from .ring import combine
 from .sockmeter import SocketMeter, socket_fds
-from .traffic import TrafficCounter
+from .traffic import TrafficCounter, untallied
 from .wire import Tensor
 from .zmq_group import as_flat, write_back
 
@@ -230,13 +230,15 @@ class TorchGroup(ProcessGroup):
         """Claim as p2p what the connections of receives not claimed yet carried. A receive's wait does not claim (a
         claim reads the kernel's counters: ~5 µs, on every hop of a pipeline's critical path); its bytes are
         claimed with the next claim on that connection -- a send to the same peer, or this, called before an op of
-        another kind is issued and before the counters are read. So every byte keeps its op and its peer."""
-        while self._unclaimed:
-            try:
-                local = self._unclaimed.pop()
-            except KeyError:                     # (another thread settled it)
-                return
-            self._count("p2p", self.ranks[local], local)
+        another kind is issued and before the counters are read. So every byte keeps its op and its peer. (Outside
+        any `tally`: the op that happens to settle them must not take them into its own CommLog record.)"""
+        with untallied():
+            while self._unclaimed:
+                try:
+                    local = self._unclaimed.pop()
+                except KeyError:                     # (another thread settled it)
+                    return
+                self._count("p2p", self.ranks[local], local)
 
     def reset_traffic(self) -> None:
         self._settle()
@@ -480,6 +482,7 @@ class TorchGroup(ProcessGroup):
         return child
 
     def destroy(self) -> None:
+        self._route = None                      # (it holds the process group: let it go with the group)
         if self._standalone:
             pg, self.pg = self.pg, None
             if pg is not None and any(not w.is_completed() for w in self._inflight):
@@ -504,14 +507,11 @@ class _TorchWork:
         g = self._group
         g._wait(self._work, self._op, pollable=False)
         if g.meter is not None:
-            if self._op == "recv":                   # claimed with the connection's next claim (TorchGroup._settle)
-                g._unclaimed.add(self._local)
-            else:                                    # what the connection(s) to the peer carried until now
-                g._count("p2p", self._peer, self._local)
-                if g.meter.knows(self._local):
-                    g._unclaimed.discard(self._local)   # (the receives from the peer: on the same connection)
-                else:
-                    g._unclaimed.clear()                # (the claim read every connection)
+            if self._op == "recv" and g.meter.knows(self._local):   # claimed with its connection's next claim
+                g._unclaimed.add(self._local)                        # (TorchGroup._settle)
+            else:                                # what the connection(s) to the peer carried until now (unlabelled:
+                g._count("p2p", self._peer, self._local)             # every connection, claimed at once, as before)
+                g._unclaimed.discard(self._local)    # (the receives from the peer: on the same connection)
         if self._buf is not None:
             if self._work_buf is not None and self._work_buf is not self._buf:
                 self._buf.copy_(self._work_buf)

@@ -37,6 +37,22 @@ class tally:
             stack[-1][0] += self._box[0]
 
 
+class untallied:
+    """Inside the block, counts reach no open `tally` of this thread (they are not the enclosing op's bytes)."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        self._saved = _local.__dict__.get("stack")
+        _local.stack = []
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is None:
+            del _local.stack
+        else:
+            _local.stack = self._saved
+
+
 class TrafficCounter:
     """Thread-safe counters: sent[peer][op], recv[peer][op] in bytes, and message counts."""
 

@@ -113,33 +113,32 @@ def dtensor_sequence_parallel(model: Any, mesh: Any) -> Any:
 
 def model_bytes(row: str, world: int) -> tuple[int, str]:
     """(bytes pslab's engine sends per step on rank 0, the formula), from the row's model: Ψ its parameters (for
-    ZeRO each unit -- a Linear -- padded to a multiple of N, Ψ'), 4 B a float. The zmq column equals it to the byte
-    (gloo's adds its 48 B header a message); the peers, on gloo: DDP as dp, FSDP2 all-reduces where ZeRO
-    reduce-scatters (3(N−1)/N·Ψ without resharding, 4(N−1)/N·Ψ with), DTensor as tp."""
+    ZeRO each parameter padded to a multiple of N, Ψ' = N·Σ_p ⌈ψ_p/N⌉: a pack's segments are one length), 4 B a
+    float, a ring's chunks as `chunk_bounds` cuts them. The zmq column equals it to the byte (gloo's adds its 48 B
+    header a message); the peers, on gloo: DDP as dp, FSDP2 all-reduces where ZeRO reduce-scatters (3(N−1)/N·Ψ
+    without resharding, 4(N−1)/N·Ψ with), DTensor as tp."""
     from torch import nn
-    n, ring = world, 2 * (world - 1) / world
+    from pslab.collectives.hierarchical import _ring_sent
+    n = world
     if row in ("dp", "zero1", "zero2", "zero3", "gpipe", "1f1b"):
-        lins = [m for m in _mlp() if isinstance(m, nn.Linear)]
-        psi = sum(p.numel() for m in lins for p in m.parameters())
-        padded = sum(-(-sum(p.numel() for p in m.parameters()) // n) * n for m in lins)
+        params = [p for m in _mlp() if isinstance(m, nn.Linear) for p in m.parameters()]
+        psi = sum(p.numel() for p in params)
+        padded = sum(-(-p.numel() // n) for p in params)          # one rank's segment: Ψ'/N
         if row == "dp":
-            return round(ring * psi * 4), "2(N−1)/N·Ψ·4"
+            return 4 * _ring_sent(psi, n, 0), "2(N−1)/N·Ψ·4"
         if row in ("zero1", "zero2"):
-            return round(ring * padded * 4), "RS + AG: 2(N−1)/N·Ψ'·4"
+            return 4 * 2 * (n - 1) * padded, "RS + AG: 2(N−1)/N·Ψ'·4"
         if row == "zero3":
-            return round(1.5 * ring * padded * 4), "AG fwd + AG bwd + RS: 3(N−1)/N·Ψ'·4"
+            return 4 * 3 * (n - 1) * padded, "AG fwd + AG bwd + RS: 3(N−1)/N·Ψ'·4"
         return 64 * 512 * 4, "stage 0: m micro-batches of B/m × 512 activations: B·512·4"
-    if row == "tp":
-        a = 64 * 512 * 4                  # one Megatron pair's output (batch × d): a ring all-reduce each
-        return round(3 * ring * a), "3 all-reduces (2 forward, 1 backward: the input needs none): 6(N−1)/N·b·d·4"
+    if row == "tp":                       # one Megatron pair's output (batch × d): a ring all-reduce each
+        return 4 * 3 * _ring_sent(64 * 512, n, 0), "3 all-reduces (2 forward, 1 backward: the input needs none)"
     model = ff_blocks()                   # tp+sp: 2 blocks x (AG + RS forward, RS + AG backward) of b·S·d floats,
     a = 8 * 64 * 128 * 4                  # the replicated tensors' gradients summed, and the 8 B loss (direct)
-    sharded = sum(p.numel() for b in model[1:-1] for lin in (b.mlp.fc1, b.mlp.fc2) for p in (lin.weight,)) + \
-        sum(b.mlp.fc1.bias.numel() for b in model[1:-1])
+    sharded = sum(b.mlp.fc1.weight.numel() + b.mlp.fc1.bias.numel() + b.mlp.fc2.weight.numel() for b in model[1:-1])
     replicated = sum(p.numel() for p in model.parameters()) - sharded
-    return (round(8 * (n - 1) / n * a + ring * replicated * 4 + (n - 1) * 8),
+    return (round(8 * (n - 1) / n * a) + 4 * _ring_sent(replicated, n, 0) + (n - 1) * 8,
             "8(N−1)/N·b·S·d·4 + 2(N−1)/N·R·4 + (N−1)·8 (R: replicated parameters)")
-
 
 def _data(row: str, rank: int, world: int) -> list[tuple[Any, Any]]:
     """Eight batches of this rank's input (the same on every rank where the axis needs it)."""
