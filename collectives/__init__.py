@@ -30,8 +30,8 @@ Where each mechanism lives:
     zmq_group.py     the zmq backend: ring all-reduce / reduce-scatter / all-gather, broadcast, all_to_all, p2p;
                      which keys a group accepts, and the size and dtype of every payload it takes
     ring.py          ring reduce-scatter / all-gather / all-reduce as one pipelined, streamed ring pass
-    torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors); standalone gloo
-                     groups (one per elastic generation)
+    torch_group.py   the same API over torch.distributed (gloo on CPU, NCCL for CUDA tensors)
+    gloo_groups.py   forming a gloo group: standalone ones (one per elastic generation), the meter of its connections
     elastic.py       elastic groups: a coordinator publishes signed, increasing membership generations in the store;
                      a member's waits raise MembershipChanged (or Expelled) soon after, and join() builds the next
                      generation's group (zmq: new transport; torch: new gloo group) without waiting on dead peers

@@ -31,7 +31,7 @@ A generation's group is all new, so nothing of an older one can reach into it:
          handshake). The old transport closes at once, but what it still queues for a member of generation g
          (alive, by the coordinator's word) gets LINGER s to arrive: that member may still be finishing the last
          collective of generation h, which ended here (a left peer's queue is dropped, never awaited).
-  torch  a new standalone gloo group (torch_group.standalone_gloo: not registered with torch.distributed, on
+  torch  a new standalone gloo group (gloo_groups.standalone_gloo: not registered with torch.distributed, on
          loopback unless GLOO_SOCKET_IFNAME says otherwise); its ops work on private buffers, and the old group is
          destroyed, or left alive if a gloo op of it is still in flight (see torch_group.py). A gloo error (a killed
          peer closes its connections) becomes a wait for the next generation: MembershipChanged once it is
@@ -313,7 +313,7 @@ class ElasticGroup:
         """Generation m's gloo group. gloo's rendezvous blocks until every member connects (or the timeout), so it
         runs in a thread while this one watches the store: RendezvousError at once if a newer generation is
         published meanwhile (a member of m died before connecting; the thread is left to time out)."""
-        from .torch_group import standalone_gloo
+        from .gloo_groups import standalone_gloo
         out: dict[str, Any] = {}
 
         def build() -> None:

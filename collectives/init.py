@@ -87,7 +87,7 @@ def init_process_group(backend: str = "zmq", *, rank: int | None = None, world_s
     if backend == "torch":
         from .torch_group import TorchGroup
         from .sockmeter import SocketMeter, socket_fds
-        from .torch_group import group_meter
+        from .gloo_groups import group_meter
         tb = torch_backend or "gloo"
         meter = SocketMeter([], "torch.distributed was initialised before this group: its connections are unknown")
         if not dist.is_initialized():

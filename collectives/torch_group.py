@@ -18,7 +18,7 @@ all-reduce 2(N−1)/N·S, a binomial-tree broadcast, ...; the rings above (N−1
 a report says "not observable" instead of a number.
 
 Two kinds of group: the job's default (world) group and its `new_group`s, driven through `torch.distributed.*`; or a
-standalone gloo group (`standalone_gloo`: one per elastic generation, elastic.py), whose backend methods are called
+standalone gloo group (`gloo_groups.standalone_gloo`: one per elastic generation, elastic.py), whose backend methods are called
 directly (no global registry). Every op is issued async and waited on; when `interrupt` is set (elastic), the wait
 runs in slices of `interrupt_every` seconds with a call to `interrupt` between them (an op that completes returns
 its result, as on the zmq backend: news comes at the next wait), and the op runs on private copies of its buffers:
@@ -32,7 +32,6 @@ destructor would join gloo's threads, which wait for the dead peer.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from .errors import PeerFailedError, PeerTimeoutError
 from .group import ProcessGroup, check_op, chunk_bounds
 from .ring import combine
+from .gloo_groups import group_meter, standalone_gloo
 from .sockmeter import SocketMeter, socket_fds
 from .traffic import TrafficCounter, untallied
 from .wire import Tensor
@@ -58,51 +58,6 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
 _RING_TAG = 1 << 30        # tags of the p2p rings inside reduce_scatter / all_gather (a user's p2p tags stay below)
 
 
-def store_ports(store: Any) -> tuple[int, ...]:
-    """The TCP port of the TCPStore under `store` (PrefixStores unwrapped): its connections are not a group's."""
-    while store is not None and not hasattr(store, "port") and hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    port = getattr(store, "port", None)
-    return (int(port),) if isinstance(port, int) else ()
-
-
-def standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> tuple[Any, SocketMeter]:
-    """A gloo group of its own over `store` (e.g. a PrefixStore per generation), not registered with
-    torch.distributed; on loopback unless GLOO_SOCKET_IFNAME names interfaces (comma-separated); with the meter of
-    the connections it opened (sockmeter.py)."""
-    before = socket_fds()
-    pg = _standalone_gloo(store, rank, world_size, timeout)
-    return pg, group_meter(before, store, rank, world_size, timeout)
-
-
-def group_meter(before: dict[int, int], store: Any, rank: int, world_size: int, timeout: float,
-                group: str = "g", why_not: str = "") -> SocketMeter:
-    """The meter of the gloo connections a group just opened (those not in `before`; none when `why_not` says why
-    this rank observes nothing), its sockets labelled by peer through `store` under keys of `group`'s own
-    (sockmeter.py; every member calls this right after the group formed, an unobserving one too: its peers must
-    read that it has no labels rather than wait for them)."""
-    meter = (SocketMeter([], why_not) if why_not else
-             SocketMeter.new_sockets(before, store_ports(store), gloo_connections(world_size)))
-    meter.label_peers(store, rank, world_size, min(timeout, _LABEL_S), ns=f"pslab_sockmeter/{group}/")
-    return meter
-
-
-def gloo_connections(world_size: int) -> int:
-    """The TCP connections a gloo group of `world_size` opens in each process: one per peer and device (one device
-    per GLOO_SOCKET_IFNAME interface, else one)."""
-    devices = len([x for x in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if x]) or 1
-    return (world_size - 1) * devices
-
-
-def _standalone_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout)
-    ifnames = [x for x in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if x]
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=x) for x in ifnames] if ifnames
-                     else [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")])
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
-
-
 def _opts(cls: Any, **fields: Any) -> Any:
     o = cls()
     for k, v in fields.items():
@@ -110,7 +65,6 @@ def _opts(cls: Any, **fields: Any) -> Any:
     return o
 
 
-_LABEL_S = 10.0     # how long a new group's members wait for each other's socket labels before claiming whole
 _NEW_GROUPS = 0     # dist.new_group calls of this process (a group's key for its socket labels)
 _ABANDONED: list[Any] = []      # standalone groups destroyed with work in flight (see the module docstring)
 

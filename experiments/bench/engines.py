@@ -316,7 +316,7 @@ def _worker(group: Any, port: int, backend: str, rows: list[str], steps: int, wa
     import torch
     import torch.distributed as dist
     from pslab.collectives.sockmeter import SocketMeter, socket_fds
-    from pslab.collectives.torch_group import gloo_connections
+    from pslab.collectives.gloo_groups import gloo_connections
     torch.set_num_threads(1)
     meter = None
     if not dist.is_initialized():          # the zmq backend: the peer gets a gloo default group of its own, whose
