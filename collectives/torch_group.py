@@ -186,6 +186,8 @@ class TorchGroup(ProcessGroup):
         claimed with the next claim on that connection -- a send to the same peer, or this, called before an op of
         another kind is issued and before the counters are read. So every byte keeps its op and its peer. (Outside
         any `tally`: the op that happens to settle them must not take them into its own CommLog record.)"""
+        if not self._unclaimed:
+            return
         with untallied():
             while self._unclaimed:
                 try:
@@ -212,8 +214,7 @@ class TorchGroup(ProcessGroup):
         return snap
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         check_op(op)
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
@@ -227,8 +228,7 @@ class TorchGroup(ProcessGroup):
         return tensor
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: str = "sum") -> Tensor:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         check_op(op)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
@@ -252,8 +252,7 @@ class TorchGroup(ProcessGroup):
         return output
 
     def all_gather(self, output: Tensor, input: Tensor) -> Tensor:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
         n = self.world_size
@@ -340,8 +339,7 @@ class TorchGroup(ProcessGroup):
         return self._route
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         buf, orig = as_flat(tensor) if not _is_cuda(tensor) else (tensor, None)
         work_buf = self._private(buf)
         if self._standalone:
@@ -356,8 +354,7 @@ class TorchGroup(ProcessGroup):
         return tensor
 
     def all_to_all(self, output: Tensor, input: Tensor) -> Tensor:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         src, _ = as_flat(input) if not _is_cuda(input) else (input.view(-1), None)
         out, orig = as_flat(output) if not _is_cuda(output) else (output.view(-1), None)
         n = self.world_size
@@ -376,8 +373,7 @@ class TorchGroup(ProcessGroup):
         return output
 
     def barrier(self) -> None:
-        if self._unclaimed:
-            self._settle()               # (a receive's bytes stay p2p's)
+        self._settle()                   # (a receive's bytes stay p2p's)
         if self._standalone:
             self._wait(self.pg.barrier(dist.BarrierOptions()), "barrier")
         else:
