@@ -318,14 +318,23 @@ class PSClient:
                 self._pending[(shard, seq)].lane = None
             else:
                 self._pending[(shard, seq)] = _Pending(fut, deadline, shard, tensors, push=push)
-            if not self._await_pipe(shard, seq, min(deadline, time.monotonic() + SEND_TIMEOUT_MS / 1000)):
-                return                                        # refused or lost meanwhile: `fut` says which
-            try:
-                self._socks[shard].send_multipart(frames, copy=False)
-            except zmq.ZMQError as e:
+            until = min(deadline, time.monotonic() + SEND_TIMEOUT_MS / 1000)
+            while True:
+                if not self._await_pipe(shard, seq, until):
+                    return                                    # refused or lost meanwhile: `fut` says which
+                try:   # never blocking: the pipe can go between the look and the send (a handshake refused then)
+                    self._socks[shard].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again as e:
+                    if time.monotonic() < until:              # look again (the monitor says why the pipe went)
+                        time.sleep(0.001)
+                        continue
+                    error: zmq.ZMQError = e
+                except zmq.ZMQError as e:
+                    error = e
                 self._pending.pop((shard, seq))
                 link.on_timeout(seq)
-                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {e}"))
+                fut.fail(PSError(f"cannot send to shard {shard} ({self.addresses[shard]}): {error}"))
                 return
             self.clocks[shard] += push
             self._sent(shard, op, payload, path)
@@ -334,8 +343,10 @@ class PSClient:
         """(With the lock held, before a send.) A DEALER whose connection is down (a refused handshake redialling,
         a shard restarting) has no pipe, and its send would block: wait for one while reading the monitors, so that
         a refused handshake fails this request as AuthenticationError at once instead of after the send timeout.
-        False when the request was failed meanwhile; True when the socket takes messages (or `until` passed: the
-        send's own SNDTIMEO then ends it)."""
+        False when the request was failed meanwhile; True when the socket takes messages (or `until` passed). The
+        send that follows never blocks: a pipe can still go between this look and it (the handshake refused in
+        that instant), and a blocking send would then wait out SNDTIMEO without reading the monitor that says why
+        (seen: 1 run in ~10 of the dp-group mismatch test); so a send the socket does not take comes back here."""
         sock = self._socks[shard]
         while not sock.getsockopt(EVENTS) & POLLOUT:
             if (shard, seq) not in self._pending:

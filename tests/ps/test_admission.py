@@ -286,3 +286,41 @@ def test_a_refused_register_fails_at_once_when_the_socket_has_no_pipe(thread_ser
     with within(25, "connect as a worker the shard does not serve"):
         with pytest.raises(AuthenticationError, match="worker:1"):
             connect(servers.addresses, 1, PARAMS, timeout=60)
+
+
+def test_a_refused_register_fails_at_once_when_the_pipe_goes_between_the_look_and_the_send(thread_servers,
+                                                                                          monkeypatch):
+    """The same refusal, landing in the instant between the client's look for a pipe (there was one) and its send
+    (there is none): seen in ~1 run in 10 of the dp-group mismatch test, whose register then blocked in the send for
+    SNDTIMEO (30 s) and failed as "cannot send ... Resource temporarily unavailable" without reading the monitor.
+    Here the look is made to see a pipe and return only once the refusal has taken it (the monitor is left unread
+    until then): the send must not block, and connect must fail at once with the AuthenticationError that names
+    the user."""
+    from pslab.ps.client import PSClient
+    servers = thread_servers(1, num_workers=1, policy="asp", optimizer="sgd:lr=1")
+    real = PSClient._await_pipe
+    looks = []
+
+    def sees_a_pipe_that_then_goes(self, shard, seq, until):
+        if not looks:                    # the first look: a pipe is there (the handshake is under way) ...
+            looks.append(time.monotonic())
+            sock = self._socks[shard]
+            deadline = time.monotonic() + 10
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT and time.monotonic() < deadline:
+                time.sleep(0.005)        # ... and by the send it has gone (the monitor's event still unread)
+            assert not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT, "the refused handshake left the pipe in place"
+            return True
+        return real(self, shard, seq, until)
+
+    real_watch = PSClient._watch
+
+    def unread_until_the_look(self):     # (a refusal read before the first request fails it without a send)
+        if looks:
+            real_watch(self)
+
+    monkeypatch.setattr(PSClient, "_await_pipe", sees_a_pipe_that_then_goes)
+    monkeypatch.setattr(PSClient, "_watch", unread_until_the_look)
+    with within(25, "connect as a worker the shard does not serve"):
+        with pytest.raises(AuthenticationError, match="worker:1"):
+            connect(servers.addresses, 1, PARAMS, timeout=60)
+    assert looks
