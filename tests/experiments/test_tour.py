@@ -52,6 +52,7 @@ def test_an_unknown_step_is_one_line() -> None:
 
 
 @pytest.mark.timeout(300)     # (the subprocess's own 240 s bound a hang; ~75 s idle, ~125 s beside two busy loops)
+@pytest.mark.long
 def test_the_quick_tour_prints_each_claim_measured_next_to_its_theory(tmp_path: Path) -> None:
     out = tmp_path / "tour"
     r = subprocess.run(PSLAB + ["tour", "--quick", "-q", "-o", str(out), "--json", str(tmp_path / "t.json")],
