@@ -216,6 +216,19 @@ def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
     return "\n".join(out)
 
 
+PRELOAD = ("torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "pslab.collectives.init",
+           "pslab.collectives.zmq_group")
+
+
+def forkserver_context() -> Any:
+    """multiprocessing's forkserver context, its server (one per process, started at its first use) importing
+    PRELOAD once: each process it starts is then a fork of an interpreter that has torch, not a fresh one (a
+    spawned process spends ~3-4 s of CPU importing them). Also for process pools (the studies' cells)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (),
            timeout: float | None = 60.0, *, group_timeout: float | None = None, return_exceptions: bool = False,
            start_method: str = "forkserver", secret: str | None = None, supervisor: Supervisor | None = None,
@@ -245,10 +258,8 @@ class Job:
                  supervisor: Supervisor | None, group_options: dict[str, Any], flight_dir: str | None = None) -> None:
         self.fn, self.world_size, self.backend, self.args, self.timeout = fn, world_size, backend, args, timeout
         self.supervisor = supervisor
-        self.ctx = mp.get_context(start_method)
-        if start_method == "forkserver":  # one server imports torch once; each rank is then a cheap fork of it
-            self.ctx.set_forkserver_preload(["torch", "torch.optim", "torch._dynamo", "numpy", "zmq",
-                                             "pslab.collectives.init", "pslab.collectives.zmq_group"])
+        # forkserver: one server imports torch once; each rank is then a cheap fork of it
+        self.ctx = forkserver_context() if start_method == "forkserver" else mp.get_context(start_method)
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
         self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process
         self.dead: dict[Any, float] = {}                 # Process -> monotonic time its pidfd said it exited

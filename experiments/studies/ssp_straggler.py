@@ -152,8 +152,8 @@ def run_ssp_study(spec: SSPSpec, jobs: int = 1, progress: Callable[[str], None] 
     tune_seeds, report_seeds = (spec.seeds[:half], spec.seeds[half:]) if spec.tune else ((), spec.seeds)
     pool = None
     if jobs > 1:
-        import multiprocessing as mp
-        pool = (ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")), jobs)
+        from pslab.collectives.launcher import forkserver_context      # (not spawn: torch imported once)
+        pool = (ProcessPoolExecutor(max_workers=jobs, mp_context=forkserver_context()), jobs)
     try:
         cells = []
         for strategy in spec.strategies:
