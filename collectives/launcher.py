@@ -48,6 +48,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -220,12 +221,20 @@ PRELOAD = ("torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "pslab.colle
            "pslab.collectives.zmq_group")
 
 
-def forkserver_context() -> Any:
-    """multiprocessing's forkserver context, its server (one per process, started at its first use) importing
-    PRELOAD once: each process it starts is then a fork of an interpreter that has torch, not a fresh one (a
-    spawned process spends ~3-4 s of CPU importing them). Also for process pools (the studies' cells)."""
+def forkserver_context(also: tuple[str, ...] = ()) -> Any:
+    """multiprocessing's forkserver context, its server (one per process, started at its first use) importing once
+    what its children would otherwise each import: each process it starts is then a fork of an interpreter that has
+    torch, not a fresh one (a spawned process spends ~3-4 s of CPU importing them). Also for process pools (the
+    studies' cells).
+
+    The server imports PRELOAD, every pslab module this process has imported by then (what a plain fork would have
+    handed down: a rank of the parallelism engines otherwise compiles ~45 of them, ~0.13 s of CPU each rank where
+    no bytecode is cached, e.g. under PYTHONDONTWRITEBYTECODE), and `also` (launch passes the module of the
+    function it runs). A name that fails to import is skipped by the server, as multiprocessing does."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    inherited = sorted(m for m in sys.modules if m.startswith("pslab.") and m != "pslab.__main__")
+    extra = [m for m in also if m and m != "__main__"]
+    ctx.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *inherited, *extra])))
     return ctx
 
 
@@ -259,7 +268,8 @@ class Job:
         self.fn, self.world_size, self.backend, self.args, self.timeout = fn, world_size, backend, args, timeout
         self.supervisor = supervisor
         # forkserver: one server imports torch once; each rank is then a cheap fork of it
-        self.ctx = forkserver_context() if start_method == "forkserver" else mp.get_context(start_method)
+        self.ctx = (forkserver_context((getattr(fn, "__module__", "") or "",)) if start_method == "forkserver"
+                    else mp.get_context(start_method))
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
         self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process
         self.dead: dict[Any, float] = {}                 # Process -> monotonic time its pidfd said it exited
