@@ -46,7 +46,9 @@ anything in /dev/shm that account could already open. The sender writes the file
 random temporary name and renames it into place (the name never shows a half-written header), notes its job for the
 starter's sweep (cleanup.py), and unlinks on close; the receiver unlinks the name as soon as it has mapped it.
 Only a channel's first message needs the name (once mapped, a segment outlives its sender), so `close(linger)` waits
-up to `linger` seconds (per peer: `lingers`) for receivers to map the names still there, like ZeroMQ's linger.
+up to `linger` seconds (per peer: `lingers`) for receivers to map the names still there, like ZeroMQ's linger; a
+receiver that closes first unlinks the names addressed to it that it never mapped (it will read nothing more), so a
+sender does not wait out its linger for a peer that has left (a group ending in a mismatch took 5 s more to close).
 """
 
 from __future__ import annotations
@@ -426,7 +428,15 @@ class Channels:
 
     def close(self, linger: float = 0.0, lingers: dict[int, float] | None = None) -> None:
         """Unmap and unlink; first give each receiver (global rank g) up to lingers.get(g, linger) seconds to map
-        a name it has not mapped yet (it is gone once mapped)."""
+        a name it has not mapped yet (it is gone once mapped). Names addressed to this rank that it never mapped are
+        unlinked first: it will not read them, and their senders then need not linger for it."""
+        for src in range(len(self.ranks)):
+            if src != self.me and src not in self.inc:
+                g = self.ranks[src]
+                try:
+                    os.unlink(os.path.join(SHM_DIR, channel_name(self.peer_job(g), g, self.ranks[self.me], self.gid)))
+                except (KeyError, OSError):        # no address of that peer read yet / no such name (never sent)
+                    pass
         t0 = time.monotonic()
         for dst, seg in self.out.items():
             g = self.ranks[dst]

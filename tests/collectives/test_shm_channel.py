@@ -323,6 +323,25 @@ def test_malformed_segments_are_refused_until_the_real_one_appears():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith((f"pslab-{jobs[0]}-", f"pslab-{jobs[1]}-"))]
 
 
+@pytest.mark.timeout(30)
+def test_a_receiver_that_closes_first_releases_its_senders_linger():
+    """The sender made its channel (first message posted), the receiver closes without ever mapping it (it left in
+    a mismatch, say): the name addressed to it goes with its close, so the sender's close does not wait out a linger
+    (60 s here, beyond this test's bound) for a reader that will never come."""
+    jobs, (c0, c1) = _pair()
+    path = os.path.join("/dev/shm", shm_channel.channel_name(jobs[0], 0, 1, "t"))
+    try:
+        c0.post(1, "all_reduce", 0, torch.ones(3))
+        assert os.path.exists(path)
+        c1.close()
+        assert not os.path.exists(path)
+        c0.close(linger=60.0)
+    finally:
+        c0.close()
+        c1.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith((f"pslab-{jobs[0]}-", f"pslab-{jobs[1]}-"))]
+
+
 def test_invalid_slot_headers_and_mismatches_raise():
     """A slot header announcing more than the capacity, or bytes unlike numel x itemsize, or an unknown dtype is a
     WireError; another seq / op / numel / dtype is a CollectiveMismatchError; a peer that never sends times out."""
