@@ -8,7 +8,9 @@ figure is printed next to the theory that predicts it, with a paragraph on what 
     pslab tour -o docs/img/tour --index docs/tour.md     # how docs/tour.md was made
 
 A step whose numbers disagree with its theory says so (agrees: NO) rather than hiding it; the exit status is 1
-when any step failed or disagreed, 0 otherwise.
+when any step failed or disagreed, 0 otherwise. A step that missed only timed figures (a tolerance or a bound: one
+sample of a noisy time, e.g. beside other work) is measured again, once by default (--retries): the last try is
+shown, every earlier miss is printed as a note. Counters and parities (= exactly) are never re-measured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--index", metavar="FILE", help="write the index page here (default OUT/index.md); its picture "
                                                    "links are relative to it")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout only)")
+    p.add_argument("--retries", type=int, default=1, metavar="N",
+                   help="measure a step that missed only timed figures up to N more times (0-5, default 1; 0: "
+                        "show every first measurement)")
     p.add_argument("--seed", type=int, default=0, help="seed of every step's workload (default 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
@@ -41,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         chosen = tour.select(args.steps)
+        if not 0 <= args.retries <= 5:
+            raise tour.TourError(f"--retries must be between 0 and 5, got {args.retries}")
     except tour.TourError as e:
         raise ConfigError(str(e)) from None
     if args.list:
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     stream = open("/dev/null", "w") if quiet_out else sys.stdout
     try:
-        results = tour.run_steps(chosen, ctx, stream)
+        results = tour.run_steps(chosen, ctx, stream, retries=args.retries)
     finally:
         if quiet_out:
             stream.close()
