@@ -368,20 +368,26 @@ def _pslab_server(*args: str):
 
 @pytest.mark.timeout(90)
 def test_pslab_server_writes_a_final_checkpoint_on_sigterm_and_sigint(tmp_path, job_secret_env):
-    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
-        d = tmp_path / sig.name
-        sock = f"ipc://{tmp_path}/{sig.name}.sock"
-        with _pslab_server("--bind", sock, "--workers", "1", "--checkpoint-dir", str(d), "--checkpoint-every",
-                           "1000", "--idle-timeout", "60") as proc:
+    """Two servers side by side (one per signal: their start-ups overlap), 3 updates each, then the signal."""
+    sigs = ((signal.SIGTERM, 143), (signal.SIGINT, 130))
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(_pslab_server("--bind", f"ipc://{tmp_path}/{sig.name}.sock", "--workers", "1",
+                                                   "--checkpoint-dir", str(tmp_path / sig.name),
+                                                   "--checkpoint-every", "1000", "--idle-timeout", "60"))
+                 for sig, _ in sigs]
+        for (sig, code), proc in zip(sigs, procs):
+            sock = f"ipc://{tmp_path}/{sig.name}.sock"
             assert "serving 1 workers" in proc.stdout.readline()
             with connect([sock], 0, PARAMS, timeout=20) as c:
                 c.init(PARAMS).result(20)
                 for i in range(3):
                     c.push(grads(0, i)).result(20)
             proc.send_signal(sig)
+        for (sig, code), proc in zip(sigs, procs):
             assert proc.wait(30) == code
             assert "final checkpoint" in proc.stderr.read()
-        tensors, meta = load_checkpoint(list_checkpoints(d)[0])     # (newest first; [-1] is init's version 0)
+    for sig, _ in sigs:
+        tensors, meta = load_checkpoint(list_checkpoints(tmp_path / sig.name)[0])   # (newest first; [-1]: init's)
         assert meta["version"] == 3                     # 3 of 3 updates kept (issue 9: 137 of 137 were lost)
 
 
