@@ -27,10 +27,11 @@ Without xdist the lock is not taken at all.
 The queue's order (under xdist) keeps those turns from waiting for long shared tests. Measured beside two busy
 loops: the 93 tests that run alone took 195 s, and their workers waited 203 s more for the other worker's shared
 test to end first -- 87 s of it for the quick tour. So the files holding tests that run alone are queued first
-(their turns then mostly alternate with each other), then files with a test marked `long` (half a minute or more:
-queued early, they do not make the run's tail), then the rest in pytest's order (xdist's own reordering by test
-count is off). Only the quick tour is `long`: its timing figures are measured beside whatever the other worker
-runs, and queued next to the engine runs (~55 runs of 2-8 processes) two of four runs had a figure miss its rule.
+(their turns then mostly alternate with each other; within such a file its alone tests come first), then files with
+a test marked `long` (half a minute or more: queued early, they do not make the run's tail), then the rest in
+pytest's order (xdist's own reordering by test count is off). Only the quick tour is `long`: its timing figures are
+measured beside whatever the other worker runs, and queued next to the engine runs (~55 runs of 2-8 processes) two
+of four runs had a figure miss its rule.
 """
 
 from __future__ import annotations
@@ -194,4 +195,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if any(t.get_closest_marker("long") is not None for t in tests) else 2
 
     order = sorted(files, key=lambda f: rank(files[f]))           # (stable: pytest's order within each rank)
-    items[:] = [item for f in order for item in files[f]]
+    # within a file, its tests that run alone first: a long shared test of the same file (a notebook run, 12 s
+    # beside the hog) then no longer sits between them, where the other worker's alone test must wait it out
+    items[:] = [item for f in order for item in sorted(files[f], key=lambda t: not runs_alone(t))]

@@ -77,7 +77,7 @@ def test_sigkill_and_restart_resumes_from_checkpoint(tmp_path):
     the 10-update run; training then continues from there."""
     ref = ShardState(INIT, "momentum:lr=0.1", "asp")
     with start_servers(1, 1, "asp", "momentum:lr=0.1", checkpoint_dir=str(tmp_path), checkpoint_every=5,
-                       idle_timeout=60) as servers:
+                       idle_timeout=60, start_method="fork") as servers:     # (spawn: tests/ps/test_processes.py)
         with connect(servers.addresses, 0, INIT, timeout=20) as c:
             c.init(INIT).result(20)
             for i in range(12):
