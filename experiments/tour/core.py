@@ -18,7 +18,7 @@ A timed figure is one sample of a noisy quantity: beside other work (a test suit
 late by a few milliseconds moves a bubble or a step-time ratio past its rule now and then, while the next run of
 the same step lands inside it. So a step whose misses are all such figures (a tolerance or a bound) is measured
 again, up to `retries` more times; the last measurement is the one shown, and each earlier miss is printed and kept
-as a note ("try 1 of 2 missed: ..."). A step that misses an exact figure (a counter, a parity: tolerance 0) is not
+as a note ("try 1 missed: ..."). A step that misses an exact figure (a counter, a parity: tolerance 0) is not
 re-measured — a wrong count is a bug, not noise — and neither is a step that raised.
 """
 
