@@ -1,16 +1,13 @@
 """The Python API (experiments/api.py): pslab.run / compare / load return DataFrames equal to the run directory's
-files, work from a kernel-like process (a __main__ without a file, as a Jupyter kernel's cells), leave no
-process-wide state behind, and an interrupt leaves no process, shared-memory segment or temp directory."""
+files, work from a kernel-like process (a __main__ without a file, as a Jupyter kernel's cells) and leave no
+process-wide state behind (an interrupt from a kernel: tests/experiments/test_interrupts.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -107,91 +104,6 @@ def test_compare_from_a_kernel_like_process_returns_frames_equal_to_the_files(tm
     r = subprocess.run([sys.executable, "-c", KERNEL, str(tmp_path / "cmp")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=220)
     assert r.returncode == 0 and r.stdout.split() == ["ok", str(2 * 4 * 12)], (r.stdout[-1000:], r.stderr[-3000:])
-
-
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            todo += [k for k in kids if k not in out]
-            out.update(kids)
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for p in pids:
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2] != "Z":
-            alive.add(p)
-    return alive
-
-
-INTERRUPTED = """
-import sys
-import pslab
-try:
-    pslab.run({"workload": {"name": "digits-logreg"}, "train": {"strategy": sys.argv[2], "workers": 3,
-               "steps": 100000, "base_step_s": 0.01, "timeout_s": 60}}, out=sys.argv[1], progress=False)
-except KeyboardInterrupt:
-    print("KeyboardInterrupt")
-    sys.exit(3)
-"""
-
-
-@pytest.mark.under_load
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["ps-asp", "allreduce"])
-def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
-    """SIGINT to the calling process alone (a kernel's stop button): KeyboardInterrupt comes out of pslab.run,
-    every rank and shard it started is gone, no temp directory or segment of this run is left, the run directory
-    says interrupted and keeps its metrics."""
-    from pslab.ps import shm_path
-    private = tmp_path / "tmp"
-    private.mkdir()
-    segments = shm_path.segments()
-    p = subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(tmp_path / "runs"), strategy], cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, TMPDIR=str(private)),
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    started: set[int] = set()
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and p.poll() is None:
-            started |= _descendants(p.pid)
-            parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
-            if len(parts) == 3 and all(q.stat().st_size > 0 for q in parts):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the workers did not start: {p.communicate(timeout=30)}")
-        started |= _descendants(p.pid)
-        os.kill(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == 3 and out.strip() == "KeyboardInterrupt", (out, err[-3000:])
-        deadline = time.monotonic() + 10                       # the forkserver reaps its last children
-        while _alive(started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert started and _alive(started) == set(), _alive(started)
-        left = [q.name for q in private.iterdir() if not q.name.startswith("torchinductor_")]   # (torch's cache)
-        assert left == [] and shm_path.segments() <= segments
-        (run,) = (tmp_path / "runs").iterdir()
-        env = json.loads((run / "env.json").read_text())
-        assert env.get("interrupted") and (run / "metrics.jsonl").stat().st_size > 0
-        assert pslab.load(run).interrupted and len(pslab.load(run).metrics) > 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-        for pid in _alive(started | _descendants(p.pid)):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_notebook_example_runs_as_a_kernel_runs_it(tmp_path):
