@@ -270,11 +270,15 @@ class Channels:
         seg = self.inc.get(src)
         if seg is None:
             g = self.ranks[src]
-            name = channel_name(self.peer_job(g), g, self.ranks[self.me], self.gid)
+            name = self._inbound_name(g)
             box: list[_Segment] = []
             self.waiter.until(lambda: self._try_map(name, g, box), op, seq, g)
             seg = self.inc[src] = box[0]
         return seg
+
+    def _inbound_name(self, g: int) -> str:
+        """The name of global rank g's channel to this rank (KeyError: no address of g read yet)."""
+        return channel_name(self.peer_job(g), g, self.ranks[self.me], self.gid)
 
     def _try_map(self, name: str, g: int, box: list) -> bool:
         """Map the sender's segment if it is there and valid (else False: not yet, or not a segment of that rank)."""
@@ -414,7 +418,7 @@ class Channels:
                 g = self.ranks[src]
                 box: list[_Segment] = []
                 try:
-                    name = channel_name(self.peer_job(g), g, self.ranks[self.me], self.gid)
+                    name = self._inbound_name(g)
                 except KeyError:               # no address of that peer read yet
                     continue
                 if self._try_map(name, g, box):
@@ -434,7 +438,7 @@ class Channels:
             if src != self.me and src not in self.inc:
                 g = self.ranks[src]
                 try:
-                    os.unlink(os.path.join(SHM_DIR, channel_name(self.peer_job(g), g, self.ranks[self.me], self.gid)))
+                    os.unlink(os.path.join(SHM_DIR, self._inbound_name(g)))
                 except (KeyError, OSError):        # no address of that peer read yet / no such name (never sent)
                     pass
         t0 = time.monotonic()

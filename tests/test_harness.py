@@ -9,6 +9,8 @@ import time
 import pytest
 import zmq
 
+from pslab.collectives.procstate import cpu_ticks
+
 from .conftest import CpuHog, busy_elsewhere, hog_count
 from .timebox import StepTimeout, within
 
@@ -35,10 +37,7 @@ def test_busy_processes_already_running_are_counted():
     hog = CpuHog(2)
     try:
         deadline = time.monotonic() + 20
-        def spun(pid: int) -> bool:
-            with open(f"/proc/{pid}/stat") as f:
-                return int(f.read().rsplit(")", 1)[1].split()[11]) > 5        # utime > 5 ticks: in its loop
-        while not all(spun(p.pid) for p in hog.procs):
+        while not all((cpu_ticks(p.pid) or 0) > 5 for p in hog.procs):     # > 5 ticks of CPU: in its loop
             assert time.monotonic() < deadline, "the spin loops never started"
             time.sleep(0.05)
         assert busy_elsewhere() >= 2

@@ -1,6 +1,12 @@
-"""Shared helpers for the experiments tests: small configs that run in seconds on a 2-core machine."""
+"""Shared helpers for the experiments tests: small configs that run in seconds on a 2-core machine, and what a run
+started as a user starts it leaves behind (its session's processes, temp directories, /dev/shm segments)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,3 +25,31 @@ def small_config(*overrides: str):
 @pytest.fixture
 def cfg_factory():
     return small_config
+
+
+def as_from_a_terminal() -> None:
+    """The child's SIGINT as a terminal's foreground job has it (default). A test runner started in the background
+    of a non-interactive shell inherits SIGINT ignored, and so would the `pslab run` under test: Ctrl-C would then
+    never reach it, by the shell's rule, not pslab's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def session_processes(sid: int) -> list[int]:
+    """The live (not zombie) processes of session `sid`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+def traces(tmp: Path | None = None) -> set[str]:
+    """What runs may leave behind: pslab temp directories (in `tmp`, default the temp dir) and /dev/shm segments."""
+    tmp = tmp or Path(tempfile.gettempdir())
+    return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}

@@ -18,6 +18,7 @@ import pytest
 
 from pslab.experiments.cli import main
 from pslab.experiments.workloads import data as wdata
+from tests.experiments.conftest import as_from_a_terminal, session_processes
 
 PSLAB = [sys.executable, "-m", "pslab"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,34 +120,6 @@ def test_compare_and_report_write_every_plot(tmp_path, capsys):
     assert (rep / "report.md").read_text().count("| ps-") == 4
 
 
-def _as_from_a_terminal() -> None:
-    """The child's SIGINT as a terminal's foreground job has it (default). A test runner started in the background
-    of a non-interactive shell inherits SIGINT ignored, and so would the `pslab run` under test: Ctrl-C would then
-    never reach it, by the shell's rule, not pslab's."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _session_processes(sid: int) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(d.name))
-    return pids
-
-
-def _traces(tmp: Path | None = None) -> set[str]:
-    """What runs may leave behind: pslab temp directories (in `tmp`, default the temp dir) and /dev/shm segments."""
-    import tempfile
-    tmp = tmp or Path(tempfile.gettempdir())
-    return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
-
-
 @pytest.mark.parametrize("strategy", ["ps-asp", "allreduce"])
 def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
     """While `pslab run` trains (3 workers; for ps-asp also a shard), every TCP listener of its processes -- the
@@ -157,7 +130,7 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
     cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
-                         start_new_session=True, preexec_fn=_as_from_a_terminal, stdout=subprocess.DEVNULL,
+                         start_new_session=True, preexec_fn=as_from_a_terminal, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -168,7 +141,7 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
             time.sleep(0.2)
         else:
             pytest.fail("workers did not start")
-        found = listening(_session_processes(p.pid))
+        found = listening(session_processes(p.pid))
         assert found, "no listener seen at all: the test would prove nothing"
         assert all(ipaddress.ip_address(addr).is_loopback for _, addr, _ in found), found
     finally:
@@ -176,7 +149,7 @@ def test_a_run_listens_on_nothing_beyond_loopback(tmp_path, strategy):
         try:
             p.wait(timeout=30)
         finally:
-            for pid in _session_processes(p.pid):
+            for pid in session_processes(p.pid):
                 os.kill(pid, signal.SIGKILL)
 
 

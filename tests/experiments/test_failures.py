@@ -19,15 +19,9 @@ from pslab.experiments.errors import ExperimentError
 from pslab.experiments.results.rundir import read_jsonl
 from pslab.experiments.runner import execute
 from tests.detectlog import detected
-from tests.experiments.conftest import small_config
+from tests.experiments.conftest import small_config, traces
 
 pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
-
-
-def _traces() -> set[str]:
-    tmp = Path(tempfile.gettempdir())    # the test's own (see `clean`), so other jobs on the host do not count
-    return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm")
-                                                     if n.startswith("pslab-")}
 
 
 def _held_by_others() -> set[str]:
@@ -54,7 +48,7 @@ def _held_by_others() -> set[str]:
 
 def _left_behind(before: set[str]) -> set[str]:
     """Traces that are new since `before` and that no other live process holds (see `_held_by_others`)."""
-    new = _traces() - before
+    new = traces() - before
     return new - _held_by_others() if new else new
 
 
@@ -80,7 +74,7 @@ def clean(tmp_path, monkeypatch):
     private = tmp_path / "tmp"
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))
-    before, kids = _traces(), set(_children())     # earlier tests' helpers (a forkserver) are not this test's
+    before, kids = traces(), set(_children())     # earlier tests' helpers (a forkserver) are not this test's
     yield
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (set(_children()) - kids or _left_behind(before)):
@@ -95,14 +89,14 @@ def test_the_leftover_check_counts_orphans_not_another_jobs_live_segments():
     import subprocess
     import sys
     import uuid
-    before = _traces()
+    before = traces()
     live, orphan = (f"/dev/shm/pslab-{uuid.uuid4().hex[:12]}-{k}-test" for k in ("live", "orphan"))
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'w'); "
                                "print('ok', flush=True); time.sleep(60)", live], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ok"
         Path(orphan).write_text("")
-        assert _traces() - before == {f"shm:{Path(live).name}", f"shm:{Path(orphan).name}"}   # the old check
+        assert traces() - before == {f"shm:{Path(live).name}", f"shm:{Path(orphan).name}"}   # the old check
         assert _left_behind(before) == {f"shm:{Path(orphan).name}"}
     finally:
         holder.kill()

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 import pslab
-from tests.experiments.test_cli import PSLAB, ROOT, _as_from_a_terminal, _session_processes, _traces
+from tests.experiments.conftest import as_from_a_terminal, session_processes, traces
+
+PSLAB = [sys.executable, "-m", "pslab"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- `pslab run` in a terminal ------------------------------------------------------------------------------------
@@ -32,12 +35,12 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
     written so far are merged into metrics.jsonl."""
     private = tmp_path / "tmp"          # the run's own temp dir: other jobs on this host do not count
     private.mkdir()
-    before = _traces(private)
+    before = traces(private)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[workload]\nname = "digits-logreg"\n[train]\nstrategy = "{strategy}"\nworkers = 3\n'
                    'steps = 100000\nbase_step_s = 0.01\ntimeout_s = 60\n')
     p = subprocess.Popen(PSLAB + ["run", str(cfg), "--out", str(tmp_path / "runs"), "-q"], cwd=ROOT,
-                         start_new_session=True, preexec_fn=_as_from_a_terminal, stdout=subprocess.PIPE,
+                         start_new_session=True, preexec_fn=as_from_a_terminal, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, TMPDIR=str(private)))
     try:
@@ -56,17 +59,17 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
             os.kill(p.pid, signal.SIGTERM)
         _, err = p.communicate(timeout=30)
         deadline = time.monotonic() + 10                # (the last ones are being reaped)
-        while _session_processes(p.pid) and time.monotonic() < deadline:
+        while session_processes(p.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _session_processes(p.pid) == []
+        assert session_processes(p.pid) == []
         assert p.returncode != 0 and err.strip().splitlines() == ["pslab: interrupted"], err[-2000:]
-        assert _traces(private) - before == set()
+        assert traces(private) - before == set()
         run = next((tmp_path / "runs").iterdir())
         assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "summary.json").exists()
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-        for pid in _session_processes(p.pid):
+        for pid in session_processes(p.pid):
             os.kill(pid, signal.SIGKILL)
 
 
