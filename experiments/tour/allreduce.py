@@ -137,14 +137,14 @@ def ps_vs_ring(ctx: Context) -> Outcome:
                            f"2(N−1)/N·S"))
     figs += [
         Figure(f"PS step time N={hi['N']} ÷ N={lo['N']} (emulated link)", hi["ps_s"] / lo["ps_s"], ps_model(hi["N"]) / ps_model(lo["N"]),
-               "×", "=", 0.25, f"medians of {PS_REPS} (max over ranks) vs 2·N·S/bw: {hi['N']}/{lo['N']}"),
+               "×", "=", 0.25, f"medians of {PS_REPS} (max over ranks) vs 2·N·S/bw: {hi['N']}/{lo['N']}", timed=True),
         Figure(f"ring step time N={hi['N']} ÷ N={lo['N']} (emulated link)", hi["ring_s"] / lo["ring_s"],
                ring_model(hi["N"]) / ring_model(lo["N"]), "×", "=", 0.25,
-               f"medians of {RING_REPS} vs 2(N−1)·(S/(N·bw) + latency): grows only as 2(N−1)/N → 2"),
+               f"medians of {RING_REPS} vs 2(N−1)·(S/(N·bw) + latency): grows only as 2(N−1)/N → 2", timed=True),
         Figure(f"PS step time, N={hi['N']} (emulated link)", hi["ps_s"] * 1e3, ps_model(hi["N"]) * 1e3, "ms", "=", 0.25,
-               f"median vs the link model 2·N·S/bw + 2·latency (bw {bw / 1e6:g} MB/s)"),
+               f"median vs the link model 2·N·S/bw + 2·latency (bw {bw / 1e6:g} MB/s)", timed=True),
         Figure(f"ring step time, N={hi['N']} (emulated link)", hi["ring_s"] * 1e3, ring_model(hi["N"]) * 1e3, "ms", "=", 0.25,
-               f"median vs the link model 2(N−1)·(S/(N·bw) + latency), latency {lat * 1e6:g} µs"),
+               f"median vs the link model 2(N−1)·(S/(N·bw) + latency), latency {lat * 1e6:g} µs", timed=True),
     ]
     pic = _draw_ps_ring(ctx.picture("ps-vs-ring"), rows, S, ps_model, ring_model)
     return Outcome(

@@ -14,12 +14,15 @@ number from a model, printed as such and never counted as agreement. Every step 
 `run_steps` runs the chosen steps in the article's order, prints each as it ends (claim, table, paragraph, picture),
 and returns the results; `write_index` writes the index page (every claim, its command, its figures, its picture).
 
-A timed figure is one sample of a noisy quantity: beside other work (a test suite, two busy loops in CI) a wake-up
-late by a few milliseconds moves a bubble or a step-time ratio past its rule now and then, while the next run of
-the same step lands inside it. So a step whose misses are all such figures (a tolerance or a bound) is measured
-again, up to `retries` more times; the last measurement is the one shown, and each earlier miss is printed and kept
-as a note ("try 1 missed: ..."). A step that misses an exact figure (a counter, a parity: tolerance 0) is not
-re-measured — a wrong count is a bug, not noise — and neither is a step that raised.
+A figure marked `timed` is read off a clock (a step time, a bubble from spans, a detection delay, a staleness that
+depends on who was scheduled first): one sample of a noisy quantity. Beside other work (a test suite, two busy loops
+in CI) a wake-up late by a few milliseconds moves a bubble or a step-time ratio past its rule now and then, while
+the next run of the same step lands inside it. So a step whose misses are all timed figures is measured again, up
+to `retries` more times; the last measurement is the one shown, and each earlier miss is printed and kept as a note
+("try 1 missed: ..."). A step that misses any other figure — a counter or a parity (= exactly), a ratio of bytes, a
+slope of memory, a result of seeded training, whatever its tolerance — is not re-measured: the same run gives the
+same number, so a miss is a bug, not noise; neither is a step that raised. A timed figure always has a tolerance or
+a bound (a clock never agrees "exactly").
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class Figure:
     relation: str = "="
     tolerance: float = 0.0
     how: str = ""              # where each number comes from: "counters; 2(N−1)/N·S"
+    timed: bool = False        # read off a clock: noise beside other work, so a miss is measured again (above)
 
     @property
     def exact(self) -> bool:
-        """A counter or a parity ("= exactly"): never noise, so a miss is never re-measured."""
+        """A counter or a parity ("= exactly")."""
         return self.relation == "=" and self.tolerance == 0
 
     def __post_init__(self) -> None:
@@ -60,6 +64,9 @@ class Figure:
             raise ValueError(f"figure {self.name!r}: relation must be one of {RELATIONS}, got {self.relation!r}")
         if not self.tolerance >= 0:
             raise ValueError(f"figure {self.name!r}: tolerance must be >= 0, got {self.tolerance}")
+        if self.timed and self.exact:
+            raise ValueError(f"figure {self.name!r}: a timed figure needs a tolerance or a bound (<=, >=); a clock "
+                             "never agrees exactly")
 
     @property
     def agrees(self) -> bool:
@@ -170,9 +177,9 @@ def print_result(r: Result, out: TextIO, index: int | None = None) -> None:
         print(f"  FAILED: {r.error}", file=out)
         return
     w = max([len(f.name) for f in r.figures] + [6])
-    print(f"  {'figure':<{w}}  {'measured':>12}  {'theory':>12}  {'unit':<10} rule{'':<14} agrees", file=out)
+    print(f"  {'figure':<{w}}  {'measured':>12}  {'theory':>12}  {'unit':<10} rule{'':<21} agrees", file=out)
     for f in r.figures:
-        print(f"  {f.name:<{w}}  {_fmt(f.measured):>12}  {_fmt(f.theory):>12}  {f.unit:<10} {f.rule:<18} "
+        print(f"  {f.name:<{w}}  {_fmt(f.measured):>12}  {_fmt(f.theory):>12}  {f.unit:<10} {_shown_rule(f):<25} "
               f"{'yes' if f.agrees else 'NO'}", file=out)
         if f.how:
             print(f"  {'':<{w}}    {f.how}", file=out)
@@ -186,6 +193,11 @@ def print_result(r: Result, out: TextIO, index: int | None = None) -> None:
         print(f"  note: {n}", file=out)
     pic = f"  picture: {r.picture}" if r.picture else ""
     print(f"{pic}  ({r.seconds:.1f} s; in depth: {r.command})", file=out)
+
+
+def _shown_rule(f: Figure) -> str:
+    """The rule as the table and the index show it: "= within 10 %, timed" for a figure read off a clock."""
+    return f"{f.rule}, timed" if f.timed else f.rule
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -214,7 +226,7 @@ def _run_one(step: Step, ctx: Context, keep_going: bool, retries: int) -> Result
                           time.perf_counter() - t0, step.budget_s, error=f"{type(e).__name__}: {e}"[:400],
                           tries=attempt)
         missed = [f for f in o.figures if not f.agrees]
-        if not missed or attempt > retries or any(f.exact for f in missed):
+        if not missed or attempt > retries or not all(f.timed for f in missed):
             notes = (earlier + [f"measured {attempt} times: the earlier tries missed a timed figure (above), "
                                 "this one is shown"] if earlier else []) + o.notes
             return Result(step.key, step.section, step.claim, step.command, o.figures, o.explanation, o.picture,
@@ -283,8 +295,9 @@ rule by which they must agree: "= exactly" for counters and parity (bytes, param
 for times (with the regime said), "<=" / ">=" for bounds. Lines "(model, not measured here)" are numbers only a
 model can give here (a 70B model, an H100): they are shown, never counted as agreement. Run one step with `pslab tour KEY`, all of them
 with `pslab tour` (about 2.5 minutes on 2 cores; `--quick`: about one), and go further with each step's command.
-A step that missed only timed figures (one sample of a noisy time) is measured once more (`--retries`): the last
-try is shown, and every earlier miss is printed as a note."""
+A figure marked "timed" is read off a clock (a step time, a bubble, a detection delay): one sample of a noisy
+quantity. A step that missed only timed figures is measured once more (`--retries`): the last try is shown, and
+every earlier miss is printed as a note; any other miss is a wrong number, never re-measured."""
 
 
 def _cell(text: str) -> str:
@@ -305,7 +318,7 @@ def write_index(results: list[Result], path: Path, quick: bool, seconds: float, 
              "| # | section | claim | figure: measured vs theory | agrees | in depth |",
              "|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):
-        figs = "<br>".join(_cell(f"{f.name}: {_fmt(f.measured)} vs {_fmt(f.theory)} {f.unit} ({f.rule})")
+        figs = "<br>".join(_cell(f"{f.name}: {_fmt(f.measured)} vs {_fmt(f.theory)} {f.unit} ({_shown_rule(f)})")
                            for f in r.figures) or _cell(r.error)
         lines.append(f"| {i} | {r.section} | [{r.key}](#{_anchor(i, r.key)}) {_cell(r.claim)} | {figs} | "
                      f"{'yes' if r.agrees else 'no'} | `{_cell(r.command)}` |")
@@ -319,7 +332,8 @@ def write_index(results: list[Result], path: Path, quick: bool, seconds: float, 
             lines += [f"Failed: {r.error}"]
             continue
         lines += [" ".join(r.explanation.split()), ""]
-        lines += [f"- {f.name}: measured **{_fmt(f.measured)}** {f.unit}, theory **{_fmt(f.theory)}** ({f.rule}; "
+        lines += [f"- {f.name}: measured **{_fmt(f.measured)}** {f.unit}, theory **{_fmt(f.theory)}** "
+                  f"({_shown_rule(f)}; "
                   f"{'agrees' if f.agrees else 'does not agree'}){' — ' + f.how if f.how else ''}"
                   for f in r.figures]
         lines += [f"- {m.name} (model, not measured here): **{_fmt(m.value)}** {m.unit}"

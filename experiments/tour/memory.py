@@ -242,7 +242,7 @@ def zero3_link(ctx: Context) -> Outcome:
         figures=[
             Figure("ZeRO-3's extra step time on the slow link", (t[("slow", 3)] - t[("fast", 3)]) * 1e3,
                    extra[3] * 1e3, "ms", "=", 0.3,
-                   "measured slow − fast medians vs comm_model.step_comm seconds (slow − fast link)"),
+                   "measured slow − fast medians vs comm_model.step_comm seconds (slow − fast link)", timed=True),
             Figure("bytes over the slow link per step, ZeRO-3 ÷ ZeRO-0", inter[3] / inter[0], 1.5, "×", "=", 0.0,
                    f"the link emulator's counters ({inter[3]:,.0f} vs {inter[0]:,.0f} B) vs 3(N−1)/N ÷ 2(N−1)/N"),
         ],
@@ -378,7 +378,7 @@ def checkpointing(ctx: Context) -> Outcome:
                    "CheckpointWrapper's counter: the forward and its recomputation in backward"),
             Figure("step time, checkpointed ÷ plain", ratio, theory, "×", "=", 0.15,
                    f"medians of {reps} interleaved steps (the thread's CPU time) vs 1 + F_r/(F+B) from measured F = {F * 1e3:.1f} ms, "
-                   f"B = {B * 1e3:.1f} ms, F_r = {Fr * 1e3:.1f} ms"),
+                   f"B = {B * 1e3:.1f} ms, F_r = {Fr * 1e3:.1f} ms", timed=True),
         ],
         modelled=[Modelled("GPT-3 175B activations per GPU, no recompute", big["none"] / 1e9, "GB",
                            "memory_model (Korthikanti et al. 2022), tp = 8, pp = 8, m = 8, mixed precision"),

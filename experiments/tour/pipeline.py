@@ -91,7 +91,7 @@ def naive_bubble(ctx: Context) -> Outcome:
     return Outcome(
         figures=[Figure(f"bubble, P = {p}, one batch", got[p][0], (p - 1) / p, "", "=", 0.10,
                         f"1 − Σ busy/(P·makespan) from the executor's spans vs (P−1)/P; forward "
-                        f"{tf * 1e3:.0f} ms, backward {2 * tf * 1e3:.0f} ms per stage") for p in ps],
+                        f"{tf * 1e3:.0f} ms, backward {2 * tf * 1e3:.0f} ms per stage", timed=True) for p in ps],
         explanation=(
             f"{STAGES} processes each hold one stage of a model and pass one whole batch down the line and its "
             f"gradient back. Every stage works {busy * 1e3:.0f} ms of a {end * 1e3:.0f} ms step: while one stage "
@@ -115,7 +115,7 @@ def micro_batches(ctx: Context) -> Outcome:
     first, last = got[0][0], got[-1][0]
     return Outcome(
         figures=[Figure(f"bubble, P = {STAGES}, m = {m}", g[0], _bubble(STAGES, m), "", "=", 0.10,
-                        "measured 1 − Σ busy/(P·makespan) vs (P−1)/(m+P−1)") for m, g in zip(ms, got)],
+                        "measured 1 − Σ busy/(P·makespan) vs (P−1)/(m+P−1)", timed=True) for m, g in zip(ms, got)],
         explanation=(
             f"The same {STAGES}-stage pipeline, now with the batch cut into m micro-batches that stream through "
             f"(GPipe): while stage 1 works on micro-batch 0, stage 0 already computes micro-batch 1. Only the fill "
@@ -198,9 +198,9 @@ def one_f_one_b(ctx: Context) -> Outcome:
     return Outcome(
         figures=[
             Figure(f"1F1B bubble, p = {p}, m = {m}", b1, _bubble(p, m), "", "=", 0.10,
-                   "measured from the spans vs (p−1)/(m+p−1)"),
+                   "measured from the spans vs (p−1)/(m+p−1)", timed=True),
             Figure(f"GPipe bubble, p = {p}, m = {m}", bg, _bubble(p, m), "", "=", 0.10,
-                   "measured from the spans vs (p−1)/(m+p−1): the same bubble"),
+                   "measured from the spans vs (p−1)/(m+p−1): the same bubble", timed=True),
             Figure("GPipe, micro-batches held by stage 0", in_g[0], m, "", "=", 0.0,
                    "the executor's peak count of micro-batches whose backward has not run vs m"),
             Figure("1F1B, micro-batches held by stage 0", in_1[0], min(p, m), "", "=", 0.0,
@@ -328,16 +328,16 @@ def microbatch_size(ctx: Context) -> Outcome:
             Figure(f"samples/s of a stage at micro-batch {batch // small} ÷ at {batch // big}",
                    rate[small] / rate[big], 1.0, "×", "<=", 0.0,
                    "one stage's forward + backward in CPU time; 1 = a rate that did not depend on the micro-batch "
-                   "size"),
+                   "size", timed=True),
             *[Figure(f"pipeline step, m = {m}", measured[m] * 1e3, predicted[m] * 1e3, "ms", "=", 0.10,
                      f"1F1B on {p} processes, each action as long as its measured cost (emulated devices), vs "
                      f"(m+p−1)·(t_mb(B/m) − 3ε) = {(m + p - 1) * (t_mb[m] - 3 * EPS) * 1e3:.1f} ms + o(m) = "
                      f"{empty[m] * 1e3:.1f} ms, the same pipeline with near-empty actions (ε, 2ε: messages, "
-                     f"scheduling, wake-ups)")
+                     f"scheduling, wake-ups)", timed=True)
               for m in (big, best_p, small)],
             Figure(f"step at the predicted best m (= {best_p}) ÷ the measured best (m = {best_m})",
                    measured[best_p] / measured[best_m], 1.0, "×", "<=", 0.05,
-                   f"argmin over m of {model} with the measured t_mb"),
+                   f"argmin over m of {model} with the measured t_mb", timed=True),
         ],
         explanation=(
             f"A batch of {batch} rows goes through a {p}-stage pipeline (1F1B) in m micro-batches. More "

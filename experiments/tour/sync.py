@@ -113,12 +113,12 @@ def straggler(ctx: Context) -> Outcome:
         figures=[
             Figure("BSP (allreduce) + straggler", ups["allreduce", True], bsp, "updates/s", "=", RATE_TOL,
                    f"steady updates/s of the run vs K / (T₀ + (c−1)·b): K={K}, c={c:g}, b={b * 1e3:g} ms, "
-                   f"T₀={t0['allreduce'] * 1e3:.1f} ms measured without the straggler"),
+                   f"T₀={t0['allreduce'] * 1e3:.1f} ms measured without the straggler", timed=True),
             Figure("BSP capped by the slowest worker", ups["allreduce", True], cap, "updates/s", "<=", 0.0,
-                   f"the same run vs K / (c·b): the straggler alone needs c·b = {c * b * 1e3:g} ms a step"),
+                   f"the same run vs K / (c·b): the straggler alone needs c·b = {c * b * 1e3:g} ms a step", timed=True),
             Figure("ASP (ps-asp) + straggler", ups["ps-asp", True], asp, "updates/s", "=", RATE_TOL,
                    f"steady updates/s vs Σ 1/t_i = (K−1)/T₀ + 1/(T₀ + (c−1)·b), T₀={t0['ps-asp'] * 1e3:.1f} ms "
-                   "measured without the straggler"),
+                   "measured without the straggler", timed=True),
         ],
         explanation=(
             f"Synchronous training is the consistency side of CAP: after every all-reduce the {K} replicas are "
@@ -187,7 +187,8 @@ def staleness(ctx: Context) -> Outcome:
     pic = _staleness_picture(ctx.picture("staleness"), taus, means, big)
     return Outcome(
         figures=[Figure(f"mean staleness, K={K}", means[K], asp_mean(K), "versions", "=", STALENESS_TOL,
-                        f"τ of {len(taus[K])} updates (the shard's version counter, steady window) vs K − 1")
+                        f"τ of {len(taus[K])} updates (the shard's version counter, steady window) vs K − 1",
+                        timed=True)
                  for K in workers],
         explanation=(
             f"Asynchronous updates are applied to weights that have moved on: with K workers pushing whenever "
@@ -453,10 +454,11 @@ def elastic(ctx: Context) -> Outcome:
     return Outcome(
         figures=[
             Figure("crash (kill -9) detected after", det.get("worker:2", float("inf")), detect_s, "s", "<=", 0.0,
-                   "inject → detect (events.jsonl) vs faults.detect_s; a dead process is seen at once (its pidfd)"),
+                   "inject → detect (events.jsonl) vs faults.detect_s; a dead process is seen at once (its pidfd)",
+                   timed=True),
             Figure("hang (SIGSTOP) detected after", det.get("worker:1", float("inf")), detect_s, "s", "<=",
                    HANG_SLACK, "inject → detect vs faults.detect_s without a heartbeat; slack for the supervisor's "
-                   "poll on a loaded machine"),
+                   "poll on a loaded machine", timed=True),
             Figure("crash: training resumed at step", resumed[0], k * (kill_at // k), "step", "=", 0.0,
                    f"survivors' records (metrics.jsonl) vs the last commit k·⌊{kill_at}/k⌋, k = {k}"),
             Figure("hang: training resumed at step", resumed[1], k * (stop_at // k), "step", "=", 0.0,

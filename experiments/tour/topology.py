@@ -95,13 +95,14 @@ def tp_inside_node(ctx: Context) -> Outcome:
                    "B", "=", 0.0, "counters; planner: 2·A per boundary (+ 4 B loss, the shape header / steps)"),
             Figure("bandwidth-bound: t(TP across)/t(PP across)", rb, pb, "×", ">=", TIME_SLACK,
                    "medians of 3 runs; planner: the step inside one host (measured) + the link time it adds, a lower "
-                   "bound (it charges PP all its link time)"),
+                   "bound (it charges PP all its link time)", timed=True),
             Figure("bandwidth-bound: PP across beats TP across", rb, 1.0, "×", ">=", 0.0,
-                   "the article's claim: TP's step over PP's step, ≥ 1"),
+                   "the article's claim: TP's step over PP's step, ≥ 1", timed=True),
             Figure("latency-bound, m=4: t(TP across)/t(PP across)", rl4, pl4, "×", ">=", TIME_SLACK,
-                   "medians of 3 runs; planner's bound as above (α = 5 ms, bandwidth unlimited)"),
+                   "medians of 3 runs; planner's bound as above (α = 5 ms, bandwidth unlimited)", timed=True),
             Figure("latency-bound, m=8: t(TP across)/t(PP across)", rl8, pl8, "×", ">=", TIME_SLACK,
-                   "the same link, 8 micro-batches: PP's m messages per step ≥ TP's 4L = 8; planner's bound < 1"),
+                   "the same link, 8 micro-batches: PP's m messages per step ≥ TP's 4L = 8; planner's bound < 1",
+                   timed=True),
         ],
         modelled=_h100_rows(),
         explanation=(
@@ -199,10 +200,12 @@ def three_d(ctx: Context) -> Outcome:
     figs += [Figure("packed: bytes/step inside hosts", float(runs["packed"][0]["link_bytes_per_step"]["intra"]),
                     model["packed"]["bytes_by_link"]["intra"], "B", "=", 0.0, "counters; planner"),
              Figure("step time, TP across (spread) / TP inside (packed)", t["spread"] / t["packed"], 1.0, "×", ">=",
-                    0.0, f"median of {reps} run(s); the article's claim: TP across the slow link is slower"),
+                    0.0, f"median of {reps} run(s); the article's claim: TP across the slow link is slower",
+                    timed=True),
              Figure("the same ratio, at most the planner's", t["spread"] / t["packed"],
                     pred["spread"] / pred["packed"], "×", "<=", TIME_SLACK,
-                    "planner: the all-fast-links step (measured) + the link time it adds, an upper bound here")]
+                    "planner: the all-fast-links step (measured) + the link time it adds, an upper bound here",
+                    timed=True)]
     _draw_3d(ctx.picture("3d"), runs, model)
     return Outcome(
         figures=figs,

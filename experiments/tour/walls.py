@@ -116,7 +116,7 @@ def compute_wall(ctx: Context) -> Outcome:
                    f"FlopCounterMode vs 6·N·B − 2·N₁·B (N={n:,}, B={batch}, first layer N₁={first:,})"),
             Figure("step time", measured_s * 1e3, flops / rate * 1e3, "ms", "=", 0.25,
                    f"measured median vs FLOPs ÷ this CPU's matmul rate on the step's shape ({rate / 1e9:.1f} "
-                   f"GFLOP/s, one thread)"),
+                   f"GFLOP/s, one thread)", timed=True),
         ],
         modelled=[Modelled("70B × 15T tokens on this CPU", cpu_years, "years", "6·N·D ÷ the measured rate"),
                   Modelled("70B × 15T tokens on one H100", years, "years",

@@ -45,13 +45,14 @@ def test_the_steps_follow_the_article_and_each_names_a_real_command() -> None:
         assert s.claim and s.section and 0 < s.budget_s <= 60
 
 
-def _flaky_step(key: str, values: list[float], tolerance: float = 0.1, calls: list[int] | None = None) -> Step:
+def _flaky_step(key: str, values: list[float], tolerance: float = 0.1, calls: list[int] | None = None,
+                timed: bool = True) -> Step:
     """A step whose one figure measures values[0], then values[1], ... (theory 1.0, "=" within `tolerance`)."""
     seen = calls if calls is not None else []
 
     def run(ctx: Context) -> Outcome:
         seen.append(1)
-        return Outcome([Figure("t", values[len(seen) - 1], 1.0, "s", "=", tolerance)], "why")
+        return Outcome([Figure("t", values[len(seen) - 1], 1.0, "s", "=", tolerance, timed=timed)], "why")
     return Step(key, "S", "claim", "pslab run", run)
 
 
@@ -75,14 +76,21 @@ def test_a_step_missing_a_timed_figure_is_measured_again_and_says_so(tmp_path: P
 def test_a_missed_counter_or_a_failed_step_is_not_measured_again(tmp_path: Path) -> None:
     import io
     calls: list[int] = []
-    [r] = run_steps([_flaky_step("k", [2.0, 1.0], tolerance=0.0, calls=calls)], Context(tmp_path), io.StringIO())
+    [r] = run_steps([_flaky_step("k", [2.0, 1.0], tolerance=0.0, calls=calls, timed=False)], Context(tmp_path),
+                    io.StringIO())
     assert not r.agrees and r.tries == 1 and len(calls) == 1            # "= exactly" missed: a bug, not noise
+    calls.clear()          # a ratio of bytes within 1 %: a tolerance, but no clock -- the same run, the same miss
+    [r] = run_steps([_flaky_step("k", [1.3, 1.0], calls=calls, timed=False)], Context(tmp_path), io.StringIO())
+    assert not r.agrees and r.tries == 1 and len(calls) == 1
+    with pytest.raises(ValueError, match="a timed figure needs a tolerance or a bound"):
+        Figure("t", 1.0, 1.0, "s", "=", 0.0, timed=True)
+    calls.clear()
 
     def boom(ctx: Context) -> Outcome:
         calls.append(1)
         raise RuntimeError("no")
     [r] = run_steps([Step("b", "S", "c", "pslab run", boom)], Context(tmp_path), io.StringIO())
-    assert r.error == "RuntimeError: no" and r.tries == 1 and len(calls) == 2
+    assert r.error == "RuntimeError: no" and r.tries == 1 and len(calls) == 1
     with pytest.raises(TourError, match="retries must be between 0 and 5"):
         run_steps([], Context(tmp_path), io.StringIO(), retries=9)
 
@@ -97,25 +105,32 @@ def test_an_unknown_step_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert len(err) == 1 and "--retries must be between 0 and 5, got -1" in err[0], err
 
 
-@pytest.mark.timeout(300)     # (the subprocess's own 240 s bound a hang; ~75 s idle, ~125 s beside two busy loops)
+@pytest.mark.timeout(300)     # (the subprocess's own 240 s bound a hang; ~75 s idle, ~145 s beside two busy loops)
 @pytest.mark.long
 def test_the_quick_tour_prints_each_claim_measured_next_to_its_theory(tmp_path: Path) -> None:
+    """Every step runs and shows each figure with its verdict; every figure not read off a clock (counters,
+    parities, ratios of bytes, slopes of memory, seeded training) agrees with its theory. A timed figure (a step
+    time, a bubble, a detection delay) is checked for being measured and shown, not for agreeing: beside the other
+    test worker and CI's busy loops it is one sample of noise (tests never assert on wall-clock speed), so the tour
+    runs once (--retries 0); its agreement is measured on an idle machine (docs/tour.md)."""
     out = tmp_path / "tour"
-    r = subprocess.run(PSLAB + ["tour", "--quick", "-q", "-o", str(out), "--json", str(tmp_path / "t.json")],
+    r = subprocess.run(PSLAB + ["tour", "--quick", "-q", "--retries", "0", "-o", str(out),
+                                "--json", str(tmp_path / "t.json")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=240)
     data = json.loads((tmp_path / "t.json").read_text())
     steps = data["steps"]
     assert [s["key"] for s in steps] == [s.key for s in tour.steps()]
     bad = {s["key"]: s["error"] or [(f["name"], f["measured"], f["theory"], f["rule"]) for f in s["figures"]
-                                    if not f["agrees"]] for s in steps if not s["agrees"]}
-    assert not bad, bad
-    assert r.returncode == 0, r.stderr[-2000:]
+                                    if not f["agrees"] and not f["timed"]] for s in steps}
+    assert not any(bad.values()), bad
+    assert r.returncode == (0 if all(s["agrees"] for s in steps) else 1), r.stderr[-2000:]
+    assert sum(f["timed"] for s in steps for f in s["figures"]) >= 20      # (the clocks are marked, not all figures)
     for s in steps:
-        assert s["figures"], s["key"]
+        assert s["figures"] and s["tries"] == 1, s["key"]
         for f in s["figures"]:
             assert math.isfinite(f["measured"]) and math.isfinite(f["theory"]), (s["key"], f)
-            line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith(f["name"]))
-            assert "yes" in line                 # the printed table shows both numbers and the verdict
+            rows = [ln.rstrip() for ln in r.stdout.splitlines() if ln.strip().startswith(f["name"] + "  ")]
+            assert any(ln.endswith("yes" if f["agrees"] else "NO") for ln in rows), (f, rows)   # numbers, verdict
         if s["picture"]:
             assert Path(s["picture"]).is_file()
     index = (out / "index.md").read_text()
