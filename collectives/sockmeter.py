@@ -13,8 +13,10 @@ That is TCP *payload*: gloo's own 48-byte header per message is in it (6 × 8 by
 length, roffset), TCP/IP headers are not. `ss -ti` prints the same counters.
 
 A group's sockets are the connected TCP sockets that appeared in this process while it formed (`new_sockets`, a diff
-of /proc/self/fd; ports read from /proc/self/net/tcp{,6} by inode, without touching the descriptors), less those of
-the rendezvous store (a connection to its port, or one it accepted, if this process serves it). gloo opens exactly
+of /proc/self/fd; each one's ports and whether it listens read through a duplicate of its descriptor, checked to be
+the same inode: not from /proc/self/net/tcp{,6}, whose every read walks the kernel's whole connection table, 7 ms
+idle and ~25 ms on a busy machine, several times per rank and group), less those of the rendezvous store (a
+connection to its port, or one it accepted, if this process serves it). gloo opens exactly
 one connection to each peer per device, so a group of N ranks must show (N−1) × devices of them: any other count
 (a socket another thread opened meanwhile, torch's debug wrapper group) makes the group not observable rather than
 wrongly counted; so does TORCH_GLOO_LAZY_INIT, whatever is found (gloo connects at each peer's first op, so a fast
@@ -52,7 +54,6 @@ _INFO_LEN = 232                       # struct tcp_info up to tcpi_snd_wnd (Linu
 LAZY_OFF = frozenset({"", "0", "false", "no", "off"})   # TORCH_GLOO_LAZY_INIT values that leave gloo eager
 _NOTSENT, _BYTES_RECEIVED, _BYTES_SENT, _BYTES_RETRANS = 144, 128, 200, 208   # offsets of the fields used
 _NEEDED = _BYTES_RETRANS + 8
-_ESTABLISHED, _LISTEN = 1, 10        # tcpi_state values (TCP_ESTABLISHED, TCP_LISTEN)
 # the four counters in one unpack, from _BYTES_RECEIVED on: received, notsent, sent, retrans (native order, no padding)
 _COUNTERS = struct.Struct(f"=Q{_NOTSENT - _BYTES_RECEIVED - 8}xI{_BYTES_SENT - _NOTSENT - 4}xQQ")
 _NS = "pslab_sockmeter/"             # store keys: {ns}{rank} = "1" | "0" (labelled or not), {ns}{local}-{remote} = rank
@@ -91,21 +92,41 @@ def socket_fds() -> dict[int, int]:
     return out
 
 
-def _tcp_table() -> dict[int, tuple[int, int, int]]:
-    """{inode: (local port, remote port, state)} of this network namespace's TCP sockets (/proc/self/net/tcp{,6})."""
-    out = {}
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/self/net/{name}") as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 9:
-                        out[int(cols[9])] = (int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16),
-                                             int(cols[3], 16))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+def _int_opt(fd: int, level: int, opt: int) -> int | None:
+    """An integer socket option of `fd` (None: not readable)."""
+    v, n = ctypes.c_int(0), ctypes.c_uint32(4)
+    if _getsockopt is None or _getsockopt(fd, level, opt, ctypes.byref(v), ctypes.byref(n)) != 0:
+        return None
+    return v.value
+
+
+def _port(call: Any, fd: int) -> int | None:
+    """The port of getsockname / getpeername on `fd` (sockaddr_in and sockaddr_in6 both hold it big-endian at byte
+    2), or None (not connected)."""
+    buf, n = ctypes.create_string_buffer(128), ctypes.c_uint32(128)
+    if call(fd, buf, ctypes.byref(n)) != 0 or n.value < 4:
+        return None
+    return int.from_bytes(buf.raw[2:4], "big")
+
+
+def _tcp_ports(fd: int, ino: int) -> tuple[int, int, bool] | None:
+    """(local port, remote port, listening) of descriptor `fd` if it is still socket `ino` and a TCP socket that
+    listens or is connected (else None): read with getsockopt / getsockname / getpeername, which change nothing."""
+    try:
+        if os.fstat(fd).st_ino != ino:                        # closed and reused meanwhile: not that socket
+            return None
+    except OSError:
+        return None
+    if (_int_opt(fd, socket.SOL_SOCKET, socket.SO_DOMAIN) not in (socket.AF_INET, socket.AF_INET6)
+            or _int_opt(fd, socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM):
+        return None
+    local = _port(_libc.getsockname, fd)
+    if local is None:
+        return None
+    if _int_opt(fd, socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        return local, 0, True
+    remote = _port(_libc.getpeername, fd)
+    return None if remote is None else (local, remote, False)
 
 
 class SocketMeter:
@@ -136,16 +157,15 @@ class SocketMeter:
             return cls([], "TORCH_GLOO_LAZY_INIT is set: gloo connects at each peer's first op, after the group "
                            "formed, so its connections cannot be told apart")
         buf = ctypes.create_string_buffer(_INFO_LEN)
-        table = _tcp_table()
-        held = set(socket_fds().values())
-        serving = {lp for ino, (lp, _, st) in table.items() if st == _LISTEN and ino in held}
+        held = sorted(socket_fds().items())
+        tcp_of = {fd: _tcp_ports(fd, ino) for fd, ino in held}
+        serving = {t[0] for t in tcp_of.values() if t is not None and t[2]}
         found, ports = [], []
-        for fd, ino in sorted(socket_fds().items()):
-            if before.get(fd) == ino or ino not in table:
+        for fd, ino in held:
+            tcp = tcp_of[fd]
+            if before.get(fd) == ino or tcp is None or tcp[2]:    # held before the group formed, not TCP, listening
                 continue
-            local, remote, state = table[ino]
-            if state == _LISTEN:
-                continue
+            local, remote, _ = tcp
             if remote in store_ports or (local in store_ports and local in serving):
                 continue                        # the store's: a client connection, or one this process accepted
             if not _tcp_info(fd, buf):
