@@ -13,15 +13,15 @@ That is TCP *payload*: gloo's own 48-byte header per message is in it (6 × 8 by
 length, roffset), TCP/IP headers are not. `ss -ti` prints the same counters.
 
 A group's sockets are the connected TCP sockets that appeared in this process while it formed (`new_sockets`, a diff
-of /proc/self/fd; each one's ports and whether it listens read through a duplicate of its descriptor, checked to be
-the same inode: not from /proc/self/net/tcp{,6}, whose every read walks the kernel's whole connection table, 7 ms
-idle and ~25 ms on a busy machine, several times per rank and group), less those of the rendezvous store (a
-connection to its port, or one it accepted, if this process serves it). gloo opens exactly
-one connection to each peer per device, so a group of N ranks must show (N−1) × devices of them: any other count
-(a socket another thread opened meanwhile, torch's debug wrapper group) makes the group not observable rather than
-wrongly counted; so does TORCH_GLOO_LAZY_INIT, whatever is found (gloo connects at each peer's first op, so a fast
-peer's may or may not have landed before this rank looks). Each socket is remembered with its inode: a descriptor that gloo closed and
-the process reused for something else stops being read, never misread.
+of /proc/self/fd; each one's ports and whether it listens read with getsockopt/getsockname/getpeername on its
+descriptor, checked to be the same inode -- not from /proc/self/net/tcp{,6}, whose every read walks the kernel's whole
+connection table: 7 ms idle, ~25 ms on a busy machine, for each rank and group), less those of the rendezvous store (a
+connection to its port, or one it accepted, if this process serves it). gloo opens exactly one connection to each peer
+per device, so a group of N ranks must show (N−1) × devices of them: any other count (a socket another thread opened
+meanwhile, torch's debug wrapper group) makes the group not observable rather than wrongly counted; so does
+TORCH_GLOO_LAZY_INIT, whatever is found (gloo connects at each peer's first op, so a fast peer's may or may not have
+landed before this rank looks). Each socket is remembered with its inode: a descriptor that gloo closed and the
+process reused for something else stops being read, never misread.
 
 `SocketMeter.claim()` returns the bytes written and received since the previous claim. The torch backend claims
 once at the end of each op it ran on the group (a group runs one collective at a time), so every byte is counted
