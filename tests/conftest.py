@@ -16,29 +16,33 @@ gone, so none outlives the run. PSLAB_TEST_LOAD=0 turns the hog off (e.g. to tim
 PSLAB_TEST_LOAD=N runs exactly N hogs, whatever else runs.
 
 Parallel runs (`pytest -n 2`, pytest-xdist, as the README and CI run the suite): two workers share the 2 cores,
-and most tests do not mind the other worker's test beside them -- their results are exact, never timed. Two kinds
-do mind, and run alone: a test marked under_load (its bound is promised beside *its* hog, not beside the hog plus
-another test) and a test marked `exclusive` (it checks machine-wide state -- every pslab-* entry in /dev/shm or
-the temp dir, every process -- that another worker's run would change). Each test takes a readers-writer lock
-(flock on two files in the run's base temp folder) around its whole protocol: shared for most tests, exclusive
-for those two kinds; a turnstile lets a waiting exclusive test in before the next shared one, so it never starves.
-Without xdist the lock is not taken at all.
+and most tests ("shared") do not mind the other worker's test beside them -- their results are exact, never timed.
+Two kinds do mind. A test marked under_load promises its bound beside busy processes, not beside another worker's
+engine runs: it never runs beside a shared test, but it may run beside another under_load test (that one is itself
+mostly waiting on detection timers, and both stand beside the same busy processes: one hog pool, started by the
+first under_load test to come in and stopped by the last to leave; beside CI's own two busy loops the pool starts
+none). A test marked `exclusive` (it checks machine-wide state -- every pslab-* entry in /dev/shm or the temp dir,
+every process -- that any other test's run would change) runs alone, beside the hog pool if it is also under_load.
+Each test takes flocks on files in the run's base temp folder around its whole protocol: "room" (shared; exclusive
+for an exclusive test), then, for the two other kinds, "S" or "L" shared after waiting for the other kind's file to
+be free; a turnstile orders arrivals, so a waiting test never starves. Without xdist no lock is taken and each
+under_load test has its own hog.
 
 The queue's order (under xdist) keeps those turns from waiting for long shared tests. Measured beside two busy
 loops: the 93 tests that run alone took 195 s, and their workers waited 203 s more for the other worker's shared
-test to end first -- 87 s of it for the quick tour. So the files holding tests that run alone are queued first
-(their turns then mostly alternate with each other; within such a file its alone tests come first), then files with
+test to end first -- 87 s of it for the quick tour. So the files holding under_load or exclusive tests are queued
+first (both workers then run under_load tests side by side; within such a file they come first), then files with
 a test marked `long` (half a minute or more: queued early, they do not make the run's tail), then the rest in
-pytest's order (xdist's own reordering by test count is off). Only the quick tour is `long`: its timing figures are
-measured beside whatever the other worker runs, and queued next to the engine runs (~55 runs of 2-8 processes) two
-of four runs had a figure miss its rule.
+pytest's order (xdist's own reordering by test count is off). Only the quick tour is `long`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,7 +53,8 @@ import pytest
 
 HOG_PROCS = 2
 HOG_LIMIT_S = 900
-_HOG = ("import os, time\n"
+HOG_MARK = "pslab-test-hog"        # in each hog's command line: how the pool recognises its own (never another pid)
+_HOG = ("import os, time  # " + HOG_MARK + "\n"
         "parent, end = os.getppid(), time.monotonic() + {limit}\n"
         "while time.monotonic() < end and os.getppid() == parent:\n"
         "    for _ in range(20000): pass\n")
@@ -125,12 +130,38 @@ class CpuHog:
                 pass                      # (SIGKILLed: it goes; the next ones are still waited for)
 
 
+class PooledHog:
+    """Under xdist: the hog processes the under_load tests running at the same time share (`_turn`): started by the
+    first of them, stopped by the last; `already` as CpuHog's, measured when the first started them."""
+
+    def __init__(self, pids: list[int], already: int) -> None:
+        self.pids, self.already = pids, already
+
+    def running(self) -> int:
+        return sum(_is_hog(p) for p in self.pids)
+
+
+def _is_hog(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) hog process of this test run (its command line holds HOG_MARK)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return HOG_MARK.encode() in f.read()
+    except (OSError, IndexError):
+        return False
+
+
 @pytest.fixture(autouse=True)
-def _cpu_hog(request: pytest.FixtureRequest) -> Iterator[CpuHog | None]:
-    """The hog beside each test marked under_load (nothing for the others)."""
+def _cpu_hog(request: pytest.FixtureRequest) -> Iterator[CpuHog | PooledHog | None]:
+    """The hog beside each test marked under_load (nothing for the others); under xdist the turn's shared pool."""
     n = hog_count()
     if n == 0 or request.node.get_closest_marker("under_load") is None:
         yield None
+        return
+    if _lock_dir(request.config) is not None:
+        yield request.node.stash.get(_POOL, None)
         return
     already = 0 if "PSLAB_TEST_LOAD" in os.environ else min(n, busy_elsewhere())    # (an explicit N: exactly N)
     hog = CpuHog(n - already, already=already)
@@ -155,19 +186,91 @@ def runs_alone(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(m) is not None for m in ("under_load", "exclusive"))
 
 
+def turn_kind(item: pytest.Item) -> str:
+    """"X": exclusive (alone); "L": under_load (beside the hog and other under_load tests); "S": shared."""
+    if item.get_closest_marker("exclusive") is not None:
+        return "X"
+    return "L" if item.get_closest_marker("under_load") is not None else "S"
+
+
+_POOL = pytest.StashKey["PooledHog | None"]()
+
+
+def _pool_join(folder: Path, n: int) -> PooledHog:
+    """Join the under_load tests' hog pool (the caller holds pool.lock): the first starts the hogs, counting the
+    busy processes already running (CpuHog's `already`; an explicit PSLAB_TEST_LOAD: exactly N)."""
+    path = folder / "hogs.json"
+    try:
+        pool = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pool = {"pids": [], "users": 0,
+                "already": 0 if "PSLAB_TEST_LOAD" in os.environ else min(n, busy_elsewhere())}
+    pids = [p for p in pool["pids"] if _is_hog(p)]
+    hog = CpuHog(max(0, n - pool["already"] - len(pids)))        # (tops up a pool whose hog died)
+    pids += [p.pid for p in hog.procs]
+    path.write_text(json.dumps({"pids": pids, "already": pool["already"], "users": pool["users"] + 1}))
+    return PooledHog(pids, pool["already"])
+
+
+def _pool_leave(folder: Path) -> None:
+    """An under_load test has ended (the caller holds pool.lock); the last one stops the pool's hogs."""
+    path = folder / "hogs.json"
+    try:
+        pool = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if pool["users"] > 1:
+        path.write_text(json.dumps({**pool, "users": pool["users"] - 1}))
+        return
+    pids = pool["pids"]
+    for p in pids:
+        if _is_hog(p):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_is_hog(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)                 # (killed: a zombie of the worker that started it, not counted as a hog)
+    path.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
-def _turn(folder: Path, alone: bool) -> Iterator[None]:
-    """Hold the room shared (or exclusively when `alone`) for the duration; the turnstile orders arrivals."""
-    with open(folder / "turnstile", "a") as gate, open(folder / "room", "a") as room:
+def _turn(folder: Path, kind: str, hogs: int = 0) -> Iterator[PooledHog | None]:
+    """Hold the room for the duration: shared by "S" tests, shared by "L" tests (never beside an "S" one), alone for
+    "X". The turnstile orders arrivals (a waiting test lets nobody in before it); an "L" test joins the hog pool on
+    its way in and the last one out stops it."""
+    with open(folder / "turnstile", "a") as gate, open(folder / "room", "a") as room, \
+            open(folder / "S", "a") as s_gate, open(folder / "L", "a") as l_gate:
+        mine, other = (s_gate, l_gate) if kind == "S" else (l_gate, s_gate)
+        pool = None
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
-            fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(room, fcntl.LOCK_EX if kind == "X" else fcntl.LOCK_SH)
+            if kind != "X":
+                fcntl.flock(other, fcntl.LOCK_EX)       # until no test of the other kind runs
+                fcntl.flock(mine, fcntl.LOCK_SH)
+                fcntl.flock(other, fcntl.LOCK_UN)
+            if hogs:
+                with _held(folder / "pool.lock"):
+                    pool = _pool_join(folder, hogs)
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
         try:
-            yield
+            yield pool
         finally:
+            if pool is not None:         # before the gate opens to shared tests (not the turnstile: a waiting one
+                with _held(folder / "pool.lock"):                                                 # holds it)
+                    _pool_leave(folder)
+            if kind != "X":
+                fcntl.flock(mine, fcntl.LOCK_UN)
             fcntl.flock(room, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` for the duration."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -177,7 +280,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if folder is None:
         yield
         return
-    with _turn(folder, runs_alone(item)):
+    hogs = hog_count() if item.get_closest_marker("under_load") is not None else 0
+    with _turn(folder, turn_kind(item), hogs) as pool:
+        item.stash[_POOL] = pool
         yield
 
 

@@ -28,8 +28,8 @@ def test_a_marked_test_runs_beside_the_hog(_cpu_hog):
 def test_an_unmarked_test_has_no_hog_and_the_last_one_was_stopped(_cpu_hog):
     assert _cpu_hog is None
     last = getattr(pytest, "harness_hog", None)
-    if last is not None:
-        assert last.running() == 0 and all(p.returncode is not None for p in last.procs)
+    if last is not None:                          # (under xdist the pool's: the last under_load test stopped it)
+        assert last.running() == 0 and all(p.returncode is not None for p in getattr(last, "procs", []))
 
 
 def test_busy_processes_already_running_are_counted():

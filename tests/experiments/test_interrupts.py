@@ -2,9 +2,10 @@
 `pslab.run` -- every process stops, nothing is left behind (no process of the session, no ipc directory, no
 shared-memory segment), and what was written so far is kept.
 
-They run under the load harness (tests/conftest.py: under_load), so under pytest -n each runs alone; they live in
-their own file so that the queue's alone turns are not held up by a long shared test of the same file (the API's
-notebook run and the CLI's torchrun runs, 10-13 s each beside two busy loops, sat between them)."""
+They run under the load harness (tests/conftest.py: under_load), so under pytest -n never beside a shared test (those
+that judge every pslab-* segment on the machine run alone: exclusive); they live in their own file so that the
+queue's under_load turns are not held up by a long shared test of the same file (the API's notebook run and the
+CLI's torchrun runs, 10-13 s each beside two busy loops, sat between them)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ except KeyboardInterrupt:
 
 
 @pytest.mark.under_load
+@pytest.mark.exclusive      # every pslab-* segment on the machine: no other test's beside it under pytest -n
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["ps-asp", "allreduce"])
 def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):

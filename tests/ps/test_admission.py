@@ -211,6 +211,7 @@ def test_a_socket_without_the_credential_never_reaches_the_shard(thread_servers,
             owner.close()
 
 
+@pytest.mark.exclusive      # /dev/shm as it was: no other test's segments beside it under pytest -n
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
 def test_vanished_shm_registrations_leave_dev_shm_as_it_was(thread_servers):
     """300 connections register with a shared-memory probe and vanish without unregistering: the shard frees

@@ -396,6 +396,7 @@ def _server_traces() -> set[str]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.exclusive      # every pslab-* entry in /dev/shm: no other test's beside it under pytest -n
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
 def test_a_killed_pslab_server_leaves_no_fifo_or_segment(tmp_path, job_secret_env):
     """kill -9 of a stand-alone `pslab server` with a same-host client registered (its doorbell FIFO and the
@@ -420,6 +421,7 @@ def test_a_killed_pslab_server_leaves_no_fifo_or_segment(tmp_path, job_secret_en
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.exclusive      # every pslab-* entry in /dev/shm: no other test's beside it under pytest -n
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
 def test_a_client_that_exits_without_close_leaves_no_fifo_or_segment(tmp_path, job_secret_env):
     """A script (no pslab supervisor to sweep after it) connects to a stand-alone server over the same-host lane,
