@@ -182,7 +182,7 @@ def _lock_dir(config: pytest.Config) -> Path | None:
 
 
 def runs_alone(item: pytest.Item) -> bool:
-    """Whether `item` must run while no other test does (under_load or exclusive)."""
+    """Whether `item` never runs beside a shared test (under_load or exclusive): its file is queued first."""
     return any(item.get_closest_marker(m) is not None for m in ("under_load", "exclusive"))
 
 

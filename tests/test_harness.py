@@ -11,7 +11,7 @@ import zmq
 
 from pslab.collectives.procstate import cpu_ticks
 
-from .conftest import CpuHog, busy_elsewhere, hog_count
+from .conftest import CpuHog, _pool_join, _pool_leave, busy_elsewhere, hog_count
 from .timebox import StepTimeout, within
 
 
@@ -30,6 +30,21 @@ def test_an_unmarked_test_has_no_hog_and_the_last_one_was_stopped(_cpu_hog):
     last = getattr(pytest, "harness_hog", None)
     if last is not None:                          # (under xdist the pool's: the last under_load test stopped it)
         assert last.running() == 0 and all(p.returncode is not None for p in getattr(last, "procs", []))
+
+
+def test_the_hog_pool_is_started_by_the_first_under_load_test_and_stopped_by_the_last(tmp_path, monkeypatch):
+    """Under xdist, under_load tests running side by side share one pool: the second starts no hog of its own, and
+    the hogs outlive the first to leave, not the last."""
+    monkeypatch.setenv("PSLAB_TEST_LOAD", "2")                    # exactly 2, whatever else runs
+    first = _pool_join(tmp_path, 2)
+    second = _pool_join(tmp_path, 2)
+    try:
+        assert first.running() == 2 and second.pids == first.pids and second.already == 0
+        _pool_leave(tmp_path)
+        assert first.running() == 2 and (tmp_path / "hogs.json").exists()     # one test still runs beside them
+    finally:
+        _pool_leave(tmp_path)
+    assert first.running() == 0 and not (tmp_path / "hogs.json").exists()
 
 
 def test_busy_processes_already_running_are_counted():
