@@ -112,6 +112,12 @@ class CpuHog:
             for _ in range(n):
                 self.procs.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            # Popen returns while exec may still be setting up the new program: on a busy machine its command line
+            # reads empty for a moment, and the pool would not know it for a hog (`_is_hog`)
+            deadline = time.monotonic() + 10
+            while (any(p.poll() is None and not _is_hog(p.pid) for p in self.procs)
+                   and time.monotonic() < deadline):
+                time.sleep(0.001)
         except BaseException:
             self.stop()
             raise
@@ -142,14 +148,11 @@ class PooledHog:
 
 
 def _is_hog(pid: int) -> bool:
-    """Whether `pid` is a live (not zombie) hog process of this test run (its command line holds HOG_MARK)."""
+    """Whether `pid` is a live hog process of this test run: its command line holds HOG_MARK (a zombie's is empty)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                return False
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return HOG_MARK.encode() in f.read()
-    except (OSError, IndexError):
+    except OSError:
         return False
 
 
@@ -183,7 +186,7 @@ def _lock_dir(config: pytest.Config) -> Path | None:
 
 def runs_alone(item: pytest.Item) -> bool:
     """Whether `item` never runs beside a shared test (under_load or exclusive): its file is queued first."""
-    return any(item.get_closest_marker(m) is not None for m in ("under_load", "exclusive"))
+    return turn_kind(item) != "S"
 
 
 def turn_kind(item: pytest.Item) -> str:
@@ -236,8 +239,8 @@ def _pool_leave(folder: Path) -> None:
 @contextlib.contextmanager
 def _turn(folder: Path, kind: str, hogs: int = 0) -> Iterator[PooledHog | None]:
     """Hold the room for the duration: shared by "S" tests, shared by "L" tests (never beside an "S" one), alone for
-    "X". The turnstile orders arrivals (a waiting test lets nobody in before it); an "L" test joins the hog pool on
-    its way in and the last one out stops it."""
+    "X". The turnstile orders arrivals (a waiting test lets nobody in before it); with `hogs` (an under_load test)
+    it joins the hog pool on its way in, and the last one out stops it."""
     with open(folder / "turnstile", "a") as gate, open(folder / "room", "a") as room, \
             open(folder / "S", "a") as s_gate, open(folder / "L", "a") as l_gate:
         mine, other = (s_gate, l_gate) if kind == "S" else (l_gate, s_gate)

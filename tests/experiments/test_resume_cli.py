@@ -28,7 +28,6 @@ def private_tmp(tmp_path, monkeypatch):
     return d
 
 
-
 @pytest.mark.exclusive               # every pslab-* segment on the machine: alone under pytest -n
 def test_resume_through_the_cli_continues_bitwise(tmp_path, capsys, private_tmp):
     """2-worker allreduce: 6 steps straight == 3 steps, then `pslab run --resume RUN_DIR --set train.steps=6`:
