@@ -174,9 +174,8 @@ def test_run_limit_ends_a_run(tmp_path, clean):
 # ---------------------------------------------------------------------------------------------- elastic runs
 @pytest.fixture
 def elastic():
-    import pslab.collectives.elastic          # part of this package: an ImportError fails these tests, never skips them
-    from pslab import collectives
-    return collectives.elastic
+    from pslab.collectives import elastic     # part of this package: an ImportError fails these tests, never skips them
+    return elastic
 
 
 def test_ps_asp_goes_on_with_the_survivors(tmp_path, clean, elastic):

@@ -4,7 +4,6 @@ real ranks through the runner and the CLI, small step counts."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,6 @@ TF = ["workload.name=text-transformer", "workload.batch_size=8", "train.strategy
       "train.optimizer=momentum", "train.lr=0.05", "train.eval_every=4", "faults.checkpoint_every=2"]
 # (faults.on_failure = abort: these runs test checkpoints, not the elastic rollback)
 DP, ZERO, TF = ([*c, "faults.on_failure=abort"] for c in (DP, ZERO, TF))
-
-
-def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
 
 
 def _params(run: Path, step: int) -> dict[str, torch.Tensor]:
