@@ -13,6 +13,10 @@
 - `text`: a character corpus generated from a small fixed grammar (no download), for a tiny language model;
   a sample is a window of `context` characters and its target is the same window shifted by one.
 
+The digits are read from the CSV scikit-learn ships (`sklearn/datasets/data/digits.csv.gz`, the file its
+`load_digits` reads, located without importing sklearn: the import pulls in scipy and costs ~2 s of CPU in every
+process that loads the data, more than a small run's training); where that file is not found, `load_digits` itself.
+
 The split is a fixed permutation (seed 12345, independent of the run seed) so every run tests on the same images:
 for digits the first 359 images of `default_rng(12345).permutation(1797)` are the test set (20 %), the other 1,438
 the training set.
@@ -21,7 +25,10 @@ the training set.
 from __future__ import annotations
 
 import functools
+import gzip
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -52,11 +59,31 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float, num_cl
 
 
 @functools.lru_cache(maxsize=None)
-def digits() -> Dataset:
+def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 digit images (float64 pixels 0..16, 64 per row) and their labels, as `load_digits` returns them:
+    its CSV parsed the way it parses it (last column the label), else `load_digits` itself."""
+    spec = importlib.util.find_spec("sklearn")      # locates the package; imports nothing
+    roots = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
+    for root in roots:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                data = np.loadtxt(f, delimiter=",")
+            if data.ndim == 2 and data.shape[1] == 65:
+                x, y = data[:, :-1], data[:, -1].astype(int)
+                x.setflags(write=False)             # (cached: shared by every caller)
+                y.setflags(write=False)
+                return x, y
     from sklearn.datasets import load_digits
     d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    return _split("digits", x, d.target.astype(np.int64), 0.2, 10)
+    return d.data, d.target
+
+
+@functools.lru_cache(maxsize=None)
+def digits() -> Dataset:
+    data, target = _digits_raw()
+    x = (data / 16.0).astype(np.float32)
+    return _split("digits", x, target.astype(np.int64), 0.2, 10)
 
 
 def standardise(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -71,9 +98,8 @@ def standardise(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np
 @functools.lru_cache(maxsize=None)
 def digits_std() -> Dataset:
     """sklearn digits, the `digits` split, standardised with training statistics only (see `standardise`)."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    raw = _split("digits-std", d.data.astype(np.float64), d.target.astype(np.int64), 0.2, 10)
+    data, target = _digits_raw()
+    raw = _split("digits-std", data.astype(np.float64), target.astype(np.int64), 0.2, 10)
     x_train, x_test = standardise(raw.x_train, raw.x_test)
     return Dataset("digits-std", x_train, raw.y_train, x_test, raw.y_test, 10)
 

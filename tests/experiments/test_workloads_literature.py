@@ -17,6 +17,22 @@ from pslab.experiments.workloads import data as wdata
 LITERATURE = {"digits-mlr": 0, "digits-mlp1": 1, "digits-mlp3": 3}
 
 
+def test_digits_are_sklearns_read_without_importing_it():
+    """The digits come from the CSV scikit-learn ships, read directly (its import costs seconds of CPU in every
+    process that loads data): the same images and labels, bit for bit, as `load_digits`, and sklearn not imported."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom pslab.experiments.workloads import data\nd = data.digits()\n"
+            "print(len(d.x_train), len(d.x_test), 'sklearn' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["1438", "359", "False"], r.stderr[-2000:]
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x, y = wdata._digits_raw()
+    assert x.dtype == d.data.dtype and np.array_equal(x, d.data) and np.array_equal(y, d.target)
+    assert not x.flags.writeable                     # (cached, shared by every caller)
+
+
 def test_standardised_digits_use_training_statistics_only():
     """Train features: mean 0, std 1 (constant pixels: 0); test features use the TRAIN mean/std (so their mean is
     not exactly 0); changing the test images changes nothing in the training split; same split as `digits`."""
