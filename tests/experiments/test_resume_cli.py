@@ -4,6 +4,7 @@ pslab-* entry in /dev/shm (exclusive: alone under pytest -n), so the other resum
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 
@@ -15,7 +16,11 @@ from pslab.experiments.results.rundir import read_jsonl
 from pslab.experiments.runner import execute
 from pslab.parallelism.state_io import committed_steps
 from tests.experiments.conftest import small_config
-from tests.experiments.test_resume import DP, _params, _shm
+from tests.experiments.test_resume import DP, _params
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
 
 
 @pytest.fixture
