@@ -4,6 +4,7 @@ memory segments or remove its ipc directory, so whoever started it sweeps them (
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import tempfile
 from pathlib import Path
@@ -13,13 +14,7 @@ import torch
 
 from pslab import collectives
 from pslab.collectives import cleanup
-
-pytestmark = pytest.mark.exclusive         # checks every pslab-* entry on the machine: alone under pytest -n (tests/conftest.py)
-
-
-def _traces() -> set[str]:
-    tmp = Path(tempfile.gettempdir())
-    return {str(p) for p in tmp.glob("pslab-*")} | {f"shm:{n}" for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
+from tests.leftovers import JobWatch, descendants, segments
 
 
 def _all_reduce_then_die(group: collectives.ProcessGroup) -> float:
@@ -30,17 +25,23 @@ def _all_reduce_then_die(group: collectives.ProcessGroup) -> float:
     return float(t[0])
 
 
-def test_a_killed_rank_leaves_no_segment_and_no_ipc_directory():
-    before = _traces()
-    with pytest.raises(collectives.LaunchError, match="rank 1"):
-        collectives.launch(_all_reduce_then_die, 2, timeout=60)
-    assert _traces() - before == set()
+def test_a_killed_rank_leaves_no_segment_and_no_ipc_directory(tmp_path, monkeypatch):
+    """Its job directory (ipc directories inside) goes from this test's own temp dir, and no segment of the jobs
+    the ranks noted or held stays in /dev/shm (other tests' come and go there meanwhile: tests/leftovers.py)."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    with JobWatch(private, lambda: descendants(os.getpid())) as watch:
+        with pytest.raises(collectives.LaunchError, match="rank 1"):
+            collectives.launch(_all_reduce_then_die, 2, timeout=60)
+    assert watch.jobs, "the ranks made no segment: the test would prove nothing"
+    assert list(private.glob("pslab-*")) == [] and segments(watch.jobs) == set()
 
 
 def test_sweep_removes_only_the_noted_jobs_segments(tmp_path, monkeypatch):
     d = cleanup.make_dir()
     monkeypatch.setenv(cleanup.ENV, d)
-    mine, other = "0123456789ab", "ba9876543210"
+    mine, other = secrets.token_hex(6), secrets.token_hex(6)     # (other tests' jobs may be in /dev/shm meanwhile)
     cleanup.note_shm_job(mine)
     made = [Path("/dev/shm") / f"pslab-{j}-0-1-{g}" for j in (mine, other) for g in (1, 2)]
     for p in made:

@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from pslab import collectives
-import pslab.collectives.ring
-from pslab import collectives
-from pslab.collectives import shm_channel
+from pslab.collectives import ring, shm_channel
 from pslab.collectives.errors import CollectiveMismatchError, PeerTimeoutError, WireError
 from pslab.collectives.launcher import RankFailure
 
@@ -403,5 +401,5 @@ def test_fused_reduction_matches_the_sequential_order():
             shm_channel.reduce_into(buf, parts, op)
             ref = parts[0].clone()
             for p in parts[1:]:
-                collectives.ring.combine(ref, p, op)
+                ring.combine(ref, p, op)
             assert torch.equal(buf.view(bits[dtype.itemsize]), ref.view(bits[dtype.itemsize])), (dtype, op)

@@ -4,7 +4,6 @@ started as a user starts it leaves behind (its session's processes, temp directo
 from __future__ import annotations
 
 import os
-import re
 import signal
 import tempfile
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from pslab.experiments.config import load_config
+from tests.leftovers import job_of
 
 torch.set_num_threads(1)
 
@@ -50,33 +50,11 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
-_JOB = re.compile(r"pslab-([0-9a-f]{12})-")
-
-
-def jobs_held(pids: "set[int] | list[int]") -> set[str]:
-    """The shared-memory job ids (`/dev/shm/pslab-<12 hex>-...`, collectives/cleanup.py) of the segments that
-    processes `pids` have open or mapped now."""
-    jobs: set[str] = set()
-    for pid in pids:
-        try:
-            held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-            held += Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue                    # gone meanwhile
-        jobs.update(m.group(1) for line in held if "/dev/shm/" in line and (m := _JOB.search(line)))
-    return jobs
-
-
-def jobs_noted(tmp: Path) -> set[str]:
-    """The job ids noted (`cleanup.note_shm_job`: an empty `shm-<job>`) in the cleanup directories under `tmp`."""
-    return {q.name[4:] for q in tmp.glob("pslab-*/**/shm-*") if re.fullmatch(r"shm-[0-9a-f]{12}", q.name)}
-
-
 def own_traces(tmp: Path, jobs: set[str]) -> set[str]:
     """What one run left: the pslab temp directories in its own temp dir `tmp`, and the /dev/shm segments of its
-    jobs `jobs` (gathered while it ran with `jobs_held`/`jobs_noted`). Under pytest -n another test's segments come
-    and go in /dev/shm meanwhile (a killed shard's bell stays until its supervisor sweeps it): not this run's."""
-    return {t for t in traces(tmp) if not t.startswith("shm:") or (m := _JOB.match(t[4:])) and m.group(1) in jobs}
+    jobs `jobs` (gathered while it ran: tests/leftovers.py). Under pytest -n another test's segments come and go in
+    /dev/shm meanwhile (a killed shard's bell stays until its supervisor sweeps it): not this run's."""
+    return {t for t in traces(tmp) if not t.startswith("shm:") or job_of(t[4:]) in jobs}
 
 
 def traces(tmp: Path | None = None) -> set[str]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import pslab
-from tests.experiments.conftest import (as_from_a_terminal, jobs_held, jobs_noted, own_traces, session_processes,
-                                        traces)
+from tests.experiments.conftest import as_from_a_terminal, own_traces, session_processes, traces
+from tests.leftovers import jobs_held, jobs_noted
 
 PSLAB = [sys.executable, "-m", "pslab"]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,12 +1,11 @@
-"""`pslab run --resume RUN_DIR` through the CLI, leaving nothing behind: a file of its own because it checks every
-pslab-* entry in /dev/shm (exclusive: alone under pytest -n), so the other resume tests need not queue with it."""
+"""`pslab run --resume RUN_DIR` through the CLI, leaving nothing behind in its temp directory or of its jobs in
+/dev/shm (tests/leftovers.py: the jobs its ranks noted or held while they ran)."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -17,10 +16,7 @@ from pslab.experiments.runner import execute
 from pslab.parallelism.state_io import committed_steps
 from tests.experiments.conftest import small_config
 from tests.experiments.test_resume import DP, _params
-
-
-def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pslab-")}
+from tests.leftovers import JobWatch, descendants, segments
 
 
 @pytest.fixture
@@ -33,16 +29,15 @@ def private_tmp(tmp_path, monkeypatch):
     return d
 
 
-@pytest.mark.exclusive               # every pslab-* segment on the machine: alone under pytest -n
 def test_resume_through_the_cli_continues_bitwise(tmp_path, capsys, private_tmp):
     """2-worker allreduce: 6 steps straight == 3 steps, then `pslab run --resume RUN_DIR --set train.steps=6`:
     the step-6 checkpoints hold the same parameters bitwise, the final test loss is the same, and the resumed
     directory holds each (worker, step) record once, in time order, and a summary."""
-    shm = _shm()
-    straight = execute(small_config(*DP, "train.steps=6"), tmp_path, label="straight", quiet=True)
-    first = execute(small_config(*DP, "train.steps=3"), tmp_path, label="first", quiet=True)
-    assert [s for s, _ in committed_steps(first.path / "checkpoints")] == [3]
-    assert main(["run", "--resume", str(first.path), "--set", "train.steps=6", "-q"]) == 0
+    with JobWatch(private_tmp, lambda: descendants(os.getpid())) as watch:
+        straight = execute(small_config(*DP, "train.steps=6"), tmp_path, label="straight", quiet=True)
+        first = execute(small_config(*DP, "train.steps=3"), tmp_path, label="first", quiet=True)
+        assert [s for s, _ in committed_steps(first.path / "checkpoints")] == [3]
+        assert main(["run", "--resume", str(first.path), "--set", "train.steps=6", "-q"]) == 0
     assert "run directory" in capsys.readouterr().out
     assert [s for s, _ in committed_steps(first.path / "checkpoints")] == [6, 3]
     a, b = _params(straight.path, 6), _params(first.path, 6)
@@ -62,8 +57,6 @@ def test_resume_through_the_cli_continues_bitwise(tmp_path, capsys, private_tmp)
     assert not list((first.path / "checkpoints").rglob(".*tmp*"))
     left = [p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's cache
     assert not left, f"the run left {left[:4]} in the temp directory"
-    left = _shm() - shm
-    if left:                         # /dev/shm is shared with other sessions: what is ours outlives a wait
-        time.sleep(3)
-        left &= _shm()
+    assert watch.jobs, "the runs made no shared-memory segment: the leftover check would prove nothing"
+    left = segments(watch.jobs)
     assert not left, f"left in /dev/shm: {sorted(left)[:4]}"

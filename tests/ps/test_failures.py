@@ -30,6 +30,7 @@ from pslab.ps.errors import (CheckpointWarning, ConfigError, MembershipError, No
 from pslab.ps.processes import start_servers
 from pslab.ps.shard import ShardState
 from tests.detectlog import detected
+from tests.leftovers import held, job_of, segments
 
 from .test_processes import shard_children
 
@@ -391,47 +392,42 @@ def test_pslab_server_writes_a_final_checkpoint_on_sigterm_and_sigint(tmp_path, 
         assert meta["version"] == 3                     # 3 of 3 updates kept (issue 9: 137 of 137 were lost)
 
 
-def _server_traces() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pslab-")} if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.mark.timeout(90)
-@pytest.mark.exclusive      # every pslab-* entry in /dev/shm: no other test's beside it under pytest -n
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
 def test_a_killed_pslab_server_leaves_no_fifo_or_segment(tmp_path, job_secret_env):
     """kill -9 of a stand-alone `pslab server` with a same-host client registered (its doorbell FIFO and the
-    client's reply segment exist): its sweeper removes them, and nothing of it stays in /dev/shm."""
+    client's reply segment exist): its sweeper removes them, and nothing of its jobs stays in /dev/shm (another
+    test's segments, beside it under pytest -n, are not its: tests/leftovers.py)."""
     sock = f"ipc://{tmp_path}/s.sock"
-    before = _server_traces()               # (another job's, which this test does not judge)
     with _pslab_server("--bind", sock, "--workers", "1", "--idle-timeout", "60") as proc:
         assert "serving 1 workers" in proc.stdout.readline()
-        mine = _server_traces() - before
         with connect([sock], 0, PARAMS, timeout=20) as c:
             c.init(PARAMS).result(20)
             c.push(grads(0, 0)).result(20)
             c.pull().result(20)
-            ours = {n for n in _server_traces() if "-s0-" in n or n.endswith("-s0-bell")}
-            assert ours, f"the server made no FIFO or segment: the test would prove nothing ({_server_traces()})"
+            names = held([proc.pid])
+            ours = segments({j for n in names if (j := job_of(n))})
+            assert any(n.endswith("-s0-bell") for n in names) and ours, \
+                f"the server holds no FIFO or segment: the test would prove nothing ({names})"
             os.kill(proc.pid, signal.SIGKILL)
             assert proc.wait(30) == -signal.SIGKILL
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _server_traces() & (ours | mine):
+        left = lambda: {n for n in os.listdir("/dev/shm") if n in ours}        # noqa: E731
+        while time.monotonic() < deadline and left():
             time.sleep(0.1)
-        assert not _server_traces() & (ours | mine), sorted(_server_traces() & (ours | mine))
+        assert not left(), sorted(left())
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.exclusive      # every pslab-* entry in /dev/shm: no other test's beside it under pytest -n
 @pytest.mark.skipif(not shm_path.shm.available(), reason="/dev/shm is not writable here")
 def test_a_client_that_exits_without_close_leaves_no_fifo_or_segment(tmp_path, job_secret_env):
     """A script (no pslab supervisor to sweep after it) connects to a stand-alone server over the same-host lane,
     then dies of an exception without close(): its doorbell FIFO and lane segment go with it (atexit)."""
     sock = f"ipc://{tmp_path}/s.sock"
-    before = _server_traces()
-    script = ("import sys, numpy as np\nfrom pslab.ps import connect\n"
+    script = ("import os, sys, numpy as np\nfrom pslab.ps import connect\nfrom tests.leftovers import held\n"
               "p = {'w': np.zeros(8, np.float32)}\nc = connect([sys.argv[1]], 0, p, timeout=20)\n"
               "c.init(p).result(20); c.pull().result(20)\n"
-              "import os; print(sorted(n for n in os.listdir('/dev/shm') if n.startswith('pslab-')), flush=True)\n"
+              "print(sorted(held([os.getpid()])), flush=True)\n"       # what this client holds: its own
               "raise RuntimeError('the user script fails')\n")
     with _pslab_server("--bind", sock, "--workers", "1", "--idle-timeout", "60") as proc:
         assert "serving 1 workers" in proc.stdout.readline()
@@ -440,7 +436,8 @@ def test_a_client_that_exits_without_close_leaves_no_fifo_or_segment(tmp_path, j
         assert "the user script fails" in r.stderr, r.stderr[-2000:]
         had = {n for n in ast.literal_eval(r.stdout.strip().splitlines()[-1]) if "-w0-" in n or n.endswith("-w0-bell")}
         assert any(n.endswith("-w0-bell") for n in had), f"the client made no bell: the test would prove nothing {had}"
-        assert not (_server_traces() - before) & had, sorted((_server_traces() - before) & had)
+        left = had & set(os.listdir("/dev/shm"))
+        assert not left, sorted(left)
 
 
 # ---------------------------------------------------------------------------------------------- membership
