@@ -22,7 +22,8 @@ engine runs: it never runs beside a shared test, but it may run beside another u
 mostly waiting on detection timers, and both stand beside the same busy processes: one hog pool, started by the
 first under_load test to come in and stopped by the last to leave; beside CI's own two busy loops the pool starts
 none). A test marked `exclusive` (it checks machine-wide state -- every pslab-* entry in /dev/shm or the temp dir,
-every process -- that any other test's run would change) runs alone, beside the hog pool if it is also under_load.
+every process -- that any other test's run would change) runs alone, beside the hog pool if it is also under_load;
+a test that checks only its own processes' segments (attributed by job: tests/leftovers.py) need not.
 Each test takes flocks on files in the run's base temp folder around its whole protocol: "room" (shared; exclusive
 for an exclusive test), then, for the two other kinds, "S" or "L" shared after waiting for the other kind's file to
 be free; a turnstile orders arrivals, so a waiting test never starves. Without xdist no lock is taken and each
