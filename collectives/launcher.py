@@ -230,7 +230,12 @@ def forkserver_context(also: tuple[str, ...] = ()) -> Any:
     The server imports PRELOAD, every pslab module this process has imported by then (what a plain fork would have
     handed down: a rank of the parallelism engines otherwise compiles ~45 of them, ~0.13 s of CPU each rank where
     no bytecode is cached, e.g. under PYTHONDONTWRITEBYTECODE), and `also` (launch passes the module of the
-    function it runs). A name that fails to import is skipped by the server, as multiprocessing does."""
+    function it runs). A name that fails to import is skipped by the server, as multiprocessing does.
+
+    A process has one forkserver, and the preload of whichever context starts it first stays (multiprocessing
+    ignores a later `set_forkserver_preload`): code that starts processes beside `launch` in the same interpreter
+    should take its context from here, not make its own (one without torch.optim left every later rank importing
+    torch._dynamo itself, ~1.5 s of CPU each)."""
     ctx = mp.get_context("forkserver")
     inherited = sorted(m for m in sys.modules if m.startswith("pslab.") and m != "pslab.__main__")
     extra = [m for m in also if m and m != "__main__"]
