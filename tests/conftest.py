@@ -167,7 +167,7 @@ def _cpu_hog(request: pytest.FixtureRequest) -> Iterator[CpuHog | PooledHog | No
     if _lock_dir(request.config) is not None:
         yield request.node.stash.get(_POOL, None)
         return
-    already = 0 if "PSLAB_TEST_LOAD" in os.environ else min(n, busy_elsewhere())    # (an explicit N: exactly N)
+    already = _already(n)
     hog = CpuHog(n - already, already=already)
     try:
         yield hog
@@ -200,15 +200,24 @@ def turn_kind(item: pytest.Item) -> str:
 _POOL = pytest.StashKey["PooledHog | None"]()
 
 
+def _already(n: int) -> int:
+    """How many of the `n` hogs busy processes already running stand for (an explicit PSLAB_TEST_LOAD: none)."""
+    return 0 if "PSLAB_TEST_LOAD" in os.environ else min(n, busy_elsewhere())
+
+
+def _read_pool(path: Path) -> dict | None:
+    """The pool file's record, None when there is none (or it cannot be read)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _pool_join(folder: Path, n: int) -> PooledHog:
     """Join the under_load tests' hog pool (the caller holds pool.lock): the first starts the hogs, counting the
     busy processes already running (CpuHog's `already`; an explicit PSLAB_TEST_LOAD: exactly N)."""
     path = folder / "hogs.json"
-    try:
-        pool = json.loads(path.read_text())
-    except (OSError, ValueError):
-        pool = {"pids": [], "users": 0,
-                "already": 0 if "PSLAB_TEST_LOAD" in os.environ else min(n, busy_elsewhere())}
+    pool = _read_pool(path) or {"pids": [], "users": 0, "already": _already(n)}
     pids = [p for p in pool["pids"] if _is_hog(p)]
     hog = CpuHog(max(0, n - pool["already"] - len(pids)))        # (tops up a pool whose hog died)
     pids += [p.pid for p in hog.procs]
@@ -219,9 +228,8 @@ def _pool_join(folder: Path, n: int) -> PooledHog:
 def _pool_leave(folder: Path) -> None:
     """An under_load test has ended (the caller holds pool.lock); the last one stops the pool's hogs."""
     path = folder / "hogs.json"
-    try:
-        pool = json.loads(path.read_text())
-    except (OSError, ValueError):
+    pool = _read_pool(path)
+    if pool is None:
         return
     if pool["users"] > 1:
         path.write_text(json.dumps({**pool, "users": pool["users"] - 1}))

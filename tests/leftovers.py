@@ -48,20 +48,17 @@ def held(pids: Iterable[int]) -> set[str]:
 
 
 def descendants(pid: int) -> set[int]:
-    """The live processes below `pid` (children, theirs, ...)."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
+    """The processes below `pid` (children, theirs, ...; zombies included), from /proc/PID/task/*/children."""
     out, todo = set(), [pid]
     while todo:
         p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p and c not in out]
-        out.update(kids)
-        todo += kids
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in out]
+            out.update(kids)
     return out
 
 

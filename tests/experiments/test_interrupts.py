@@ -22,7 +22,7 @@ import pytest
 
 import pslab
 from tests.experiments.conftest import as_from_a_terminal, own_traces, session_processes, traces
-from tests.leftovers import jobs_held, jobs_noted
+from tests.leftovers import JobWatch, descendants, jobs_held, jobs_noted
 
 PSLAB = [sys.executable, "-m", "pslab"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +46,11 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
                          start_new_session=True, preexec_fn=as_from_a_terminal, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, TMPDIR=str(private)))
-    jobs: set[str] = set()              # the run's shared-memory jobs, gathered while it runs
+    watch = JobWatch(private, lambda: session_processes(p.pid))    # the run's shared-memory jobs, while it runs
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            jobs |= jobs_held(session_processes(p.pid)) | jobs_noted(private)
+            watch.look()
             parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
             if parts and all(q.stat().st_size > 0 for q in parts) and len(parts) == 3:
                 break
@@ -58,8 +58,7 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
         else:
             pytest.fail("workers did not start")
         time.sleep(0.5)
-        jobs |= jobs_held(session_processes(p.pid)) | jobs_noted(private)
-        assert jobs, "the run made no shared-memory segment: the leftover check would prove nothing"
+        assert watch.look(), "the run made no shared-memory segment: the leftover check would prove nothing"
         if how == "ctrl-c":
             os.killpg(p.pid, signal.SIGINT)
         else:
@@ -70,7 +69,7 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
             time.sleep(0.1)
         assert session_processes(p.pid) == []
         assert p.returncode != 0 and err.strip().splitlines() == ["pslab: interrupted"], err[-2000:]
-        assert own_traces(private, jobs) - before == set()
+        assert own_traces(private, watch.jobs) - before == set()
         run = next((tmp_path / "runs").iterdir())
         assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "summary.json").exists()
     finally:
@@ -81,20 +80,6 @@ def test_interrupt_stops_every_process_and_keeps_metrics(tmp_path, how, strategy
 
 
 # ---- pslab.run in a kernel ----------------------------------------------------------------------------------------
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            todo += [k for k in kids if k not in out]
-            out.update(kids)
-    return out
-
-
 def _alive(pids: set[int]) -> set[int]:
     alive = set()
     for p in pids:
@@ -134,21 +119,20 @@ def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
                          env=dict(os.environ, TMPDIR=str(private)),
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     started: set[int] = set()
-    jobs: set[str] = set()
+    watch = JobWatch(private, lambda: started | {p.pid})
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and p.poll() is None:
-            started |= _descendants(p.pid)
-            jobs |= jobs_held(started | {p.pid}) | jobs_noted(private)
+            started |= descendants(p.pid)
+            watch.look()
             parts = list((tmp_path / "runs").glob("*/metrics.w*.jsonl"))
             if len(parts) == 3 and all(q.stat().st_size > 0 for q in parts):
                 break
             time.sleep(0.2)
         else:
             pytest.fail(f"the workers did not start: {p.communicate(timeout=30)}")
-        started |= _descendants(p.pid)
-        jobs |= jobs_held(started | {p.pid}) | jobs_noted(private)
-        assert jobs, "the run made no shared-memory segment: the leftover check would prove nothing"
+        started |= descendants(p.pid)
+        assert watch.look(), "the run made no shared-memory segment: the leftover check would prove nothing"
         os.kill(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 3 and out.strip() == "KeyboardInterrupt", (out, err[-3000:])
@@ -157,7 +141,7 @@ def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
             time.sleep(0.1)
         assert started and _alive(started) == set(), _alive(started)
         left = [q.name for q in private.iterdir() if not q.name.startswith("torchinductor_")]   # (torch's cache)
-        assert left == [] and own_traces(private, jobs) - before == set()
+        assert left == [] and own_traces(private, watch.jobs) - before == set()
         (run,) = (tmp_path / "runs").iterdir()
         env = json.loads((run / "env.json").read_text())
         assert env.get("interrupted") and (run / "metrics.jsonl").stat().st_size > 0
@@ -165,7 +149,7 @@ def test_an_interrupt_stops_the_run_and_leaves_nothing(tmp_path, strategy):
     finally:
         if p.poll() is None:
             p.kill()
-        for pid in _alive(started | _descendants(p.pid)):
+        for pid in _alive(started | descendants(p.pid)):
             os.kill(pid, signal.SIGKILL)
 
 
