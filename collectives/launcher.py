@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from . import cleanup, flight
+from . import cleanup, flight, forking
 from .procstate import (BUSY_FACTOR, CpuProgress, exit_code_after, is_stopped as _stopped_state, pidfd,
                         zombie_exit_code)
 from .auth import ENV_SECRET, job_secret, new_job_secret
@@ -141,6 +141,7 @@ def _child(rank: int, world_size: int, store_path: str, backend: str, fn: Callab
     # so a Ctrl-C prints one line from the parent, not a traceback per rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stopped)
+    forking.release()                   # what the launcher held while starting us is ours to handle now
     if hb is not None:                  # beat from the first instant: a slow import is not a hang
         import threading
         hb[slot] = time.monotonic()
@@ -370,14 +371,13 @@ class Job:
         self.procs[r] = p
         self.all_procs.append(p)
         # a Ctrl-C in the middle of start() could leave a forked child that the Process object does not know of
-        # yet (no pid to stop at the end): hold SIGINT until the start is complete, then it is delivered
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # yet (no pid to stop at the end), and a SIGINT/SIGTERM that reaches a child before _child installs its
+        # handlers would run the parent's (forking.py): both are held until the start is complete
         try:
-            p.start()
+            forking.start(p, self.ctx.get_start_method())
         finally:
             write.close()              # only the child writes (and whatever inherited it: EOF is no death notice)
             self.conns[read] = r
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         fd = pidfd(p.pid)
         if fd is not None:
             self.pidfds[fd] = p

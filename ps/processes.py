@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from pslab.collectives import cleanup, flight, trace
+from pslab.collectives import cleanup, flight, forking, trace
 from pslab.collectives.procstate import BUSY_FACTOR, CpuProgress, is_stopped
 
 from .admission import check_secret, forget_secret, job_secret, new_job_secret, remember_secret
@@ -80,6 +80,7 @@ def _server_main(config: ServerConfig, conn: Any, sweep_dir: str | None = None, 
     gone; it beats into beats[2 * slot] (monotonic time) and beats[2 * slot + 1] (version)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)            # the parent stops us (SIGTERM); Ctrl-C is for the parent
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # until serving: nothing to checkpoint yet
+    forking.release()                                       # what arrived while the parent started us
     if sweep_dir:
         os.environ[cleanup.ENV] = sweep_dir
     flight.set_identity(f"shard{config.shard_id}")      # its flight record (into PSLAB_FLIGHT_DIR, if set)
@@ -368,7 +369,7 @@ class ServerGroup:
                                                    self._beats, slot), daemon=True, name=name)
         self.group_addresses[group][shard] = ""
         try:
-            p.start()
+            forking.start(p, self.start_method)      # SIGINT/SIGTERM held until _server_main has its handlers
         except BaseException:
             parent.close()
             raise

@@ -254,3 +254,20 @@ def test_a_closed_pipe_ends_quietly():
     p.stdout.close()                      # the reader leaves before pslab writes anything
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
+def test_main_gives_back_the_callers_sigterm_handler(capsys):
+    """main() turns SIGTERM into KeyboardInterrupt while a command runs, then restores what its caller had: a test
+    process (or a notebook) that called it must not keep pslab's handler, which its forked children would inherit."""
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main([]) == 2                           # no command: the help, exit 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(SystemExit):
+            main(["run", "--no-such-option"])          # argparse exits: restored all the same
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
