@@ -33,8 +33,9 @@ The queue's order (under xdist) keeps those turns from waiting for long shared t
 loops: the 93 tests that run alone took 195 s, and their workers waited 203 s more for the other worker's shared
 test to end first -- 87 s of it for the quick tour. So the files holding under_load or exclusive tests are queued
 first (both workers then run under_load tests side by side; within such a file they come first), then files with
-a test marked `long` (half a minute or more: queued early, they do not make the run's tail), then the rest in
-pytest's order (xdist's own reordering by test count is off). Only the quick tour is `long`.
+a test marked `long` (a test, module fixture or file of half a minute or more: queued early, they do not make the
+run's tail; the quick tour, the engine-layout file, the packaging file), then the rest in pytest's order (xdist's
+own reordering by test count is off).
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "turns it off")
     config.addinivalue_line("markers", "exclusive: checks machine-wide state, so under pytest -n it runs while no "
                                        "other test does (tests/conftest.py)")
-    config.addinivalue_line("markers", "long: a test (or module fixture) of half a minute or more: under pytest -n "
-                                       "its file is queued early (tests/conftest.py)")
+    config.addinivalue_line("markers", "long: a test, module fixture or file of half a minute or more: under pytest "
+                                       "-n its file is queued early (tests/conftest.py)")
     hog_count()                   # a bad PSLAB_TEST_LOAD is one line at start-up, not an error in every test
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False      # the queue follows pytest_collection_modifyitems' order

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long       # builds a wheel, installs it into venvs: ~30 s beside CI's loops (queued early,
+                                    # not at the run's tail, where one worker would build alone)
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("ps", "collectives", "parallelism", "experiments")
 

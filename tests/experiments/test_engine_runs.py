@@ -16,6 +16,8 @@ from pslab.experiments.results.rundir import read_jsonl
 from pslab.experiments.runner import execute
 from tests.experiments.conftest import small_config
 
+pytestmark = pytest.mark.long       # the `runs` fixture: 45 runs, ~80 s beside CI's busy loops (queued early)
+
 TF = ["workload.name=text-transformer", "workload.batch_size=8", "train.steps=4", "train.eval_every=4",
       "train.lr=0.05", "train.optimizer=momentum"]
 
