@@ -39,8 +39,9 @@ Where each mechanism lives:
                      127.0.0.1 only for a loopback MASTER_ADDR), the job secret required for a multi-rank zmq group
     launcher.py      launch(fn, world_size): N local processes, a FileStore in a 0700 directory (no listener), a
                      fresh job secret through the process arguments; first failure ends all, hung-rank stacks
-    forking.py       a child started with SIGINT/SIGTERM held until its own handlers are in (a forked child must not
-                     run its parent's: launcher ranks and PS shards)
+    forking.py       how a child is started: from a forkserver that imported torch once (forkserver_context), and
+                     with SIGINT/SIGTERM held until its own handlers are in (a forked child must not run its
+                     parent's: launcher ranks and PS shards)
     procstate.py     what the kernel says of a child: a pidfd (readable at its exit), its exit code as a zombie,
                      stopped or not (the launcher's watch)
     cleanup.py       what a killed rank or shard leaves (ipc dirs, /dev/shm segments), swept by its starter

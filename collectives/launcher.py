@@ -48,7 +48,6 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -218,32 +217,6 @@ def _hung_stacks(procs: dict[int, Any], stacks_dir: str) -> str:
     return "\n".join(out)
 
 
-PRELOAD = ("torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "pslab.collectives.init",
-           "pslab.collectives.zmq_group")
-
-
-def forkserver_context(also: tuple[str, ...] = ()) -> Any:
-    """multiprocessing's forkserver context, its server (one per process, started at its first use) importing once
-    what its children would otherwise each import: each process it starts is then a fork of an interpreter that has
-    torch, not a fresh one (a spawned process spends ~3-4 s of CPU importing them). Also for process pools (the
-    studies' cells).
-
-    The server imports PRELOAD, every pslab module this process has imported by then (what a plain fork would have
-    handed down: a rank of the parallelism engines otherwise compiles ~45 of them, ~0.13 s of CPU each rank where
-    no bytecode is cached, e.g. under PYTHONDONTWRITEBYTECODE), and `also` (launch passes the module of the
-    function it runs). A name that fails to import is skipped by the server, as multiprocessing does.
-
-    A process has one forkserver, and the preload of whichever context starts it first stays (multiprocessing
-    ignores a later `set_forkserver_preload`): code that starts processes beside `launch` in the same interpreter
-    should take its context from here, not make its own (one without torch.optim left every later rank importing
-    torch._dynamo itself, ~1.5 s of CPU each)."""
-    ctx = mp.get_context("forkserver")
-    inherited = sorted(m for m in sys.modules if m.startswith("pslab.") and m != "pslab.__main__")
-    extra = [m for m in also if m and m != "__main__"]
-    ctx.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *inherited, *extra])))
-    return ctx
-
-
 def launch(fn: Callable[..., Any], world_size: int, backend: str = "zmq", args: tuple = (),
            timeout: float | None = 60.0, *, group_timeout: float | None = None, return_exceptions: bool = False,
            start_method: str = "forkserver", secret: str | None = None, supervisor: Supervisor | None = None,
@@ -274,7 +247,7 @@ class Job:
         self.fn, self.world_size, self.backend, self.args, self.timeout = fn, world_size, backend, args, timeout
         self.supervisor = supervisor
         # forkserver: one server imports torch once; each rank is then a cheap fork of it
-        self.ctx = (forkserver_context((getattr(fn, "__module__", "") or "",)) if start_method == "forkserver"
+        self.ctx = (forking.forkserver_context((getattr(fn, "__module__", "") or "",)) if start_method == "forkserver"
                     else mp.get_context(start_method))
         self.conns: dict[Any, int] = {}                  # read end of each child's pipe -> its rank
         self.pidfds: dict[int, Any] = {}                 # pidfd of each child's process -> that Process

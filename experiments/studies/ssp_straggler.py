@@ -152,7 +152,7 @@ def run_ssp_study(spec: SSPSpec, jobs: int = 1, progress: Callable[[str], None] 
     tune_seeds, report_seeds = (spec.seeds[:half], spec.seeds[half:]) if spec.tune else ((), spec.seeds)
     pool = None
     if jobs > 1:
-        from pslab.collectives.launcher import forkserver_context      # (not spawn: torch imported once)
+        from pslab.collectives.forking import forkserver_context      # (not spawn: torch imported once)
         pool = (ProcessPoolExecutor(max_workers=jobs, mp_context=forkserver_context()), jobs)
     try:
         cells = []

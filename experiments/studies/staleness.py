@@ -213,7 +213,7 @@ def run_staleness_sweep(spec: SweepSpec, progress: Callable[[int], None] | None 
             if progress:
                 progress(1)
     else:
-        from pslab.collectives.launcher import forkserver_context      # (not spawn: torch imported once)
+        from pslab.collectives.forking import forkserver_context      # (not spawn: torch imported once)
         with ProcessPoolExecutor(max_workers=jobs, mp_context=forkserver_context(), initializer=_init_pool) as ex:
             futures = {ex.submit(run_row_cell, spec, *tasks[i]): i for i in order}
             for f in as_completed(futures):

@@ -23,7 +23,7 @@ from pslab.collectives import auth, cleanup
 from pslab.collectives.elastic import (EXIT_EXPELLED, KEY, ElasticGroup, Expelled, Membership, MembershipChanged, _encode,
                                  current, publish)
 from pslab.collectives.errors import AuthError, PeerFailedError, PeerTimeoutError, RendezvousError
-from pslab.collectives.launcher import forkserver_context
+from pslab.collectives.forking import forkserver_context
 
 pytestmark = pytest.mark.under_load        # beside a CPU hog, as CI runs it (tests/conftest.py)
 
@@ -210,9 +210,10 @@ class Job:
 
     def __init__(self, backend: str, timeout: float = T) -> None:
         self.backend, self.timeout = backend, timeout
-        # the launcher's forkserver context: a process has one forkserver, and the first to start it fixes what it
-        # preloads for every later launch in this pytest worker too (a list of its own without torch.optim, first in
-        # the queue, cost each later rank ~1.5 s of CPU importing torch._dynamo: the context-parallel file 13 -> 106)
+        # pslab's forkserver context (forking.py, as launch uses): a process has one forkserver, and the first to
+        # start it fixes what it preloads for every later launch in this pytest worker too (a list of its own without
+        # torch.optim, first in the queue, cost each later rank ~1.5 s of CPU importing torch._dynamo: the
+        # context-parallel file 13 -> 106)
         self.ctx = forkserver_context(("pslab.collectives.elastic", "pslab.collectives.torch_group", __name__))
         self.dir = cleanup.make_dir("pslab-job-")
         self.store_path = os.path.join(self.dir, "store")

@@ -270,7 +270,7 @@ def test_a_long_temp_dir_falls_back_to_tcp_loopback(tmp_path, monkeypatch):
     assert all(kinds == ["tcp"] for kinds, _ in out), out
 
 
-def test_only_the_launcher_chooses_what_the_forkserver_preloads():
+def test_only_forking_chooses_what_the_forkserver_preloads():
     """A process has one forkserver, and the first context to start it fixes what every later child inherits: a
     test (or module) with a preload list of its own, run first in a pytest worker, left every later rank of that
     worker importing torch._dynamo itself (~1.5 s of CPU each). So only `forkserver_context` sets one."""
@@ -279,4 +279,4 @@ def test_only_the_launcher_chooses_what_the_forkserver_preloads():
     me = Path(__file__).resolve()
     hits = [str(p.relative_to(root)) for d in ("collectives", "ps", "parallelism", "experiments", "tests")
             for p in (root / d).rglob("*.py") if p != me and "set_forkserver_preload" in p.read_text()]
-    assert hits == ["collectives/launcher.py"], hits
+    assert hits == ["collectives/forking.py"], hits
