@@ -15,12 +15,16 @@ reporting for the first).
 
 So the parent blocks SIGINT and SIGTERM in the starting thread for the length of `Process.start()` (`start`), the
 child inherits that mask, and the child's entry function unblocks them once its own handlers are in place
-(`release`); a signal sent in between is held by the kernel and delivered then, to the child's handler. The parent
-gains too: a KeyboardInterrupt in the middle of `start()` could leave a child the Process object has no pid of yet.
+(`release`); a signal sent in between is held by the kernel and delivered then, to the child's handler. (The hold
+protects the child, not the parent: a signal sent to the whole process may be taken by another of its threads, and
+its Python handler runs in the main thread whatever that thread's mask. So a starter keeps its Process whether
+`start` returned or raised: once its pid is set, the starter's stop() can end it.)
 
-A process started by spawn or forkserver is a fresh interpreter (or a fork of the forkserver's), with the default
-SIGTERM action, which is what a child should do before it has handlers (end); the mask survives exec, so for those
-methods only SIGINT is held (every entry ignores SIGINT: a Ctrl-C is for the parent, which stops its children).
+A process started by spawn is a fresh interpreter with the default SIGTERM action, which is what a child should do
+before it has handlers (end); the mask survives exec, so for spawn only SIGINT is held (every entry ignores SIGINT: a
+Ctrl-C is for the parent, which stops its children), which also keeps a Ctrl-C from printing a traceback out of a
+spawned child's imports. A forkserver's children inherit the *forkserver's* mask, so it is started, like
+multiprocessing's resource tracker (which unblocks SIGINT/SIGTERM in the thread that starts it), before the hold.
 """
 
 from __future__ import annotations
@@ -39,8 +43,17 @@ def held(method: str) -> frozenset[signal.Signals]:
 def start(process: Any, method: str) -> None:
     """`process.start()` (a multiprocessing Process of start method `method`) with `held(method)` blocked in this
     thread meanwhile, the mask restored after, raised or not; what arrived meanwhile is delivered right after."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held(method))
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        forkserver.ensure_running()          # (it starts the resource tracker too)
+    elif method == "spawn":
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+    # read the mask first: pthread_sigmask runs pending Python handlers after it changes the mask, so a block that
+    # raised KeyboardInterrupt would leave the mask blocked with nothing to restore it
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held(method))
         process.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -343,9 +343,9 @@ class Job:
         self.spawned[r] = n + 1
         self.procs[r] = p
         self.all_procs.append(p)
-        # a Ctrl-C in the middle of start() could leave a forked child that the Process object does not know of
-        # yet (no pid to stop at the end), and a SIGINT/SIGTERM that reaches a child before _child installs its
-        # handlers would run the parent's (forking.py): both are held until the start is complete
+        # a SIGINT/SIGTERM that reaches a child before _child installs its handlers would run the parent's
+        # (forking.py): held until then; p is recorded above, so stop() finds it once its pid is set, whatever
+        # interrupts this start
         try:
             forking.start(p, self.ctx.get_start_method())
         finally:

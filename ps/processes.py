@@ -375,7 +375,8 @@ class ServerGroup:
             raise
         finally:
             child.close()   # now only the child holds the write end: its exit reads as EOF here
-        self._procs[group][shard] = p       # only started processes: stop() joins every one of them
+            if p.pid is not None:       # started (a signal held across start() may raise once it returned):
+                self._procs[group][shard] = p       # stop() ends and joins every started process, only those
         return parent
 
     def _await(self, pending: dict[Any, tuple[int, int]]) -> None:

@@ -83,3 +83,28 @@ def test_start_restores_the_signal_mask():
     with pytest.raises(OSError):
         forking.start(Failing(), "fork")
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+def test_a_handler_that_runs_as_the_signals_are_blocked_leaves_the_mask_as_it_was(monkeypatch):
+    """CPython's pthread_sigmask changes the mask, then runs the Python handlers of signals already delivered: a
+    KeyboardInterrupt can come out of the call that blocks. The mask must not stay blocked (every later child,
+    spawned ones included, would inherit it)."""
+    from pslab.collectives import forking
+    real = signal.pthread_sigmask
+
+    def sigmask(how, mask):
+        old = real(how, mask)
+        if how == signal.SIG_BLOCK and set(mask):
+            raise KeyboardInterrupt          # a SIGINT delivered just before, its handler run now
+        return old
+
+    class NeverStarted:
+        def start(self) -> None:
+            raise AssertionError("started")
+
+    before = real(signal.SIG_BLOCK, ())
+    monkeypatch.setattr(signal, "pthread_sigmask", sigmask)
+    with pytest.raises(KeyboardInterrupt):
+        forking.start(NeverStarted(), "fork")
+    monkeypatch.undo()
+    assert real(signal.SIG_BLOCK, ()) == before

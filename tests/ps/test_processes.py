@@ -158,6 +158,23 @@ def test_a_process_that_cannot_be_created_stops_the_started_ones(monkeypatch):
 
 
 @pytest.mark.timeout(20)
+def test_an_interrupt_delivered_as_a_start_returns_still_stops_that_shard(monkeypatch):
+    """A Ctrl-C held across the start (collectives/forking.py) is raised as start() returns, the shard already
+    forked: stop() must know it (a forked shard would otherwise serve on until its idle timeout)."""
+    from pslab.collectives import forking
+    real_start, started = forking.start, []
+
+    def start(process, method):
+        real_start(process, method)
+        started.append(process)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(forking, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        start_servers(1, 1, start_method="fork", idle_timeout=30)
+    assert len(started) == 1 and started[0].exitcode is not None and not shard_children()
+
+
+@pytest.mark.timeout(20)
 def test_missing_curve_keys_fail_in_the_child_with_a_clear_error(tmp_path):
     with pytest.raises(PSError, match=r"shard 0 of slot group 0 failed to start: RendezvousError: CURVE key file"):
         start_servers(1, 1, start_method="fork", curve_keys_dir=str(tmp_path), idle_timeout=30)
