@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import multiprocessing.util
 import os
 import signal
 import subprocess
@@ -98,6 +99,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "long: a test, module fixture or file of half a minute or more: under pytest "
                                        "-n its file is queued early (tests/conftest.py)")
     hog_count()                   # a bad PSLAB_TEST_LOAD is one line at start-up, not an error in every test
+    # multiprocessing's own temp dir (its forkserver's socket lives there) is chosen once per process: made now, in
+    # the real temp dir. Several tests point tempfile at a folder of their tmp_path; the first to start this worker's
+    # forkserver then put its socket there, past the 107-byte limit of a socket path under a 3-digit pytest-NNN
+    # ("AF_UNIX path too long").
+    multiprocessing.util.get_temp_dir()
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False      # the queue follows pytest_collection_modifyitems' order
 

@@ -68,8 +68,14 @@ def jobs_held(pids: Iterable[int]) -> set[str]:
 
 
 def jobs_noted(tmp: Path) -> set[str]:
-    """The job ids noted in the cleanup directories under `tmp` (`shm-<job>` files)."""
-    return {q.name[4:] for q in tmp.glob("pslab-*/**/shm-*") if re.fullmatch(r"shm-[0-9a-f]{12}", q.name)}
+    """The job ids noted in the cleanup directories under `tmp` (`shm-<job>` files). The directories come and go
+    while this reads them: one removed meanwhile is skipped (os.walk's way; Path.glob raised, which ended a
+    JobWatch's thread)."""
+    out: set[str] = set()
+    for top in tmp.glob("pslab-*"):
+        for _, _, files in os.walk(top):
+            out.update(f[4:] for f in files if re.fullmatch(r"shm-[0-9a-f]{12}", f))
+    return out
 
 
 def segments(jobs: set[str]) -> set[str]:

@@ -63,8 +63,8 @@ CALLS = {
 @pytest.mark.parametrize("what", sorted(CALLS))
 def test_a_sigterm_in_a_forked_childs_first_instant_is_the_childs_to_handle(what, tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(imports=CALLS[what][0], call=CALLS[what][1])], capture_output=True, text=True,
-                         timeout=100, env=env)
+    script = SCRIPT.format(imports=CALLS[what][0], call=CALLS[what][1])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=env)
     text = out.stdout + out.stderr
     assert "ESCAPED" not in text, text
     # the child ended by its own handler: the start failed, in the parent, with pslab's error for a child that died
