@@ -60,8 +60,9 @@ def start(process: Any, method: str) -> None:
 
 
 def release() -> None:
-    """In the child, once its SIGINT/SIGTERM handlers are installed: deliver what `start` held back."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    """In the child, once its SIGINT/SIGTERM handlers are installed: deliver what `start` held back (the most any
+    start method holds)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, held("fork"))
 
 
 PRELOAD = ("torch", "torch.optim", "torch._dynamo", "numpy", "zmq", "pslab.collectives.init",
